@@ -1,0 +1,515 @@
+// validate.cpp — the contract checks shared by every backend (spec section 6).
+//
+// Every failure names the argument, what was expected and what was given. Validation reads no
+// tensor data except, for host tensors, the values of cu_seqlens and checkpoint_offsets.
+#include <algorithm>
+#include <cmath>
+#include <sstream>
+#include <string>
+
+#include "core/problem.h"
+
+namespace kda::detail {
+namespace {
+
+std::string shape_str(const TensorView& t) {
+  if (!t.present()) return "absent";
+  std::ostringstream s;
+  s << "[";
+  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
+  s << "]";
+  return s.str();
+}
+
+std::string dims_str(std::initializer_list<int64_t> dims) {
+  std::ostringstream s;
+  s << "[";
+  int i = 0;
+  for (int64_t d : dims) s << (i++ ? ", " : "") << d;
+  s << "]";
+  return s.str();
+}
+
+Status Err(const char* arg, const std::string& expected, const std::string& got) {
+  return {StatusCode::kInvalidArgument,
+          std::string("argument '") + arg + "': expected " + expected + ", got " + got};
+}
+
+#define KDA_RETURN_IF_ERROR(expr)   \
+  do {                              \
+    Status _s = (expr);             \
+    if (!_s.ok()) return _s;        \
+  } while (0)
+
+bool is_float(DType d) {
+  return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
+}
+bool is_index(DType d) { return d == DType::kInt32 || d == DType::kInt64; }
+
+// Structural checks every present tensor gets: rank within bounds, sizes >= 0, strides >= 0,
+// last dimension contiguous, data present when non-empty, same device as the reference tensor.
+Status check_view(const char* arg, const TensorView& t, const TensorView& ref_device) {
+  if (t.ndim < 1 || t.ndim > kMaxDims)
+    return Err(arg, "rank 1.." + std::to_string(kMaxDims), "rank " + std::to_string(t.ndim));
+  if (static_cast<int>(t.dtype) < 0 || static_cast<int>(t.dtype) > 4)
+    return Err(arg, "a valid dtype", "dtype code " + std::to_string(static_cast<int>(t.dtype)));
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] < 0) return Err(arg, "non-negative sizes", "shape " + shape_str(t));
+    if (t.strides[i] < 0)
+      return Err(arg, "non-negative strides", "stride " + std::to_string(t.strides[i]) +
+                                                   " in dimension " + std::to_string(i));
+  }
+  if (t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
+    return Err(arg, "a contiguous last dimension (stride 1)",
+               "stride " + std::to_string(t.strides[t.ndim - 1]));
+  if (t.data == nullptr && t.numel() > 0) return Err(arg, "a data pointer", "nullptr");
+  if (t.device != ref_device.device ||
+      (t.device == Device::kCUDA && t.device_index != ref_device.device_index)) {
+    auto dev = [](const TensorView& x) {
+      return x.device == Device::kCPU ? std::string("cpu")
+                                      : "cuda:" + std::to_string(x.device_index);
+    };
+    return Err(arg, "device " + dev(ref_device) + " (same as q)", "device " + dev(t));
+  }
+  return Status::Ok();
+}
+
+Status check_dtype_float(const char* arg, const TensorView& t, DType q_dtype, bool allow_fp32) {
+  if (t.dtype == q_dtype || (allow_fp32 && t.dtype == DType::kFloat32)) return Status::Ok();
+  return Err(arg,
+             std::string("dtype ") + dtype_name(q_dtype) + (allow_fp32 ? " or fp32" : "") +
+                 " (as q)",
+             std::string("dtype ") + dtype_name(t.dtype));
+}
+
+Status check_shape(const char* arg, const TensorView& t, std::initializer_list<int64_t> dims) {
+  bool ok = t.ndim == static_cast<int>(dims.size());
+  int i = 0;
+  for (int64_t d : dims) {
+    if (!ok) break;
+    ok = t.shape[i++] == d;
+  }
+  return ok ? Status::Ok() : Err(arg, "shape " + dims_str(dims), "shape " + shape_str(t));
+}
+
+// Views a per-token tensor as rank 4, adding the leading 1 of a rank-3 varlen tensor.
+TensorView as_rank4(const TensorView& t) {
+  if (t.ndim == 4) return t;
+  TensorView r = t;
+  r.ndim = 4;
+  for (int i = 3; i >= 1; --i) {
+    r.shape[i] = t.shape[i - 1];
+    r.strides[i] = t.strides[i - 1];
+  }
+  r.shape[0] = 1;
+  r.strides[0] = 0;
+  return r;
+}
+
+// Per-token tensor: [B, T, d2, d3] (or [T, d2, d3] in varlen mode).
+Status check_token_tensor(const char* arg, const TensorView& t, const Dims& d, int64_t d2,
+                          int64_t d3, const TensorView& q) {
+  if (!t.present()) return Err(arg, "a tensor", "absent");
+  KDA_RETURN_IF_ERROR(check_view(arg, t, q));
+  if (t.ndim == 4 || !d.varlen) return check_shape(arg, t, {d.B, d.T, d2, d3});
+  return check_shape(arg, t, {d.T, d2, d3});
+}
+
+Status check_token_tensor3(const char* arg, const TensorView& t, const Dims& d, int64_t d2,
+                           const TensorView& q) {
+  if (!t.present()) return Err(arg, "a tensor", "absent");
+  KDA_RETURN_IF_ERROR(check_view(arg, t, q));
+  if (t.ndim == 3 || !d.varlen) return check_shape(arg, t, {d.B, d.T, d2});
+  return check_shape(arg, t, {d.T, d2});
+}
+
+TensorView beta_as_rank4(const TensorView& t) {
+  // [B, T, HV] -> [B, T, HV, 1]; [T, HV] -> [1, T, HV, 1]
+  TensorView r = t;
+  r.ndim = 4;
+  const int o = t.ndim == 2 ? 1 : 0;
+  r.shape[0] = o ? 1 : t.shape[0];
+  r.strides[0] = o ? 0 : t.strides[0];
+  r.shape[1] = t.shape[1 - o];
+  r.strides[1] = t.strides[1 - o];
+  r.shape[2] = t.shape[2 - o];
+  r.strides[2] = t.strides[2 - o];
+  r.shape[3] = 1;
+  r.strides[3] = 1;
+  return r;
+}
+
+// Parses q (and cu_seqlens) into Dims.
+Status parse_q(const TensorView& q, const TensorView& cu, Dims* d) {
+  if (!q.present()) return Err("q", "a tensor [B, T, H, K]", "absent");
+  KDA_RETURN_IF_ERROR(check_view("q", q, q));
+  if (!is_float(q.dtype))
+    return Err("q", "dtype bf16, fp16 or fp32", std::string("dtype ") + dtype_name(q.dtype));
+  d->varlen = cu.present();
+  if (d->varlen) {
+    KDA_RETURN_IF_ERROR(check_view("cu_seqlens", cu, q));
+    if (cu.ndim != 1 || cu.shape[0] < 1)
+      return Err("cu_seqlens", "shape [N + 1] with N >= 0", "shape " + shape_str(cu));
+    if (!is_index(cu.dtype))
+      return Err("cu_seqlens", "dtype int32 or int64", std::string("dtype ") + dtype_name(cu.dtype));
+    if (q.ndim == 3) {
+      d->B = 1;
+      d->T = q.shape[0];
+      d->H = q.shape[1];
+      d->K = q.shape[2];
+    } else if (q.ndim == 4) {
+      if (q.shape[0] != 1)
+        return Err("q", "batch size 1 in varlen mode (cu_seqlens given)", "shape " + shape_str(q));
+      d->B = 1;
+      d->T = q.shape[1];
+      d->H = q.shape[2];
+      d->K = q.shape[3];
+    } else {
+      return Err("q", "shape [1, T, H, K] or [T, H, K] in varlen mode", "shape " + shape_str(q));
+    }
+    d->N = cu.shape[0] - 1;
+  } else {
+    if (q.ndim != 4) return Err("q", "shape [B, T, H, K]", "shape " + shape_str(q));
+    d->B = q.shape[0];
+    d->T = q.shape[1];
+    d->H = q.shape[2];
+    d->K = q.shape[3];
+    d->N = d->B;
+  }
+  if (d->H < 1) return Err("q", "at least one head (H >= 1)", "shape " + shape_str(q));
+  if (d->K < 1 || d->K > 256) return Err("q", "head dim K in [1, 256]", "K = " + std::to_string(d->K));
+  return Status::Ok();
+}
+
+// v gives HV and V.
+Status parse_v(const TensorView& v, const TensorView& q, Dims* d) {
+  if (!v.present()) return Err("v", "a tensor [B, T, HV, V]", "absent");
+  KDA_RETURN_IF_ERROR(check_view("v", v, q));
+  if (v.ndim != q.ndim) return Err("v", "rank " + std::to_string(q.ndim) + " (as q)", "shape " + shape_str(v));
+  const int o = v.ndim - 4;  // -1 for rank 3 (varlen [T, HV, V])
+  if (!std::equal(v.shape, v.shape + v.ndim - 2, q.shape))
+    return Err("v", "the same leading dimensions as q " + shape_str(q), "shape " + shape_str(v));
+  d->HV = v.shape[2 + o];
+  d->V = v.shape[3 + o];
+  if (d->HV < 1 || d->HV % d->H != 0)
+    return Err("v", "HV a positive multiple of H = " + std::to_string(d->H), "HV = " + std::to_string(d->HV));
+  if (d->V < 1 || d->V > 256) return Err("v", "value dim V in [1, 256]", "V = " + std::to_string(d->V));
+  if (v.dtype != q.dtype)
+    return Err("v", std::string("dtype ") + dtype_name(q.dtype) + " (as q)", std::string("dtype ") + dtype_name(v.dtype));
+  return Status::Ok();
+}
+
+Status parse_gate(const GateOptions& gopt, const Dims& d, GateConsts* gc) {
+  const int gf = static_cast<int>(gopt.gate_form), bf = static_cast<int>(gopt.beta_form);
+  if (gf < 0 || gf > 2) return Err("gate.gate_form", "kPrecomputed, kSoftplus or kLowerBound", "code " + std::to_string(gf));
+  if (bf < 0 || bf > 1) return Err("gate.beta_form", "kActivated or kLogits", "code " + std::to_string(bf));
+  if (gopt.gate_form == GateForm::kLowerBound &&
+      !(gopt.lower_bound >= -5.0f && gopt.lower_bound < 0.0f))
+    return Err("gate.lower_bound", "a value in [-5, 0)", std::to_string(gopt.lower_bound));
+  if (gopt.allow_neg_eigval && gopt.beta_form != BetaForm::kLogits)
+    return Err("gate.allow_neg_eigval", "beta_form kLogits (2 * sigmoid(beta))", "beta_form kActivated");
+  double scale = gopt.scale.has_value() ? *gopt.scale : 1.0 / std::sqrt(static_cast<double>(d.K));
+  if (!std::isfinite(scale)) return Err("gate.scale", "a finite value", std::to_string(scale));
+  gc->form = gopt.gate_form;
+  gc->beta_form = gopt.beta_form;
+  gc->allow_neg_eigval = gopt.allow_neg_eigval;
+  gc->l2norm = gopt.use_qk_l2norm;
+  gc->scale = scale;
+  gc->lower_bound = gopt.lower_bound;
+  return Status::Ok();
+}
+
+Status check_gate_params(const TensorView& A_log, const TensorView& dt_bias, const Dims& d,
+                         const TensorView& q, bool dt_bias_bf16_ok) {
+  if (A_log.present()) {
+    KDA_RETURN_IF_ERROR(check_view("A_log", A_log, q));
+    KDA_RETURN_IF_ERROR(check_shape("A_log", A_log, {d.HV}));
+    if (A_log.dtype != DType::kFloat32)
+      return Err("A_log", "dtype fp32", std::string("dtype ") + dtype_name(A_log.dtype));
+  }
+  if (dt_bias.present()) {
+    KDA_RETURN_IF_ERROR(check_view("dt_bias", dt_bias, q));
+    KDA_RETURN_IF_ERROR(check_shape("dt_bias", dt_bias, {d.HV, d.K}));
+    if (dt_bias.dtype != DType::kFloat32 && !(dt_bias_bf16_ok && dt_bias.dtype == DType::kBFloat16))
+      return Err("dt_bias", dt_bias_bf16_ok ? "dtype fp32 or bf16" : "dtype fp32",
+                 std::string("dtype ") + dtype_name(dt_bias.dtype));
+  }
+  return Status::Ok();
+}
+
+// A state tensor [rows, HV, V, K] (V-first) or [rows, HV, K, V] (K-first).
+Status check_state(const char* arg, const TensorView& s, int64_t rows, const Dims& d,
+                   StateLayout layout, const TensorView& q, bool allow_fp16) {
+  KDA_RETURN_IF_ERROR(check_view(arg, s, q));
+  const int64_t a = layout == StateLayout::kVFirst ? d.V : d.K;
+  const int64_t b = layout == StateLayout::kVFirst ? d.K : d.V;
+  const char* lname = layout == StateLayout::kVFirst ? " (V-first)" : " (K-first)";
+  if (s.ndim != 4 || (rows >= 0 && s.shape[0] != rows) || s.shape[1] != d.HV || s.shape[2] != a ||
+      s.shape[3] != b)
+    return Err(arg, "shape " + (rows >= 0 ? dims_str({rows, d.HV, a, b}) : "[P, " + std::to_string(d.HV) + ", " + std::to_string(a) + ", " + std::to_string(b) + "]") + lname,
+               "shape " + shape_str(s));
+  const bool ok = s.dtype == DType::kFloat32 || s.dtype == DType::kBFloat16 ||
+                  (allow_fp16 && s.dtype == DType::kFloat16);
+  if (!ok)
+    return Err(arg, allow_fp16 ? "dtype fp32, bf16 or fp16" : "dtype fp32 or bf16",
+               std::string("dtype ") + dtype_name(s.dtype));
+  return Status::Ok();
+}
+
+Status check_index_vector(const char* arg, const TensorView& t, int64_t n, const TensorView& q) {
+  KDA_RETURN_IF_ERROR(check_view(arg, t, q));
+  KDA_RETURN_IF_ERROR(check_shape(arg, t, {n}));
+  if (!is_index(t.dtype))
+    return Err(arg, "dtype int32 or int64", std::string("dtype ") + dtype_name(t.dtype));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status check_cu_seqlens_values(const TensorView& cu, int64_t total_tokens) {
+  const int64_t n1 = cu.shape[0];
+  if (load_index(cu, 0) != 0)
+    return Err("cu_seqlens", "cu_seqlens[0] == 0", "cu_seqlens[0] = " + std::to_string(load_index(cu, 0)));
+  for (int64_t i = 1; i < n1; ++i) {
+    if (load_index(cu, i) < load_index(cu, i - 1))
+      return Err("cu_seqlens", "non-decreasing values",
+                 "cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(load_index(cu, i)) +
+                     " < cu_seqlens[" + std::to_string(i - 1) + "] = " + std::to_string(load_index(cu, i - 1)));
+  }
+  if (load_index(cu, n1 - 1) != total_tokens)
+    return Err("cu_seqlens", "last value == total tokens " + std::to_string(total_tokens),
+               std::to_string(load_index(cu, n1 - 1)));
+  return Status::Ok();
+}
+
+Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
+  Dims d;
+  KDA_RETURN_IF_ERROR(parse_q(p.q, p.cu_seqlens, &d));
+  if (!p.k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
+  KDA_RETURN_IF_ERROR(check_view("k", p.k, p.q));
+  if (p.k.ndim != p.q.ndim || !std::equal(p.k.shape, p.k.shape + p.k.ndim, p.q.shape))
+    return Err("k", "shape " + shape_str(p.q) + " (as q)", "shape " + shape_str(p.k));
+  if (p.k.dtype != p.q.dtype)
+    return Err("k", std::string("dtype ") + dtype_name(p.q.dtype) + " (as q)", std::string("dtype ") + dtype_name(p.k.dtype));
+  KDA_RETURN_IF_ERROR(parse_v(p.v, p.q, &d));
+  KDA_RETURN_IF_ERROR(check_token_tensor("g", p.g, d, d.HV, d.K, p.q));
+  KDA_RETURN_IF_ERROR(check_dtype_float("g", p.g, p.q.dtype, true));
+  KDA_RETURN_IF_ERROR(check_token_tensor3("beta", p.beta, d, d.HV, p.q));
+  KDA_RETURN_IF_ERROR(check_dtype_float("beta", p.beta, p.q.dtype, true));
+  KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, false));
+  KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
+  KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, false));
+  GateConsts gc;
+  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
+  const int lay = static_cast<int>(p.state_layout);
+  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+
+  // States: either initial/final rows per sequence, or a pool with indices.
+  if (p.state_pool.present() || p.state_indices.present()) {
+    if (!p.state_pool.present()) return Err("state_pool", "a pool [P, HV, ...] with state_indices", "absent");
+    if (!p.state_indices.present()) return Err("state_indices", "a tensor [N] with state_pool", "absent");
+    if (p.initial_state.present())
+      return Err("initial_state", "absent in pool mode (the pool is read through state_indices)", shape_str(p.initial_state));
+    if (p.final_state.present())
+      return Err("final_state", "absent in pool mode (the pool is written in place)", shape_str(p.final_state));
+    KDA_RETURN_IF_ERROR(check_state("state_pool", p.state_pool, -1, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(check_index_vector("state_indices", p.state_indices, d.N, p.q));
+  }
+  if (p.initial_state.present())
+    KDA_RETURN_IF_ERROR(check_state("initial_state", p.initial_state, d.N, d, p.state_layout, p.q, true));
+  if (p.final_state.present())
+    KDA_RETURN_IF_ERROR(check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, true));
+
+  if (p.checkpoint_every < 0 || p.checkpoint_every % kChunkSize != 0)
+    return Err("checkpoint_every", "0 or a positive multiple of " + std::to_string(kChunkSize),
+               std::to_string(p.checkpoint_every));
+  if (p.checkpoint_every > 0) {
+    if (!p.checkpoints.present()) return Err("checkpoints", "a tensor [num_checkpoints, HV, ...] when checkpoint_every > 0", "absent");
+    KDA_RETURN_IF_ERROR(check_state("checkpoints", p.checkpoints, -1, d, p.state_layout, p.q, true));
+    if (!p.checkpoint_offsets.present()) return Err("checkpoint_offsets", "a tensor [N + 1] when checkpoint_every > 0", "absent");
+    KDA_RETURN_IF_ERROR(check_index_vector("checkpoint_offsets", p.checkpoint_offsets, d.N + 1, p.q));
+  } else if (p.checkpoints.present() || p.checkpoint_offsets.present()) {
+    return Err("checkpoint_every", "a positive multiple of " + std::to_string(kChunkSize) + " when checkpoints are given", "0");
+  }
+
+  // Host-visible index values.
+  if (p.q.device == Device::kCPU) {
+    if (d.varlen) KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
+    if (p.checkpoint_every > 0) {
+      const TensorView& o = p.checkpoint_offsets;
+      const int64_t rows = p.checkpoints.shape[0];
+      for (int64_t i = 0; i <= d.N; ++i) {
+        const int64_t x = load_index(o, i);
+        if (x < 0 || x > rows || (i > 0 && x < load_index(o, i - 1)))
+          return Err("checkpoint_offsets", "non-decreasing values in [0, " + std::to_string(rows) + "]",
+                     "checkpoint_offsets[" + std::to_string(i) + "] = " + std::to_string(x));
+      }
+    }
+  }
+
+  pr->d = d;
+  pr->gate = gc;
+  pr->q = as_rank4(p.q);
+  pr->k = as_rank4(p.k);
+  pr->v = as_rank4(p.v);
+  pr->g = as_rank4(p.g);
+  pr->out = as_rank4(p.out);
+  pr->beta = beta_as_rank4(p.beta);
+  pr->A_log = p.A_log;
+  pr->dt_bias = p.dt_bias;
+  pr->cu_seqlens = p.cu_seqlens;
+  pr->initial_state = p.initial_state;
+  pr->final_state = p.final_state;
+  pr->state_pool = p.state_pool;
+  pr->state_indices = p.state_indices;
+  pr->checkpoints = p.checkpoints;
+  pr->checkpoint_offsets = p.checkpoint_offsets;
+  pr->checkpoint_every = p.checkpoint_every;
+  pr->layout = p.state_layout;
+  pr->device = p.q.device;
+  return Status::Ok();
+}
+
+Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
+  Dims d;
+  KDA_RETURN_IF_ERROR(parse_q(p.q, p.cu_seqlens, &d));
+  if (!p.k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
+  KDA_RETURN_IF_ERROR(check_view("k", p.k, p.q));
+  if (p.k.ndim != p.q.ndim || !std::equal(p.k.shape, p.k.shape + p.k.ndim, p.q.shape))
+    return Err("k", "shape " + shape_str(p.q) + " (as q)", "shape " + shape_str(p.k));
+  if (p.k.dtype != p.q.dtype)
+    return Err("k", std::string("dtype ") + dtype_name(p.q.dtype) + " (as q)", std::string("dtype ") + dtype_name(p.k.dtype));
+  KDA_RETURN_IF_ERROR(parse_v(p.v, p.q, &d));
+  if (d.K != d.V || d.K % 32 != 0)
+    return Err("v", "decode head dims K == V, a multiple of 32 up to 256",
+               "K = " + std::to_string(d.K) + ", V = " + std::to_string(d.V));
+  KDA_RETURN_IF_ERROR(check_token_tensor("g", p.g, d, d.HV, d.K, p.q));
+  KDA_RETURN_IF_ERROR(check_dtype_float("g", p.g, p.q.dtype, true));
+  // beta: [B, T, HV] or [B, T, HV, V]
+  bool beta_per_v = false;
+  if (!p.beta.present()) return Err("beta", "a tensor [B, T, HV] or [B, T, HV, V]", "absent");
+  {
+    const int tok_rank = d.varlen && p.q.ndim == 3 ? 2 : 3;
+    beta_per_v = p.beta.ndim == tok_rank + 1;
+    Status s = beta_per_v ? check_token_tensor("beta", p.beta, d, d.HV, d.V, p.q)
+                          : check_token_tensor3("beta", p.beta, d, d.HV, p.q);
+    if (!s.ok())
+      return Err("beta", "shape [B, T, HV] or [B, T, HV, V] = " + dims_str({d.B, d.T, d.HV, d.V}),
+                 "shape " + shape_str(p.beta));
+  }
+  KDA_RETURN_IF_ERROR(check_dtype_float("beta", p.beta, p.q.dtype, true));
+  KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, true));
+  KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
+  KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, true));
+  GateConsts gc;
+  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
+  const int lay = static_cast<int>(p.state_layout);
+  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+
+  if (!p.state.present()) return Err("state", "a state pool [P, HV, V, K]", "absent");
+  KDA_RETURN_IF_ERROR(check_state("state", p.state, -1, d, p.state_layout, p.q, false));
+
+  const int64_t total_tokens = d.B * d.T;
+  int64_t Tmax = d.varlen ? 0 : d.T;
+  bool indices_2d = false;
+  if (p.state_indices.present()) {
+    const TensorView& si = p.state_indices;
+    KDA_RETURN_IF_ERROR(check_view("state_indices", si, p.q));
+    if (!is_index(si.dtype))
+      return Err("state_indices", "dtype int32 or int64", std::string("dtype ") + dtype_name(si.dtype));
+    if (si.ndim == 1) {
+      KDA_RETURN_IF_ERROR(check_shape("state_indices", si, {d.N}));
+    } else if (si.ndim == 2 && si.shape[0] == d.N && (d.varlen ? si.shape[1] >= 1 : si.shape[1] == d.T)) {
+      indices_2d = true;
+      Tmax = si.shape[1];
+    } else {
+      return Err("state_indices", "shape [N] or [N, T] with N = " + std::to_string(d.N) +
+                                      (d.varlen ? ", T >= 1" : ", T = " + std::to_string(d.T)),
+                 "shape " + shape_str(si));
+    }
+  }
+  if (p.num_accepted_tokens.present()) {
+    if (!indices_2d)
+      return Err("num_accepted_tokens", "absent unless state_indices is [N, T] (speculative decode)", shape_str(p.num_accepted_tokens));
+    KDA_RETURN_IF_ERROR(check_index_vector("num_accepted_tokens", p.num_accepted_tokens, d.N, p.q));
+  }
+  if (p.final_state.present()) {
+    if (indices_2d)
+      return Err("final_state", "absent with [N, T] state_indices (states go to the slots or to intermediate_states)", shape_str(p.final_state));
+    KDA_RETURN_IF_ERROR(check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, false));
+    if (p.final_state.dtype != p.state.dtype)
+      return Err("final_state", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)", std::string("dtype ") + dtype_name(p.final_state.dtype));
+  }
+  if (p.intermediate_states.present()) {
+    KDA_RETURN_IF_ERROR(check_state("intermediate_states", p.intermediate_states, total_tokens, d, p.state_layout, p.q, false));
+    if (p.intermediate_states.dtype != p.state.dtype)
+      return Err("intermediate_states", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)", std::string("dtype ") + dtype_name(p.intermediate_states.dtype));
+  }
+  if (p.q.device == Device::kCPU && d.varlen) KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
+
+  pr->d = d;
+  pr->gate = gc;
+  pr->Tmax = Tmax;
+  pr->beta_per_v = beta_per_v;
+  pr->q = as_rank4(p.q);
+  pr->k = as_rank4(p.k);
+  pr->v = as_rank4(p.v);
+  pr->g = as_rank4(p.g);
+  pr->out = as_rank4(p.out);
+  pr->beta = beta_per_v ? as_rank4(p.beta) : beta_as_rank4(p.beta);
+  pr->A_log = p.A_log;
+  pr->dt_bias = p.dt_bias;
+  pr->cu_seqlens = p.cu_seqlens;
+  pr->state = p.state;
+  pr->state_indices = p.state_indices;
+  pr->num_accepted_tokens = p.num_accepted_tokens;
+  pr->final_state = p.final_state;
+  pr->intermediate_states = p.intermediate_states;
+  pr->indices_2d = indices_2d;
+  pr->use_initial_state = p.use_initial_state;
+  pr->store_final_state = p.store_final_state;
+  pr->layout = p.state_layout;
+  pr->device = p.q.device;
+  return Status::Ok();
+}
+
+// Checking mode of decode: reports rows that would silently become padding because their slot is
+// >= P or their num_accepted_tokens is outside [1, T_n]. Negative slots are intended padding.
+Status check_decode_index_values(const DecodeProblem& pr, const void* indices_host,
+                                 const void* nat_host, const void* cu_host) {
+  const int64_t P = pr.state.shape[0];
+  auto idx_at = [&](const TensorView& t, const void* host, int64_t flat_off) -> int64_t {
+    if (t.dtype == DType::kInt32) return static_cast<const int32_t*>(host)[flat_off];
+    return static_cast<const int64_t*>(host)[flat_off];
+  };
+  for (int64_t n = 0; n < pr.d.N; ++n) {
+    int64_t len = pr.d.T;
+    if (pr.d.varlen) len = idx_at(pr.cu_seqlens, cu_host, (n + 1) * pr.cu_seqlens.strides[0]) -
+                           idx_at(pr.cu_seqlens, cu_host, n * pr.cu_seqlens.strides[0]);
+    int64_t col = 0;
+    if (pr.num_accepted_tokens.present()) {
+      const int64_t a = idx_at(pr.num_accepted_tokens, nat_host, n * pr.num_accepted_tokens.strides[0]);
+      if (a < 1 || a > len || a > pr.Tmax)
+        return Err("num_accepted_tokens", "values in [1, T_n] = [1, " + std::to_string(len) + "]",
+                   "num_accepted_tokens[" + std::to_string(n) + "] = " + std::to_string(a));
+      col = a - 1;
+    }
+    if (pr.d.varlen && pr.indices_2d && len > pr.Tmax)
+      return Err("state_indices", "at least T_n = " + std::to_string(len) + " columns for sequence " + std::to_string(n),
+                 std::to_string(pr.Tmax) + " columns");
+    if (pr.state_indices.present()) {
+      const TensorView& si = pr.state_indices;
+      const int64_t off = n * si.strides[0] + (si.ndim == 2 ? col * si.strides[1] : 0);
+      const int64_t slot = idx_at(si, indices_host, off);
+      if (slot >= P)
+        return Err("state_indices", "slots < P = " + std::to_string(P) + " (or negative for padding)",
+                   "slot " + std::to_string(slot) + " for sequence " + std::to_string(n));
+    } else if (n >= P) {
+      return Err("state", "at least N = " + std::to_string(pr.d.N) + " slots without state_indices",
+                 "P = " + std::to_string(P));
+    }
+  }
+  return Status::Ok();
+}
+
+}  // namespace kda::detail

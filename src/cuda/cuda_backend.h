@@ -1,0 +1,19 @@
+// cuda_backend.h — the CUDA backend as seen from the host dispatcher. No CUDA headers here: the
+// dispatcher compiles without nvcc, and these functions exist only when KDA_WITH_CUDA is defined.
+#pragma once
+
+#include <vector>
+
+#include "core/problem.h"
+
+namespace kda::cuda {
+
+std::vector<DeviceInfo> devices();
+
+// Both take a validated problem whose tensors live on one CUDA device; they launch on
+// exec.stream, allocate nothing on the device and never synchronize (except check_indices).
+Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec);
+Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes);
+Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
+
+}  // namespace kda::cuda
