@@ -1,0 +1,71 @@
+// gpu_support.h — device mirrors of HostTensor for the GPU tests and benchmarks (header-only;
+// include only from targets that link the CUDA runtime).
+#pragma once
+
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <stdexcept>
+#include <string>
+
+#include "support.h"
+
+namespace kda::test {
+
+#define KDA_TEST_CUDA(expr)                                                                   \
+  do {                                                                                        \
+    cudaError_t _e = (expr);                                                                  \
+    if (_e != cudaSuccess)                                                                    \
+      throw std::runtime_error(std::string(#expr) + " failed: " + cudaGetErrorString(_e) +    \
+                               " at " + __FILE__ + ":" + std::to_string(__LINE__));           \
+  } while (0)
+
+// True when device 0 is an sm_90 GPU the CUDA kernels run on.
+inline bool have_sm90() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return false;
+  }
+  cudaDeviceProp p{};
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return false;
+  return p.major == 9 && p.minor == 0;
+}
+
+#define KDA_SKIP_WITHOUT_SM90() \
+  do {                          \
+    if (!::kda::test::have_sm90()) GTEST_SKIP() << "no sm_90 GPU"; \
+  } while (0)
+
+// Device copy of a HostTensor's whole storage (same strides), freed on destruction.
+struct DeviceTensor {
+  const HostTensor* host = nullptr;
+  void* ptr = nullptr;
+  size_t bytes = 0;
+  DeviceTensor() = default;
+  explicit DeviceTensor(const HostTensor& h) : host(&h), bytes(h.storage.size()) {
+    if (bytes) {
+      KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
+      KDA_TEST_CUDA(cudaMemcpy(ptr, h.storage.data(), bytes, cudaMemcpyHostToDevice));
+    }
+  }
+  DeviceTensor(const DeviceTensor&) = delete;
+  DeviceTensor& operator=(const DeviceTensor&) = delete;
+  ~DeviceTensor() {
+    if (ptr) cudaFree(ptr);
+  }
+  TensorView view() const {
+    if (!host || host->empty()) return TensorView{};
+    TensorView t = host->view();
+    t.data = ptr;
+    t.device = Device::kCUDA;
+    t.device_index = 0;
+    return t;
+  }
+  // Copies the device data back into `out` (a HostTensor of the same layout as host).
+  void download(HostTensor& out) const {
+    if (bytes) KDA_TEST_CUDA(cudaMemcpy(out.storage.data(), ptr, bytes, cudaMemcpyDeviceToHost));
+  }
+};
+
+}  // namespace kda::test
