@@ -11,9 +11,11 @@
 //   O_t  = (exp(G_t) q_t)^T S + sum_{s<=t} Aqk[t,s] U_s
 //   S'   = diag(exp(G_L)) S + sum_s (exp(G_L - G_s) k_s) U_s^T
 //
-// Exactness for unbounded decays: every exp() argument is <= 0. Off-diagonal 16x16 blocks factor
-// exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r the first token of the row block (both
-// factors <= 1 because s < r <= t); diagonal blocks use the pairwise difference directly.
+// Exactness for unbounded decays: no decay factor ever exceeds 1. Every factor exp(G_t - G_s) is
+// a product of per-token decays d_j = exp(a_j) <= 1 (a running product, never a difference of
+// cumulative sums, which loses precision once |G| is large, e.g. after a -1000 gate). Off-diagonal
+// 16x16 blocks factor exp(G_t - G_s) = exp(G_t - G_r) exp(G_r - G_s) with r the first token of
+// the row block (s < r <= t, so both factors <= 1); diagonal blocks use the product directly.
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -91,7 +93,8 @@ inline void transpose(const float* src, int rows, int cols, float* dst, int ldd)
 
 // Per-task scratch, row-major [token][channel] unless named *T (transposed, [channel][token]).
 struct Scratch {
-  float q[kC * kMaxD], k[kC * kMaxD], v[kC * kMaxD], G[kC * kMaxD];
+  float q[kC * kMaxD], k[kC * kMaxD], v[kC * kMaxD];
+  float P[kC * kMaxD];    // exp(G_t) = prod_{j <= t} d_j
   float qg[kC * kMaxD];   // exp(G_t) q_t
   float w[kC * kMaxD];    // W
   float ut[kC * kMaxD];   // Ut, then U
@@ -117,18 +120,23 @@ void intra_chunk(Scratch& w, int L, int K) {
     const int rows = std::min(kSub, L - r0);
     // Off-diagonal blocks: all columns s < r0 against rows [r0, r0 + rows), reference G_{r0}.
     if (r0 > 0) {
-      const float* Gr = w.G + r0 * K;
+      // Row operands: q_t, k_t times exp(G_t - G_r) = prod_{r < j <= t} d_j.
+      for (int c = 0; c < K; ++c) w.e[c] = 1.0f;
       for (int i = 0; i < rows; ++i) {
-        const float* Gt = w.G + (r0 + i) * K;
+        const int t = r0 + i;
+        if (i > 0)
+          for (int c = 0; c < K; ++c) w.e[c] *= w.d[t * K + c];
         for (int c = 0; c < K; ++c) {
-          const float e = exp_f32(Gt[c] - Gr[c]);
-          w.rq[i * K + c] = w.q[(r0 + i) * K + c] * e;
-          w.rk[i * K + c] = w.k[(r0 + i) * K + c] * e;
+          w.rq[i * K + c] = w.q[t * K + c] * w.e[c];
+          w.rk[i * K + c] = w.k[t * K + c] * w.e[c];
         }
       }
-      // Column operand k_s exp(G_r - G_s) for s < r0: vectorized over channels, then transposed.
-      for (int s2 = 0; s2 < r0; ++s2)
-        for (int c = 0; c < K; ++c) w.tmp[s2 * K + c] = w.k[s2 * K + c] * exp_f32(Gr[c] - w.G[s2 * K + c]);
+      // Column operand: k_s exp(G_r - G_s) = k_s prod_{s < j <= r} d_j, built backwards from r.
+      for (int c = 0; c < K; ++c) w.e[c] = 1.0f;
+      for (int s2 = r0 - 1; s2 >= 0; --s2) {
+        for (int c = 0; c < K; ++c) w.e[c] *= w.d[(s2 + 1) * K + c];
+        for (int c = 0; c < K; ++c) w.tmp[s2 * K + c] = w.k[s2 * K + c] * w.e[c];
+      }
       transpose(w.tmp, r0, K, w.kcT, kC);
       gemm_acc(rows, r0, K, w.rk, K, w.kcT, kC, w.Akk + r0 * kC, kC);
       gemm_acc(rows, r0, K, w.rq, K, w.kcT, kC, w.Aqk + r0 * kC, kC);
@@ -190,7 +198,7 @@ void process_chunk(Scratch& w, int L, int K, int V) {
   }
   // Ut = Tm V, W = Tm (exp(G) k)
   for (int t = 0; t < L; ++t)
-    for (int c = 0; c < K; ++c) w.kg[t * K + c] = w.k[t * K + c] * exp_f32(w.G[t * K + c]);
+    for (int c = 0; c < K; ++c) w.kg[t * K + c] = w.k[t * K + c] * w.P[t * K + c];
   std::fill(w.ut, w.ut + L * V, 0.0f);
   std::fill(w.w, w.w + L * K, 0.0f);
   gemm_acc(L, V, L, w.Tm, kC, w.v, V, w.ut, V, true);
@@ -199,18 +207,23 @@ void process_chunk(Scratch& w, int L, int K, int V) {
   for (int i = 0; i < L * K; ++i) w.w[i] = -w.w[i];
   gemm_acc(L, V, K, w.w, K, w.S, V, w.ut, V);
   // O = (exp(G) q) S + Aqk U
-  const float* GL = w.G + (L - 1) * K;
+  const float* PL = w.P + (L - 1) * K;  // exp(G_L)
   for (int t = 0; t < L; ++t)
-    for (int c = 0; c < K; ++c) w.qg[t * K + c] = w.q[t * K + c] * exp_f32(w.G[t * K + c]);
+    for (int c = 0; c < K; ++c) w.qg[t * K + c] = w.q[t * K + c] * w.P[t * K + c];
   std::fill(w.o, w.o + L * V, 0.0f);
   gemm_acc(L, V, K, w.qg, K, w.S, V, w.o, V);
   gemm_acc(L, V, L, w.Aqk, kC, w.ut, V, w.o, V, true);
   // S' = diag(exp(G_L)) S + (exp(G_L - G_s) k_s)^T U
-  for (int s2 = 0; s2 < L; ++s2)
-    for (int c = 0; c < K; ++c) w.tmp[s2 * K + c] = w.k[s2 * K + c] * exp_f32(GL[c] - w.G[s2 * K + c]);
+  // exp(G_L - G_s) k_s = k_s prod_{s < j < L} d_j, built backwards from the last token.
+  for (int c = 0; c < K; ++c) w.e[c] = 1.0f;
+  for (int s2 = L - 1; s2 >= 0; --s2) {
+    if (s2 < L - 1)
+      for (int c = 0; c < K; ++c) w.e[c] *= w.d[(s2 + 1) * K + c];
+    for (int c = 0; c < K; ++c) w.tmp[s2 * K + c] = w.k[s2 * K + c] * w.e[c];
+  }
   transpose(w.tmp, L, K, w.kbT, kC);
   for (int c = 0; c < K; ++c) {
-    const float d = exp_f32(GL[c]);
+    const float d = PL[c];
     for (int j = 0; j < V; ++j) w.S[c * V + j] *= d;
   }
   gemm_acc(K, V, L, w.kbT, kC, w.ut, V, w.S, V);
@@ -241,8 +254,8 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
                                      w.v + t * V, a, &w.b[t]);
       log_decay_row(gate_form, a, K, hg.exp_A, hg.bias, lower_bound);
       for (int c = 0; c < K; ++c) w.d[t * K + c] = exp_f32(a[c]);
-      const float* prev = t > 0 ? w.G + (t - 1) * K : nullptr;
-      for (int c = 0; c < K; ++c) w.G[t * K + c] = (prev ? prev[c] : 0.0f) + a[c];
+      const float* prev = t > 0 ? w.P + (t - 1) * K : nullptr;
+      for (int c = 0; c < K; ++c) w.P[t * K + c] = (prev ? prev[c] : 1.0f) * w.d[t * K + c];
     }
     process_chunk(w, L, K, V);
     // Outputs of the chunk.
