@@ -1,0 +1,87 @@
+#!/usr/bin/env bash
+# One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
+# Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench fla python
+# (default: all). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}
+mkdir -p "$OUT"
+stages=${*:-build demo tests sanitize bench fla python}
+has() { [[ " $stages " == *" $1 "* ]]; }
+summary=()
+note() { summary+=("$1"); echo "== $1"; }
+export PATH="$PATH:/usr/local/cuda/bin"
+nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader || true
+
+if has build; then
+  t0=$(date +%s)
+  if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON >"$OUT/build.log" 2>&1 &&
+     cmake --build build-gpu --parallel >>"$OUT/build.log" 2>&1; then
+    note "build ok ($(( $(date +%s) - t0 )) s)"
+  else
+    note "build FAILED"; tail -40 "$OUT/build.log"; exit 1
+  fi
+  grep -E "registers|spill" "$OUT/build.log" | grep -B1 -E "spill stores [1-9]|bytes stack frame, [1-9]" | head -10
+fi
+B=build-gpu
+
+if has demo; then
+  ./$B/kda info 2>&1 | tail -3
+  ./$B/kda demo 2>&1 | tee "$OUT/demo.log" | tail -6
+  note "demo rc=${PIPESTATUS[0]}: $(grep -E 'rel L2' "$OUT/demo.log" | head -1)"
+fi
+
+if has tests; then
+  timeout 400 ./$B/tests/kda_gpu_tests --gtest_brief=1 >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  grep -E "^\[  FAILED|Failure|error" "$OUT/gpu_tests.log" | head -30
+  note "gpu tests rc=$rc: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test|tests? ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+fi
+
+if has sanitize; then
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='*Smoke*' --gtest_brief=1 >"$OUT/sanitizer.log" 2>&1
+    rc=$?
+    grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/sanitizer.log" | head -8
+    note "memcheck (Smoke) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+  else
+    note "memcheck: compute-sanitizer not found"
+  fi
+fi
+
+if has bench; then
+  for b in decode prefill; do
+    if [ -x ./$B/bench/bench_gpu_$b ]; then
+      timeout 300 ./$B/bench/bench_gpu_$b --csv "$OUT/bench_$b.csv" >"$OUT/bench_$b.log" 2>&1
+      note "bench $b rc=$?"
+    fi
+  done
+fi
+
+if has fla; then
+  if ls .whl/*.whl >/dev/null 2>&1; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+    for b in decode prefill; do
+      [ -f scripts/fla_${b}_bench.py ] && timeout 300 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
+      note "fla $b rc=$?"
+    done
+  else
+    note "fla: no wheel in .whl (carry .whl)"
+  fi
+fi
+
+if has python; then
+  if python3 -m pip install -q --no-build-isolation --no-deps --no-index . >"$OUT/python.log" 2>&1; then
+    PYTHONPATH= timeout 300 python3 -m pytest tests/python -q -x -rs >>"$OUT/python.log" 2>&1
+    note "python tests rc=$?: $(tail -1 "$OUT/python.log")"
+  else
+    note "python install FAILED"; tail -20 "$OUT/python.log"
+  fi
+fi
+
+echo
+for f in bench_decode bench_prefill fla_decode fla_prefill; do
+  [ -f "$OUT/$f.log" ] && { echo "---- $f"; tail -14 "$OUT/$f.log"; }
+done
+echo "---- summary"
+printf '%s\n' "${summary[@]}"
