@@ -15,7 +15,10 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 
 if has build; then
   t0=$(date +%s)
-  if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON >"$OUT/build.log" 2>&1 &&
+  extra=()
+  # The device image has no GoogleTest: use the copy carried in .deps/gtest (scripts/carry_gtest.sh).
+  [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
+  if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON "${extra[@]}" >"$OUT/build.log" 2>&1 &&
      cmake --build build-gpu --parallel >>"$OUT/build.log" 2>&1; then
     note "build ok ($(( $(date +%s) - t0 )) s)"
   else
