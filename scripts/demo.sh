@@ -4,4 +4,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 KDA_SKIP_PYTHON=1 scripts/deps.sh
 scripts/build.sh
-./build/kda demo "$@"
+"./${KDA_BUILD_DIR:-build}/kda" demo "$@"

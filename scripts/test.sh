@@ -5,7 +5,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/deps.sh
 scripts/build.sh
-ctest --test-dir build --output-on-failure -L "cpu|gpu"
+ctest --test-dir "${KDA_BUILD_DIR:-build}" --output-on-failure -L "cpu|gpu"
 if [ -f pyproject.toml ] && [ "${KDA_SKIP_PYTHON:-0}" != 1 ]; then
   python3 -m pip install -q --disable-pip-version-check . 
   python3 -m pytest tests/python -q
