@@ -139,6 +139,22 @@ Status guarded(Fn&& fn) {
   }
 }
 
+// Validates, picks the backend, then runs `body(problem, backend)`.
+template <typename Params, typename Problem, typename Validate, typename Body>
+Status run_op(const Params& p, Validate&& validate_fn, Body&& body) {
+  return guarded([&]() -> Status {
+    Problem pr;
+    Status s = validate_fn(p, &pr);
+    if (!s.ok()) return s;
+    Backend be;
+    s = choose_backend(p.exec, pr.device, &be);
+    if (!s.ok()) return s;
+    return body(pr, be);
+  });
+}
+
+Status not_available() { return {StatusCode::kUnsupported, "argument 'exec.backend': backend not available"}; }
+
 }  // namespace
 
 Status validate(const PrefillParams& p) {
@@ -152,35 +168,23 @@ Status validate(const DecodeParams& p) {
 }
 
 Status prefill(const PrefillParams& p) {
-  return guarded([&]() -> Status {
-    detail::PrefillProblem pr;
-    Status s = detail::validate_prefill(p, &pr);
-    if (!s.ok()) return s;
-    Backend be;
-    s = choose_backend(p.exec, pr.device, &be);
-    if (!s.ok()) return s;
+  return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
     switch (be) {
       case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();
       case Backend::kCpu: cpu::fast_prefill(pr, p.exec.num_threads); return Status::Ok();
 #ifdef KDA_WITH_CUDA
       case Backend::kCuda: return cuda::prefill(pr, p.exec);
 #endif
-      default: return {StatusCode::kUnsupported, "argument 'exec.backend': backend not available"};
+      default: return not_available();
     }
   });
 }
 
 Status decode(const DecodeParams& p) {
-  return guarded([&]() -> Status {
-    detail::DecodeProblem pr;
-    Status s = detail::validate_decode(p, &pr);
-    if (!s.ok()) return s;
-    Backend be;
-    s = choose_backend(p.exec, pr.device, &be);
-    if (!s.ok()) return s;
+  return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode, [&](const auto& pr, Backend be) -> Status {
     if (p.check_indices && pr.device == Device::kCPU) {
-      s = detail::check_decode_index_values(pr, pr.state_indices.data, pr.num_accepted_tokens.data,
-                                            pr.cu_seqlens.data);
+      Status s = detail::check_decode_index_values(pr, pr.state_indices.data, pr.num_accepted_tokens.data,
+                                                   pr.cu_seqlens.data);
       if (!s.ok()) return s;
     }
     switch (be) {
@@ -189,21 +193,15 @@ Status decode(const DecodeParams& p) {
 #ifdef KDA_WITH_CUDA
       case Backend::kCuda: return cuda::decode(pr, p.exec, p.check_indices);
 #endif
-      default: return {StatusCode::kUnsupported, "argument 'exec.backend': backend not available"};
+      default: return not_available();
     }
   });
 }
 
 Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
   if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
-  return guarded([&]() -> Status {
-    detail::PrefillProblem pr;
-    Status s = detail::validate_prefill(p, &pr);
-    if (!s.ok()) return s;
-    Backend be;
-    s = choose_backend(p.exec, pr.device, &be);
-    if (!s.ok()) return s;
-    *bytes = 0;
+  *bytes = 0;
+  return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
 #ifdef KDA_WITH_CUDA
     if (be == Backend::kCuda) return cuda::prefill_workspace_size(pr, bytes);
 #endif
@@ -213,16 +211,9 @@ Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
 
 Status decode_workspace_size(const DecodeParams& p, size_t* bytes) {
   if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
-  return guarded([&]() -> Status {
-    detail::DecodeProblem pr;
-    Status s = detail::validate_decode(p, &pr);
-    if (!s.ok()) return s;
-    Backend be;
-    s = choose_backend(p.exec, pr.device, &be);
-    if (!s.ok()) return s;
-    *bytes = 0;  // decode needs no workspace on any backend
-    return Status::Ok();
-  });
+  *bytes = 0;  // decode needs no workspace on any backend
+  return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode,
+                                                     [](const auto&, Backend) { return Status::Ok(); });
 }
 
 }  // namespace kda

@@ -199,6 +199,18 @@ Status parse_v(const TensorView& v, const TensorView& q, Dims* d) {
   return Status::Ok();
 }
 
+// q, k, v (and cu_seqlens) into Dims.
+Status parse_qkv(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& cu, Dims* d) {
+  KDA_RETURN_IF_ERROR(parse_q(q, cu, d));
+  if (!k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
+  KDA_RETURN_IF_ERROR(check_view("k", k, q));
+  if (k.ndim != q.ndim || !std::equal(k.shape, k.shape + k.ndim, q.shape))
+    return Err("k", "shape " + shape_str(q) + " (as q)", "shape " + shape_str(k));
+  if (k.dtype != q.dtype)
+    return Err("k", std::string("dtype ") + dtype_name(q.dtype) + " (as q)", std::string("dtype ") + dtype_name(k.dtype));
+  return parse_v(v, q, d);
+}
+
 Status parse_gate(const GateOptions& gopt, const Dims& d, GateConsts* gc) {
   const int gf = static_cast<int>(gopt.gate_form), bf = static_cast<int>(gopt.beta_form);
   if (gf < 0 || gf > 2) return Err("gate.gate_form", "kPrecomputed, kSoftplus or kLowerBound", "code " + std::to_string(gf));
@@ -284,14 +296,7 @@ Status check_cu_seqlens_values(const TensorView& cu, int64_t total_tokens) {
 
 Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   Dims d;
-  KDA_RETURN_IF_ERROR(parse_q(p.q, p.cu_seqlens, &d));
-  if (!p.k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
-  KDA_RETURN_IF_ERROR(check_view("k", p.k, p.q));
-  if (p.k.ndim != p.q.ndim || !std::equal(p.k.shape, p.k.shape + p.k.ndim, p.q.shape))
-    return Err("k", "shape " + shape_str(p.q) + " (as q)", "shape " + shape_str(p.k));
-  if (p.k.dtype != p.q.dtype)
-    return Err("k", std::string("dtype ") + dtype_name(p.q.dtype) + " (as q)", std::string("dtype ") + dtype_name(p.k.dtype));
-  KDA_RETURN_IF_ERROR(parse_v(p.v, p.q, &d));
+  KDA_RETURN_IF_ERROR(parse_qkv(p.q, p.k, p.v, p.cu_seqlens, &d));
   KDA_RETURN_IF_ERROR(check_token_tensor("g", p.g, d, d.HV, d.K, p.q));
   KDA_RETURN_IF_ERROR(check_dtype_float("g", p.g, p.q.dtype, true));
   KDA_RETURN_IF_ERROR(check_token_tensor3("beta", p.beta, d, d.HV, p.q));
@@ -372,14 +377,7 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
 
 Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   Dims d;
-  KDA_RETURN_IF_ERROR(parse_q(p.q, p.cu_seqlens, &d));
-  if (!p.k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
-  KDA_RETURN_IF_ERROR(check_view("k", p.k, p.q));
-  if (p.k.ndim != p.q.ndim || !std::equal(p.k.shape, p.k.shape + p.k.ndim, p.q.shape))
-    return Err("k", "shape " + shape_str(p.q) + " (as q)", "shape " + shape_str(p.k));
-  if (p.k.dtype != p.q.dtype)
-    return Err("k", std::string("dtype ") + dtype_name(p.q.dtype) + " (as q)", std::string("dtype ") + dtype_name(p.k.dtype));
-  KDA_RETURN_IF_ERROR(parse_v(p.v, p.q, &d));
+  KDA_RETURN_IF_ERROR(parse_qkv(p.q, p.k, p.v, p.cu_seqlens, &d));
   if (d.K != d.V || d.K % 32 != 0)
     return Err("v", "decode head dims K == V, a multiple of 32 up to 256",
                "K = " + std::to_string(d.K) + ", V = " + std::to_string(d.V));

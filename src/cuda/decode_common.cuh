@@ -1,0 +1,214 @@
+// decode_common.cuh — device helpers of the CUDA decode (decode_sm90.cu): strided views with
+// runtime dtypes, index loads, 16-byte state vectors (fp32 / bf16), lane-group sums.
+//
+// Inputs (q, k, v, g, beta, out, dt_bias) keep their dtype as a runtime code (a uniform branch
+// per load), so the kernel is instantiated only on what changes its register layout: the K tile,
+// the state dtype and the state layout.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/kda_math.h"
+#include "kda/kda.h"
+
+namespace kda::cuda::dec {
+
+// dtype codes seen by the device: static_cast<int>(DType).
+inline constexpr int kF32 = static_cast<int>(DType::kFloat32);
+inline constexpr int kF16 = static_cast<int>(DType::kFloat16);
+inline constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
+
+// A strided rank-4 view in device memory: element strides of the three leading dimensions; the
+// last dimension is contiguous. `vec`: the data pointer and every leading stride are 16-byte
+// aligned, so any run of elements that starts at a multiple of its own length (up to 16 bytes)
+// may be read with one vector load.
+struct Tensor4 {
+  void* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0;
+  int dtype = kF32;
+  bool vec = false;
+  __device__ __forceinline__ int64_t offset(int64_t i0, int64_t i1, int64_t i2) const {
+    return i0 * s0 + i1 * s1 + i2 * s2;
+  }
+};
+
+// An int32/int64 index tensor of rank 1 or 2 (s1 = 0 for rank 1).
+struct IndexTensor {
+  const void* data = nullptr;
+  int64_t s0 = 0, s1 = 0;
+  bool is64 = false;
+};
+
+__device__ __forceinline__ int64_t load_index(const IndexTensor& t, int64_t off) {
+  return t.is64 ? static_cast<const int64_t*>(t.data)[off]
+                : static_cast<int64_t>(static_cast<const int32_t*>(t.data)[off]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scalar conversions
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ float bf16_bits_to_float(uint16_t b) {
+  return __uint_as_float(static_cast<uint32_t>(b) << 16);
+}
+__device__ __forceinline__ float half_bits_to_float(uint16_t b) {
+  return __half2float(__ushort_as_half(b));
+}
+__device__ __forceinline__ uint16_t float_to_bf16_bits(float x) {
+  return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+// x rounded to bf16 and widened back (round to nearest even, as the reference's rounding).
+__device__ __forceinline__ float round_bf16(float x) {
+  return bf16_bits_to_float(float_to_bf16_bits(x));
+}
+
+__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t off) {
+  if (dtype == kBF16) return bf16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
+  if (dtype == kF16) return half_bits_to_float(static_cast<const uint16_t*>(base)[off]);
+  return static_cast<const float*>(base)[off];
+}
+
+__device__ __forceinline__ void store_elem(void* base, int dtype, int64_t off, float x) {
+  if (dtype == kBF16) {
+    static_cast<uint16_t*>(base)[off] = float_to_bf16_bits(x);
+  } else if (dtype == kF16) {
+    static_cast<uint16_t*>(base)[off] = __half_as_ushort(__float2half_rn(x));
+  } else {
+    static_cast<float*>(base)[off] = x;
+  }
+}
+
+// Loads N contiguous elements at base[off ..] as fp32. `vec`: use 8/16-byte loads (the caller
+// guarantees off is a multiple of N and the row is 16-byte aligned, see Tensor4::vec).
+template <int N>
+__device__ __forceinline__ void load_run(const void* base, int dtype, bool vec, int64_t off,
+                                         float* dst) {
+  if (dtype == kF32) {
+    const float* p = static_cast<const float*>(base) + off;
+    if (N % 4 == 0 && vec) {
+#pragma unroll
+      for (int i = 0; i < N; i += 4) {
+        const float4 x = *reinterpret_cast<const float4*>(p + i);
+        dst[i] = x.x, dst[i + 1] = x.y, dst[i + 2] = x.z, dst[i + 3] = x.w;
+      }
+    } else {
+#pragma unroll
+      for (int i = 0; i < N; ++i) dst[i] = p[i];
+    }
+    return;
+  }
+  const uint16_t* p = static_cast<const uint16_t*>(base) + off;
+  uint16_t raw[N];
+  if (N % 8 == 0 && vec) {
+#pragma unroll
+    for (int i = 0; i < N; i += 8) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p + i);
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        raw[i + 2 * j] = static_cast<uint16_t>(w[j] & 0xffffu);
+        raw[i + 2 * j + 1] = static_cast<uint16_t>(w[j] >> 16);
+      }
+    }
+  } else if (N % 4 == 0 && vec) {
+#pragma unroll
+    for (int i = 0; i < N; i += 4) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p + i);
+      raw[i] = static_cast<uint16_t>(x.x & 0xffffu), raw[i + 1] = static_cast<uint16_t>(x.x >> 16);
+      raw[i + 2] = static_cast<uint16_t>(x.y & 0xffffu), raw[i + 3] = static_cast<uint16_t>(x.y >> 16);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) raw[i] = p[i];
+  }
+  if (dtype == kBF16) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = bf16_bits_to_float(raw[i]);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i) dst[i] = half_bits_to_float(raw[i]);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// State vectors: 16 bytes = 4 fp32 or 8 bf16 elements, widened to fp32 in registers. Streaming
+// cache hints: every state byte is read once and written once per call.
+// ---------------------------------------------------------------------------------------------
+
+template <typename StateT>
+struct StateVec;
+
+template <>
+struct StateVec<float> {
+  static constexpr int kElems = 4;
+  __device__ __forceinline__ static void load(const float* p, bool vec, float* dst) {
+    if (vec) {
+      const float4 x = __ldcs(reinterpret_cast<const float4*>(p));
+      dst[0] = x.x, dst[1] = x.y, dst[2] = x.z, dst[3] = x.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) dst[i] = __ldcs(p + i);
+    }
+  }
+  __device__ __forceinline__ static void store(float* p, bool vec, const float* src) {
+    if (vec) {
+      __stcs(reinterpret_cast<float4*>(p), make_float4(src[0], src[1], src[2], src[3]));
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) __stcs(p + i, src[i]);
+    }
+  }
+};
+
+template <>
+struct StateVec<__nv_bfloat16> {
+  static constexpr int kElems = 8;
+  __device__ __forceinline__ static void load(const __nv_bfloat16* p, bool vec, float* dst) {
+    if (vec) {
+      const uint4 x = __ldcs(reinterpret_cast<const uint4*>(p));
+      const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        dst[2 * j] = __uint_as_float(w[j] << 16);
+        dst[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+      }
+    } else {
+      const unsigned short* q = reinterpret_cast<const unsigned short*>(p);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) dst[i] = bf16_bits_to_float(__ldcs(q + i));
+    }
+  }
+  __device__ __forceinline__ static void store(__nv_bfloat16* p, bool vec, const float* src) {
+    if (vec) {
+      uint32_t w[4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+        w[j] = static_cast<uint32_t>(float_to_bf16_bits(src[2 * j])) |
+               (static_cast<uint32_t>(float_to_bf16_bits(src[2 * j + 1])) << 16);
+      __stcs(reinterpret_cast<uint4*>(p), make_uint4(w[0], w[1], w[2], w[3]));
+    } else {
+      unsigned short* q = reinterpret_cast<unsigned short*>(p);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) __stcs(q + i, float_to_bf16_bits(src[i]));
+    }
+  }
+};
+
+// Sum over groups of kLanes consecutive lanes (kLanes a power of two <= 32). The xor butterfly
+// gives every lane of a group the bitwise-same sum (each step adds the same pair of partials).
+template <int kLanes>
+__device__ __forceinline__ float lane_group_sum(float x) {
+#pragma unroll
+  for (int m = 1; m < kLanes; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
+  return x;
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+}  // namespace kda::cuda::dec
