@@ -153,9 +153,12 @@ struct TileMap {
   static constexpr int kRun = kKFirst ? kKt : kVec;
   static constexpr int kRuns = kKt / kRun;
   static constexpr int kThreads = kTileV * kKLanes / kVt;
+  // Register budget: <= 128 per thread (4 blocks of 128 threads per SM: 64 KB of state loads in
+  // flight per SM) when a thread holds 32 state elements; K-first bf16 K = 256 holds 64.
+  static constexpr int kMinBlocks = kVt * kKt <= 32 ? 512 / kThreads : 1;
   static_assert(kKLanes >= 2 && kKLanes <= 32 && (kKLanes & (kKLanes - 1)) == 0, "lane group");
   static_assert(kThreads % 32 == 0 && kThreads <= 256, "block size");
-  static_assert(kKt % kRun == 0, "runs");
+  static_assert(kKt % kRun == 0 && kRun % 4 == 0, "runs of whole float4 slices");
 
   int lane_k;  // position among the kKLanes lanes that share a value row (column group)
   int v_base;  // V-first: this thread's first row; K-first: its first column
@@ -324,19 +327,19 @@ __device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int6
 // ---------------------------------------------------------------------------------------------
 
 template <int kMaxK, typename StateT, bool kKFirst>
-__global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads)
+__global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, TileMap<kMaxK, StateT, kKFirst>::kMinBlocks)
     decode_sm90_kernel(const __grid_constant__ DecodeArgs a) {
   using Map = TileMap<kMaxK, StateT, kKFirst>;
-  constexpr int kVt = Map::kVt, kKt = Map::kKt, kRun = Map::kRun, kRuns = Map::kRuns;
+  constexpr int kVt = Map::kVt, kKt = Map::kKt, kRun = Map::kRun;
   constexpr int kKLanes = Map::kKLanes;
   constexpr bool kBf16State = sizeof(StateT) == 2;
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows / columns)
-  const int vtiles = a.V / Map::kTileV;
-  const int64_t blk = blockIdx.x;
-  const int tile = static_cast<int>(blk % vtiles);
-  const int hv = static_cast<int>((blk / vtiles) % a.HV);
-  const int64_t n = blk / vtiles / a.HV;
+  const unsigned vtiles = static_cast<unsigned>(a.V) / Map::kTileV;
+  const unsigned head_blk = blockIdx.x / vtiles;  // n * HV + hv (the grid is < 2^31 blocks)
+  const int tile = static_cast<int>(blockIdx.x - head_blk * vtiles);
+  const int hv = static_cast<int>(head_blk % static_cast<unsigned>(a.HV));
+  const int64_t n = head_blk / static_cast<unsigned>(a.HV);
   const int h = hv / a.groups;
   const Map m(threadIdx.x, tile * Map::kTileV);
   const bool out_lane = m.lane_k == 0;  // the lane that stores its rows' (columns') outputs
@@ -386,31 +389,40 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads)
     __syncwarp();
 
     // ---- Recurrence: S <- diag(exp a) S;  u = b (v - S^T k);  S <- S + k u^T;  o = S^T q
+    //      (q, k, decay are read from the warp's slice 4 elements at a time)
     float sk[kVt] = {};
 #pragma unroll
-    for (int kt = 0; kt < kKt; ++kt) {
-      const int kx = m.k_of_run(kt / kRun) + kt % kRun;
-      const float d = sh.decay[kx], kv = sh.k[kx];
+    for (int k4 = 0; k4 < kKt; k4 += 4) {
+      const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
+      const float4 d4 = *reinterpret_cast<const float4*>(&sh.decay[kx]);
+      const float4 kv4 = *reinterpret_cast<const float4*>(&sh.k[kx]);
+      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
 #pragma unroll
-      for (int vt = 0; vt < kVt; ++vt) {
-        s[vt][kt] *= d;
-        sk[vt] = fmaf(s[vt][kt], kv, sk[vt]);
-      }
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt) {
+          s[vt][k4 + e] *= d[e];
+          sk[vt] = fmaf(s[vt][k4 + e], kv[e], sk[vt]);
+        }
     }
     float u[kVt];
 #pragma unroll
     for (int vt = 0; vt < kVt; ++vt) u[vt] = bt[vt] * (vv[vt] - dec::lane_group_sum<kKLanes>(sk[vt]));
     float o[kVt] = {};
 #pragma unroll
-    for (int kt = 0; kt < kKt; ++kt) {
-      const int kx = m.k_of_run(kt / kRun) + kt % kRun;
-      const float qv = sh.q[kx], kv = sh.k[kx];
+    for (int k4 = 0; k4 < kKt; k4 += 4) {
+      const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
+      const float4 q4 = *reinterpret_cast<const float4*>(&sh.q[kx]);
+      const float4 kv4 = *reinterpret_cast<const float4*>(&sh.k[kx]);
+      const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
 #pragma unroll
-      for (int vt = 0; vt < kVt; ++vt) {
-        s[vt][kt] = fmaf(kv, u[vt], s[vt][kt]);
-        o[vt] = fmaf(s[vt][kt], qv, o[vt]);  // o reads the state before the bf16 rounding
-        if (kBf16State) s[vt][kt] = dec::round_bf16(s[vt][kt]);
-      }
+      for (int e = 0; e < 4; ++e)
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt) {
+          s[vt][k4 + e] = fmaf(kv[e], u[vt], s[vt][k4 + e]);
+          o[vt] = fmaf(s[vt][k4 + e], qv[e], o[vt]);  // o reads the state before the bf16 rounding
+          if (kBf16State) s[vt][k4 + e] = dec::round_bf16(s[vt][k4 + e]);
+        }
     }
 #pragma unroll
     for (int vt = 0; vt < kVt; ++vt) o[vt] = dec::lane_group_sum<kKLanes>(o[vt]);
@@ -452,8 +464,8 @@ __device__ __forceinline__ int64_t state_elem(const Tensor4& st, bool k_first, i
 
 __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_constant__ DecodeArgs a, bool k_first) {
   __shared__ float sh_q[256], sh_k[256], sh_decay[256], sh_norm[2];
-  const int hv = static_cast<int>(blockIdx.x % a.HV);
-  const int64_t n = blockIdx.x / a.HV;
+  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.HV));
+  const int64_t n = blockIdx.x / static_cast<unsigned>(a.HV);
   const int h = hv / a.groups;
   const int v = threadIdx.x;  // blockDim.x == V
   const bool bf16_state = a.state.dtype == dec::kBF16;

@@ -1,0 +1,419 @@
+// bench_gpu_decode — CUDA decode speed on the targets.md decode setup.
+//
+// Setup (targets.md, "Decode"): H = HV = 32, K = V = 128, bf16 q/k/v/g/beta/out, gate in kernel
+// with lower bound -5 (A_log, dt_bias ~ U(0, 1)), beta logits, l2norm in kernel; the state pool is
+// updated in place through [B] state_indices (fp32 V-first unless the case says otherwise).
+//
+// Protocol: for every case, (1) correctness first: one GPU call is checked against the fp64 CPU
+// reference on a sample of sequences; (2) warm-up; (3) timed calls with CUDA events, rotating
+// among several disjoint sets of pool slots and inputs so that L2 (60 MB) does not serve the state;
+// (4) the median of >= 50 calls. Effective bandwidth = (2 x B x HV x K x V x state_bytes + bytes of
+// q, k, v, g, beta, out) / time. Graph cases capture 1 call (or 20 calls) in a CUDA graph and time
+// the replay (divided by the number of calls).
+//
+// usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
+#include <cuda_runtime_api.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "kda/kda.h"
+#include "support.h"
+
+namespace {
+
+using namespace kda;
+using kda::test::HostTensor;
+
+#define BENCH_CUDA(expr)                                                                     \
+  do {                                                                                       \
+    cudaError_t _e = (expr);                                                                 \
+    if (_e != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(_e), __FILE__, \
+                   __LINE__);                                                                \
+      std::exit(2);                                                                          \
+    }                                                                                        \
+  } while (0)
+
+struct Options {
+  std::string csv;
+  int iters = 100;
+  int warmup = 10;
+  std::string filter;
+  bool check = true;
+};
+
+struct Case {
+  std::string name;
+  int64_t B = 1, T = 1;
+  DType state_dtype = DType::kFloat32;
+  int graph_calls = 0;  // 0: plain calls; n: n calls captured in one CUDA graph
+  std::string target;   // the targets.md bar, for the table
+  double target_tbps = 0, target_us = 0;
+};
+
+constexpr int64_t kH = 32, kHV = 32, kK = 128, kV = 128;
+
+// Device buffer freed on destruction.
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  explicit DevBuf(size_t n) : bytes(n) { BENCH_CUDA(cudaMalloc(&p, std::max<size_t>(n, 16))); }
+  ~DevBuf() { cudaFree(p); }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+};
+
+std::unique_ptr<DevBuf> upload(const HostTensor& h) {
+  auto d = std::make_unique<DevBuf>(h.storage.size());
+  BENCH_CUDA(cudaMemcpy(d->p, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice));
+  return d;
+}
+
+TensorView dev_view(const HostTensor& h, const DevBuf& d) {
+  TensorView t = h.view();
+  t.data = d.p;
+  t.device = Device::kCUDA;
+  return t;
+}
+
+// One rotation set: inputs and the [B] indices of its own slots of the shared pool.
+struct InputSet {
+  HostTensor q, k, v, g, beta, out, idx;
+  std::unique_ptr<DevBuf> dq, dk, dv, dg, dbeta, dout, didx;
+};
+
+struct Problem {
+  Case c;
+  int64_t P = 0;  // pool slots
+  int sets = 1;
+  HostTensor A_log, dt_bias;
+  std::unique_ptr<DevBuf> dA_log, ddt_bias, pool;
+  std::vector<InputSet> in;
+  size_t state_row_bytes = 0;  // one slot: HV x V x K elements
+
+  DecodeParams params(int s, cudaStream_t stream) const {
+    const InputSet& x = in[s];
+    DecodeParams p;
+    p.q = dev_view(x.q, *x.dq);
+    p.k = dev_view(x.k, *x.dk);
+    p.v = dev_view(x.v, *x.dv);
+    p.g = dev_view(x.g, *x.dg);
+    p.beta = dev_view(x.beta, *x.dbeta);
+    p.out = dev_view(x.out, *x.dout);
+    p.A_log = dev_view(A_log, *dA_log);
+    p.dt_bias = dev_view(dt_bias, *ddt_bias);
+    p.state = make_view(pool->p, c.state_dtype, {P, kHV, kV, kK}, Device::kCUDA);
+    p.state_indices = dev_view(x.idx, *x.didx);
+    p.gate.gate_form = GateForm::kLowerBound;
+    p.gate.lower_bound = -5.0f;
+    p.gate.beta_form = BetaForm::kLogits;
+    p.gate.use_qk_l2norm = true;
+    p.exec.backend = Backend::kCuda;
+    p.exec.stream = stream;
+    return p;
+  }
+
+  double bytes_per_call() const {
+    const double B = static_cast<double>(c.B), T = static_cast<double>(c.T);
+    const double state = 2.0 * B * kHV * kK * kV * dtype_size(c.state_dtype);
+    const double tok = B * T * (2.0 * kH * kK + kHV * kV + kHV * kK + kHV + kHV * kV) * 2.0;
+    return state + tok;
+  }
+};
+
+Problem make_problem(const Case& c, std::mt19937_64& rng) {
+  Problem pr;
+  pr.c = c;
+  const size_t es = dtype_size(c.state_dtype);
+  pr.state_row_bytes = static_cast<size_t>(kHV * kV * kK) * es;
+  // Enough disjoint sets that the state touched by one rotation (sets x B slots) is >= 4x L2.
+  const double touched = static_cast<double>(c.B) * static_cast<double>(pr.state_row_bytes);
+  pr.sets = static_cast<int>(std::clamp(std::ceil(240e6 / touched), 1.0, 64.0));
+  pr.P = pr.sets * c.B + 8;  // 8 slots no row uses
+  // Pool: a 16 MB random block tiled over the pool.
+  pr.pool = std::make_unique<DevBuf>(static_cast<size_t>(pr.P) * pr.state_row_bytes);
+  {
+    HostTensor block(c.state_dtype, {static_cast<int64_t>((16u << 20) / es)});
+    block.fill_normal(rng, 0.1);
+    for (size_t off = 0; off < pr.pool->bytes; off += block.storage.size()) {
+      const size_t n = std::min(block.storage.size(), pr.pool->bytes - off);
+      BENCH_CUDA(cudaMemcpy(static_cast<char*>(pr.pool->p) + off, block.storage.data(), n, cudaMemcpyHostToDevice));
+    }
+  }
+  pr.A_log = HostTensor(DType::kFloat32, {kHV});
+  pr.A_log.fill_uniform(rng, 0.0, 1.0);
+  pr.dt_bias = HostTensor(DType::kFloat32, {kHV, kK});
+  pr.dt_bias.fill_uniform(rng, 0.0, 1.0);
+  pr.dA_log = upload(pr.A_log);
+  pr.ddt_bias = upload(pr.dt_bias);
+  std::vector<int64_t> perm(pr.sets * c.B);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), rng);
+  pr.in.resize(pr.sets);
+  for (int s = 0; s < pr.sets; ++s) {
+    InputSet& x = pr.in[s];
+    x.q = HostTensor(DType::kBFloat16, {c.B, c.T, kH, kK});
+    x.k = HostTensor(DType::kBFloat16, {c.B, c.T, kH, kK});
+    x.v = HostTensor(DType::kBFloat16, {c.B, c.T, kHV, kV});
+    x.g = HostTensor(DType::kBFloat16, {c.B, c.T, kHV, kK});
+    x.beta = HostTensor(DType::kBFloat16, {c.B, c.T, kHV});
+    x.out = HostTensor(DType::kBFloat16, {c.B, c.T, kHV, kV});
+    for (HostTensor* t : {&x.q, &x.k, &x.v, &x.g, &x.beta}) t->fill_normal(rng, 1.0);
+    x.idx = HostTensor(DType::kInt32, {c.B});
+    for (int64_t n = 0; n < c.B; ++n) x.idx.set(n, static_cast<double>(perm[s * c.B + n]));
+    x.dq = upload(x.q);
+    x.dk = upload(x.k);
+    x.dv = upload(x.v);
+    x.dg = upload(x.g);
+    x.dbeta = upload(x.beta);
+    x.dout = upload(x.out);
+    x.didx = upload(x.idx);
+  }
+  return pr;
+}
+
+// Correctness first: one GPU call on set 0, then the fp64 reference on a sample of sequences
+// (their inputs and their slots' initial states, copied from the device before the call).
+bool check_case(const Problem& pr, cudaStream_t stream) {
+  const Case& c = pr.c;
+  const int64_t S = std::min<int64_t>(c.B, 3);
+  const InputSet& x = pr.in[0];
+  HostTensor st0(c.state_dtype, {S, kHV, kV, kK});
+  for (int64_t n = 0; n < S; ++n) {
+    const int64_t slot = static_cast<int64_t>(x.idx.get(n));
+    BENCH_CUDA(cudaMemcpy(st0.storage.data() + n * pr.state_row_bytes,
+                          static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
+                          cudaMemcpyDeviceToHost));
+  }
+  const Status s = decode(pr.params(0, stream));
+  if (!s.ok()) {
+    std::printf("  %s: decode failed: %s\n", c.name.c_str(), s.to_string().c_str());
+    return false;
+  }
+  BENCH_CUDA(cudaStreamSynchronize(stream));
+  HostTensor out_gpu = x.out;
+  BENCH_CUDA(cudaMemcpy(out_gpu.storage.data(), x.dout->p, out_gpu.storage.size(), cudaMemcpyDeviceToHost));
+  HostTensor st_gpu(c.state_dtype, {S, kHV, kV, kK});
+  for (int64_t n = 0; n < S; ++n) {
+    const int64_t slot = static_cast<int64_t>(x.idx.get(n));
+    BENCH_CUDA(cudaMemcpy(st_gpu.storage.data() + n * pr.state_row_bytes,
+                          static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
+                          cudaMemcpyDeviceToHost));
+  }
+  // The sample as a host problem: the first S sequences, their states as slots 0..S-1.
+  auto first_rows = [&](const HostTensor& t) {
+    std::vector<int64_t> shape = t.shape;
+    shape[0] = S;
+    HostTensor r(t.dtype, shape);
+    std::memcpy(r.storage.data(), t.storage.data(), r.storage.size());
+    return r;
+  };
+  HostTensor q = first_rows(x.q), k = first_rows(x.k), v = first_rows(x.v), g = first_rows(x.g),
+             beta = first_rows(x.beta), out_ref = first_rows(x.out), out_got = first_rows(out_gpu);
+  DecodeParams p;
+  p.q = q.view();
+  p.k = k.view();
+  p.v = v.view();
+  p.g = g.view();
+  p.beta = beta.view();
+  p.out = out_ref.view();
+  p.A_log = pr.A_log.view();
+  p.dt_bias = pr.dt_bias.view();
+  p.state = st0.view();
+  p.gate.gate_form = GateForm::kLowerBound;
+  p.gate.lower_bound = -5.0f;
+  p.gate.beta_form = BetaForm::kLogits;
+  p.exec.backend = Backend::kCpuReference;
+  const Status rs = decode(p);
+  if (!rs.ok()) {
+    std::printf("  %s: reference failed: %s\n", c.name.c_str(), rs.to_string().c_str());
+    return false;
+  }
+  const double tol_state = kda::test::tolerance_for(c.state_dtype);
+  const double tol_out = std::max(kda::test::tolerance_for(DType::kBFloat16), tol_state);
+  const auto co = kda::test::compare(out_got, out_ref, tol_out);
+  const auto cs = kda::test::compare(st_gpu, st0, tol_state);
+  const bool ok = co.ok(tol_out) && cs.ok(tol_state);
+  std::printf("  check %-22s out rel_l2 %.2e (tol %.1e)  state rel_l2 %.2e (tol %.1e)  %s\n", c.name.c_str(),
+              co.rel_l2, tol_out, cs.rel_l2, tol_state, ok ? "ok" : "FAILED");
+  if (!ok) std::printf("    %s%s\n", co.first_mismatches.c_str(), cs.first_mismatches.c_str());
+  return ok;
+}
+
+struct Result {
+  Case c;
+  double us_median = 0, us_min = 0, us_host = 0, tbps = 0;
+  bool ok = true;
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
+}
+
+Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
+  Result r;
+  r.c = pr.c;
+  const int iters = std::max(o.iters, 50);
+  std::vector<DecodeParams> params;
+  for (int s = 0; s < pr.sets; ++s) params.push_back(pr.params(s, stream));
+  auto call = [&](int i) {
+    const Status s = decode(params[i % pr.sets]);
+    if (!s.ok()) {
+      std::fprintf(stderr, "decode failed: %s\n", s.to_string().c_str());
+      std::exit(2);
+    }
+  };
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) BENCH_CUDA(cudaEventCreate(&e));
+  std::vector<double> us(iters);
+
+  if (pr.c.graph_calls == 0) {
+    for (int i = 0; i < o.warmup; ++i) call(i);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    for (int i = 0; i < iters; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev[2 * i], stream));
+      call(i);
+      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    // Host cost per call: back-to-back calls, wall clock.
+    const auto t0 = std::chrono::steady_clock::now();
+    for (int i = 0; i < iters; ++i) call(i);
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    r.us_host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+  } else {
+    // Capture graph_calls calls (rotating sets), replay, divide.
+    cudaGraph_t graph;
+    cudaGraphExec_t exec;
+    BENCH_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < pr.c.graph_calls; ++i) call(i);
+    BENCH_CUDA(cudaStreamEndCapture(stream, &graph));
+    BENCH_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    for (int i = 0; i < o.warmup; ++i) BENCH_CUDA(cudaGraphLaunch(exec, stream));
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    for (int i = 0; i < iters; ++i) {
+      BENCH_CUDA(cudaEventRecord(ev[2 * i], stream));
+      BENCH_CUDA(cudaGraphLaunch(exec, stream));
+      BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
+    }
+    BENCH_CUDA(cudaStreamSynchronize(stream));
+    BENCH_CUDA(cudaGraphExecDestroy(exec));
+    BENCH_CUDA(cudaGraphDestroy(graph));
+  }
+  const double per = pr.c.graph_calls > 0 ? pr.c.graph_calls : 1;
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    us[i] = 1e3 * ms / per;
+  }
+  for (auto& e : ev) BENCH_CUDA(cudaEventDestroy(e));
+  r.us_median = median(us);
+  r.us_min = *std::min_element(us.begin(), us.end());
+  r.tbps = pr.bytes_per_call() / (r.us_median * 1e-6) / 1e12;
+  return r;
+}
+
+std::string verdict(const Result& r) {
+  if (r.c.target_tbps > 0) return r.tbps >= r.c.target_tbps ? "meets" : "below";
+  if (r.c.target_us > 0) return r.us_median <= r.c.target_us ? "meets" : "above";
+  return "";
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    auto next = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        std::fprintf(stderr, "missing value for %s\n", a.c_str());
+        std::exit(2);
+      }
+      return argv[++i];
+    };
+    if (a == "--csv") o.csv = next();
+    else if (a == "--iters") o.iters = std::atoi(next().c_str());
+    else if (a == "--warmup") o.warmup = std::atoi(next().c_str());
+    else if (a == "--filter") o.filter = next();
+    else if (a == "--no-check") o.check = false;
+    else {
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]\n", argv[0]);
+      return a == "--help" || a == "-h" ? 0 : 2;
+    }
+  }
+  const auto devs = cuda_devices();
+  if (devs.empty() || !devs[0].supported) {
+    std::printf("bench_gpu_decode: no sm_90 GPU (%s); nothing to measure\n",
+                devs.empty() ? "no CUDA device" : devs[0].name.c_str());
+    return 0;
+  }
+  std::printf("device: %s (%d SMs)\n", devs[0].name.c_str(), devs[0].multiprocessors);
+  std::printf("setup: H = HV = %lld, K = V = %lld, bf16 inputs, lower-bound gate, beta logits, l2norm, pool in place via [B] indices\n",
+              static_cast<long long>(kH), static_cast<long long>(kK));
+
+  std::vector<Case> cases = {
+      {"T1_B1", 1, 1, DType::kFloat32, 0, "<= 10 us per call", 0, 10},
+      {"T1_B32", 32, 1, DType::kFloat32, 0, ">= 3.0 TB/s", 3.0, 0},
+      {"T1_B256", 256, 1, DType::kFloat32, 0, ">= 3.6 TB/s", 3.6, 0},
+      {"T1_B1024", 1024, 1, DType::kFloat32, 0, ">= 3.6 TB/s", 3.6, 0},
+      {"T1_B256_bf16state", 256, 1, DType::kBFloat16, 0, "", 0, 0},
+      {"T4_B256", 256, 4, DType::kFloat32, 0, "", 0, 0},
+      {"T1_B1_graph1", 1, 1, DType::kFloat32, 1, "<= 5 us in a graph", 0, 5},
+      {"T1_B1_graph20", 1, 1, DType::kFloat32, 20, "<= 5 us in a graph", 0, 5},
+  };
+  cudaStream_t stream;
+  BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  std::mt19937_64 rng(2026);
+  std::vector<Result> results;
+  bool all_ok = true;
+  for (const Case& c : cases) {
+    if (!o.filter.empty() && c.name.find(o.filter) == std::string::npos) continue;
+    Problem pr = make_problem(c, rng);
+    bool ok = true;
+    if (o.check) ok = check_case(pr, stream);
+    all_ok = all_ok && ok;
+    Result r = time_case(pr, o, stream);
+    r.ok = ok;
+    std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [%d rotation sets]\n", c.name.c_str(), r.us_median,
+                r.us_min, r.tbps, pr.sets);
+    results.push_back(r);
+  }
+  BENCH_CUDA(cudaStreamDestroy(stream));
+
+  std::printf("\n%-22s %6s %3s %6s %6s %11s %11s %9s %20s %7s %6s\n", "case", "B", "T", "state", "graph", "median_us",
+              "host_us", "TB/s", "target", "", "check");
+  for (const Result& r : results)
+    std::printf("%-22s %6lld %3lld %6s %6d %11.2f %11.2f %9.3f %20s %7s %6s\n", r.c.name.c_str(),
+                static_cast<long long>(r.c.B), static_cast<long long>(r.c.T), dtype_name(r.c.state_dtype),
+                r.c.graph_calls, r.us_median, r.us_host, r.tbps, r.c.target.c_str(), verdict(r).c_str(),
+                r.ok ? "ok" : "FAIL");
+  if (!o.csv.empty()) {
+    FILE* f = std::fopen(o.csv.c_str(), "w");
+    if (!f) {
+      std::fprintf(stderr, "cannot write %s\n", o.csv.c_str());
+      return 2;
+    }
+    std::fprintf(f, "case,B,T,H,HV,K,V,state_dtype,graph_calls,median_us,min_us,host_us,effective_TBps,target,verdict,check\n");
+    for (const Result& r : results)
+      std::fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%d,%.3f,%.3f,%.3f,%.4f,%s,%s,%s\n", r.c.name.c_str(),
+                   static_cast<long long>(r.c.B), static_cast<long long>(r.c.T), static_cast<long long>(kH),
+                   static_cast<long long>(kHV), static_cast<long long>(kK), static_cast<long long>(kV),
+                   dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_min, r.us_host, r.tbps,
+                   r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
+    std::fclose(f);
+    std::printf("wrote %s\n", o.csv.c_str());
+  }
+  return all_ok ? 0 : 1;
+}

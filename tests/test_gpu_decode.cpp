@@ -1,0 +1,754 @@
+// test_gpu_decode.cpp — the CUDA decode (src/cuda/decode_sm90.cu) against the fp64 CPU reference
+// on the same inputs: outputs, state pool, final and per-token states; untouched pool slots stay
+// bit-identical; reruns are bitwise deterministic; error paths write nothing.
+//
+// Every test skips without an sm_90 GPU. Tests with "Smoke" in the name are the small subset run
+// under compute-sanitizer (ctest -L smoke).
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/problem.h"
+#include "cpu/access.h"
+#include "cpu/backends.h"
+#include "gpu_support.h"
+#include "support.h"
+
+namespace {
+
+using namespace kda;
+using namespace kda::test;
+
+// ---------------------------------------------------------------------------------------------
+// Case: a DecodeCase (make_decode) plus the options DecodeCase does not carry
+// ---------------------------------------------------------------------------------------------
+
+struct GpuDecodeCase {
+  DecodeCase c;
+  bool l2norm = true;
+  std::optional<double> scale;
+  float lower_bound = -5.0f;
+  bool g_fp32 = false, beta_fp32 = false, dt_bias_bf16 = false;
+  bool no_gate_params = false;  // softplus / lower-bound gate without A_log and dt_bias
+  int strided = 0;              // 1: padded (unaligned) input strides; 2: padded 16-byte-aligned strides
+  bool state_strided = false;   // pool with padded (unaligned) strides: no 16-byte vectors
+  bool drop_token_slot = false; // [N, T] indices: one row's last write slot is -1 (skipped)
+  bool baseline = false;        // run the baseline kernel (KDA_CUDA_DECODE_KERNEL=baseline)
+
+  std::string name() const {
+    std::string s = c.name();
+    if (!l2norm) s += "_nol2";
+    if (scale) s += "_scale";
+    if (lower_bound != -5.0f) s += "_lb";
+    if (g_fp32) s += "_gf32";
+    if (beta_fp32) s += "_betaf32";
+    if (dt_bias_bf16) s += "_biasbf16";
+    if (no_gate_params) s += "_noAdt";
+    if (strided == 1) s += "_strided";
+    if (strided == 2) s += "_stridedal";
+    if (state_strided) s += "_ststrided";
+    if (drop_token_slot) s += "_dropslot";
+    if (baseline) s += "_baseline";
+    for (char& ch : s)
+      if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+    return s;
+  }
+};
+
+void PrintTo(const GpuDecodeCase& c, std::ostream* os) { *os << c.name(); }
+
+// A copy of `src` whose rows (last dimension) are padded by `pad` elements: every leading stride
+// grows; with pad a multiple of 8 the rows stay 16-byte aligned.
+HostTensor restride(const HostTensor& src, int64_t pad, uint8_t fill) {
+  HostTensor r;
+  r.dtype = src.dtype;
+  r.shape = src.shape;
+  const int n = static_cast<int>(src.shape.size());
+  r.strides.assign(n, 1);
+  int64_t inner = src.shape[n - 1] + pad;
+  for (int i = n - 2; i >= 0; --i) {
+    r.strides[i] = inner;
+    inner *= std::max<int64_t>(src.shape[i], 1);
+  }
+  r.storage.assign(static_cast<size_t>(inner) * dtype_size(src.dtype), fill);
+  const size_t es = dtype_size(src.dtype);
+  for (int64_t i = 0; i < src.numel(); ++i)
+    std::memcpy(r.storage.data() + r.offset(i) * es, src.storage.data() + src.offset(i) * es, es);
+  return r;
+}
+
+// Same values, padded (unaligned) strides, byte-exact.
+HostTensor pad_unaligned(const HostTensor& src, uint8_t fill) {
+  HostTensor r(src.dtype, src.shape, /*padded=*/true);
+  r.fill_bytes(fill);
+  const size_t es = dtype_size(src.dtype);
+  for (int64_t i = 0; i < src.numel(); ++i)
+    std::memcpy(r.storage.data() + r.offset(i) * es, src.storage.data() + src.offset(i) * es, es);
+  return r;
+}
+
+DecodeData make_data(const GpuDecodeCase& gc) {
+  DecodeData d = make_decode(gc.c);
+  if (gc.g_fp32) d.g = d.g.to(DType::kFloat32);
+  if (gc.beta_fp32) d.beta = d.beta.to(DType::kFloat32);
+  if (gc.dt_bias_bf16 && !d.dt_bias.empty()) d.dt_bias = d.dt_bias.to(DType::kBFloat16);
+  if (gc.no_gate_params) d.A_log = d.dt_bias = HostTensor();
+  for (HostTensor* t : {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.out}) {
+    const uint8_t fill = t == &d.out ? 0xff : 0x00;
+    if (gc.strided == 1) *t = pad_unaligned(*t, fill);
+    if (gc.strided == 2) *t = restride(*t, 8, fill);
+  }
+  if (gc.state_strided) d.state = pad_unaligned(d.state, 0x00);
+  if (gc.drop_token_slot && d.idx.shape.size() == 2 && d.N >= 2 && d.idx.shape[1] >= 2) {
+    const int64_t cols = d.idx.shape[1];
+    const int64_t read_col = d.nat.empty() ? 0 : static_cast<int64_t>(d.nat.get(1)) - 1;
+    const int64_t col = read_col == cols - 1 ? 0 : cols - 1;
+    d.idx.set(1 * cols + col, -1);
+  }
+  return d;
+}
+
+void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
+  p.gate.use_qk_l2norm = gc.l2norm;
+  if (gc.scale) p.gate.scale = gc.scale;
+  p.gate.lower_bound = gc.lower_bound;
+}
+
+// Sets KDA_CUDA_DECODE_KERNEL=baseline while alive.
+class BaselineKernel {
+ public:
+  explicit BaselineKernel(bool on) : on_(on) {
+    if (on_) setenv("KDA_CUDA_DECODE_KERNEL", "baseline", 1);
+  }
+  ~BaselineKernel() {
+    if (on_) unsetenv("KDA_CUDA_DECODE_KERNEL");
+  }
+
+ private:
+  bool on_;
+};
+
+// Device copies of every tensor of a DecodeData, and the DecodeParams that point at them.
+struct DeviceDecode {
+  std::unique_ptr<DeviceTensor> q, k, v, g, beta, A_log, dt_bias, cu, out, state, idx, nat, final_state, inter;
+  DecodeParams p;
+
+  DeviceDecode(const DecodeData& d, const GpuDecodeCase& gc) {
+    p = d.params();
+    auto up = [](const HostTensor& h, std::unique_ptr<DeviceTensor>& dt) -> TensorView {
+      if (h.empty()) return TensorView{};
+      dt = std::make_unique<DeviceTensor>(h);
+      return dt->view();
+    };
+    p.q = up(d.q, q);
+    p.k = up(d.k, k);
+    p.v = up(d.v, v);
+    p.g = up(d.g, g);
+    p.beta = up(d.beta, beta);
+    p.A_log = up(d.A_log, A_log);
+    p.dt_bias = up(d.dt_bias, dt_bias);
+    p.cu_seqlens = up(d.cu, cu);
+    p.out = up(d.out, out);
+    p.state = up(d.state, state);
+    p.state_indices = up(d.idx, idx);
+    p.num_accepted_tokens = up(d.nat, nat);
+    p.final_state = up(d.final_state, final_state);
+    p.intermediate_states = up(d.inter, inter);
+    apply_options(p, gc);
+    p.exec.backend = Backend::kCuda;
+  }
+
+  // Copies the outputs back into `r` (a copy of the host inputs with the same layouts).
+  void download(DecodeData& r) const {
+    out->download(r.out);
+    state->download(r.state);
+    if (final_state) final_state->download(r.final_state);
+    if (inter) inter->download(r.inter);
+  }
+};
+
+// Runs the GPU decode on device copies of d; returns the downloaded results.
+DecodeData run_gpu(const DecodeData& d, const GpuDecodeCase& gc, Status* status = nullptr) {
+  DeviceDecode dev(d, gc);
+  Status s;
+  {
+    BaselineKernel bk(gc.baseline);
+    s = decode(dev.p);
+  }
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+  DecodeData r = d;
+  dev.download(r);
+  if (status) *status = s;
+  else EXPECT_TRUE(s.ok()) << s.to_string();
+  return r;
+}
+
+DecodeData run_reference(const DecodeData& d, const GpuDecodeCase& gc) {
+  DecodeData r = d;
+  DecodeParams p = r.params();
+  apply_options(p, gc);
+  p.exec.backend = Backend::kCpuReference;
+  const Status s = decode(p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return r;
+}
+
+// A copy of the given leading-dimension rows of t (contiguous), for comparing only live rows.
+HostTensor gather_rows(const HostTensor& t, const std::vector<int64_t>& rows) {
+  std::vector<int64_t> shape = t.shape;
+  shape[0] = static_cast<int64_t>(rows.size());
+  HostTensor r(t.dtype, shape);
+  const int64_t row_elems = t.numel() / std::max<int64_t>(t.shape[0], 1);
+  const size_t es = dtype_size(t.dtype);
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t e = 0; e < row_elems; ++e)
+      std::memcpy(r.storage.data() + r.offset(static_cast<int64_t>(i) * row_elems + e) * es,
+                  t.storage.data() + t.offset(rows[i] * row_elems + e) * es, es);
+  return r;
+}
+
+bool row_bitwise_equal(const HostTensor& a, const HostTensor& b, int64_t row) {
+  const int64_t row_elems = a.numel() / std::max<int64_t>(a.shape[0], 1);
+  const size_t es = dtype_size(a.dtype);
+  for (int64_t e = 0; e < row_elems; ++e)
+    if (std::memcmp(a.storage.data() + a.offset(row * row_elems + e) * es,
+                    b.storage.data() + b.offset(row * row_elems + e) * es, es) != 0)
+      return false;
+  return true;
+}
+
+// Which rows of which tensor a call may touch, from the host copies of its indices.
+struct Touched {
+  std::vector<int64_t> slots;        // pool slots read or written by some row
+  std::vector<int64_t> untouched;    // the other pool slots
+  std::vector<int64_t> live_rows;    // sequences that are not padding
+  std::vector<int64_t> live_tokens;  // token rows (b * T + t) of the live sequences
+};
+
+Touched touched_rows(const DecodeData& d, const GpuDecodeCase& gc) {
+  DecodeParams p = d.params();
+  apply_options(p, gc);
+  detail::DecodeProblem pr;
+  const Status s = detail::validate_decode(p, &pr);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  Touched t;
+  std::set<int64_t> slots;
+  const int64_t P = d.state.shape[0];
+  for (int64_t n = 0; n < pr.d.N; ++n) {
+    const cpu::SeqSpan span = cpu::seq_span(pr.d, pr.cu_seqlens, n);
+    const int64_t slot = cpu::decode_read_slot(pr, n, span.len);
+    if (slot < 0) continue;
+    slots.insert(slot);
+    t.live_rows.push_back(n);
+    for (int64_t j = 0; j < span.len; ++j) t.live_tokens.push_back(span.b * pr.d.T + span.bos + j);
+  }
+  if (!d.idx.empty())  // every slot named anywhere in the indices may be written
+    for (int64_t i = 0; i < d.idx.numel(); ++i) {
+      const int64_t x = static_cast<int64_t>(d.idx.get(i));
+      if (x >= 0 && x < P) slots.insert(x);
+    }
+  t.slots.assign(slots.begin(), slots.end());
+  for (int64_t x = 0; x < P; ++x)
+    if (!slots.count(x)) t.untouched.push_back(x);
+  return t;
+}
+
+void expect_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
+  if (got.numel() == 0 && ref.numel() == 0) return;
+  const Compare cmp = compare(got, ref, tol);
+  EXPECT_TRUE(cmp.ok(tol)) << what << ": rel_l2 " << cmp.rel_l2 << " (tol " << tol << "), max_abs "
+                           << cmp.max_abs << ", nonfinite " << cmp.nonfinite << cmp.first_mismatches;
+}
+
+// The full check of one prepared problem.
+void check_against_reference(const DecodeData& d, const GpuDecodeCase& gc) {
+  const DecodeData ref = run_reference(d, gc);
+  const DecodeData got = run_gpu(d, gc);
+  const Touched tc = touched_rows(d, gc);
+  const bool bf16_state = d.state.dtype == DType::kBFloat16;
+  const double tol_state = tolerance_for(d.state.dtype);
+  const double tol_out = std::max(tolerance_for(d.out.dtype), bf16_state ? tolerance_for(DType::kBFloat16) : 0.0);
+
+  expect_close("out", got.out, ref.out, tol_out);
+  expect_close("state (touched slots)", gather_rows(got.state, tc.slots), gather_rows(ref.state, tc.slots), tol_state);
+  for (int64_t x : tc.untouched) {
+    EXPECT_TRUE(row_bitwise_equal(got.state, d.state, x)) << "untouched pool slot " << x << " changed";
+    EXPECT_TRUE(row_bitwise_equal(ref.state, d.state, x)) << "(reference) untouched pool slot " << x << " changed";
+  }
+  if (!d.final_state.empty()) {
+    expect_close("final_state", gather_rows(got.final_state, tc.live_rows), gather_rows(ref.final_state, tc.live_rows), tol_state);
+    std::set<int64_t> live(tc.live_rows.begin(), tc.live_rows.end());
+    for (int64_t n = 0; n < d.final_state.shape[0]; ++n)
+      if (!live.count(n) || !d.c.store_final_state)
+        EXPECT_TRUE(row_bitwise_equal(got.final_state, d.final_state, n)) << "final_state row " << n << " of a padding row written";
+  }
+  if (!d.inter.empty()) {
+    expect_close("intermediate_states", gather_rows(got.inter, tc.live_tokens), gather_rows(ref.inter, tc.live_tokens), tol_state);
+    std::set<int64_t> live(tc.live_tokens.begin(), tc.live_tokens.end());
+    for (int64_t r = 0; r < d.inter.shape[0]; ++r)
+      if (!live.count(r) || !d.c.store_final_state)
+        EXPECT_TRUE(row_bitwise_equal(got.inter, d.inter, r)) << "intermediate row " << r << " of a padding row written";
+  }
+
+  // Bitwise determinism: a second run on fresh copies of the same inputs.
+  const DecodeData again = run_gpu(d, gc);
+  EXPECT_TRUE(bitwise_equal(again.out, got.out)) << "out differs between two runs";
+  EXPECT_TRUE(bitwise_equal(again.state, got.state)) << "state differs between two runs";
+  if (!d.final_state.empty()) EXPECT_TRUE(bitwise_equal(again.final_state, got.final_state));
+  if (!d.inter.empty()) EXPECT_TRUE(bitwise_equal(again.inter, got.inter));
+}
+
+// ---------------------------------------------------------------------------------------------
+// The sweep
+// ---------------------------------------------------------------------------------------------
+
+class GpuDecode : public ::testing::TestWithParam<GpuDecodeCase> {};
+
+TEST_P(GpuDecode, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const GpuDecodeCase& gc = GetParam();
+  check_against_reference(make_data(gc), gc);
+}
+
+GpuDecodeCase base(int64_t K = 128) {
+  GpuDecodeCase g;
+  g.c.K = K;
+  return g;
+}
+
+std::vector<GpuDecodeCase> smoke_cases() {
+  std::vector<GpuDecodeCase> v;
+  v.push_back(base(128));  // bf16 in/out, fp32 V-first pool, softplus gate, beta logits, [N] indices
+  {
+    GpuDecodeCase g = base(64);
+    g.c.layout = StateLayout::kKFirst;
+    g.c.state_dtype = DType::kBFloat16;
+    g.c.T = 2;
+    v.push_back(g);
+  }
+  {
+    GpuDecodeCase g = base(128);
+    g.c.seqlens = {3, 1, 0, 4};
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.padding = true;
+    v.push_back(g);
+  }
+  {
+    GpuDecodeCase g = base(96);
+    g.c.gate = GateForm::kLowerBound;
+    g.c.beta_per_v = true;
+    g.c.intermediate = true;
+    g.c.T = 3;
+    g.strided = 1;
+    v.push_back(g);
+  }
+  return v;
+}
+
+std::vector<GpuDecodeCase> sweep_cases() {
+  std::vector<GpuDecodeCase> v;
+  // Head dims x layouts x state dtypes (two tokens, so the token loop runs).
+  for (int64_t K : {32, 64, 96, 128, 160, 256})
+    for (StateLayout lay : {StateLayout::kVFirst, StateLayout::kKFirst})
+      for (DType st : {DType::kFloat32, DType::kBFloat16}) {
+        GpuDecodeCase g = base(K);
+        g.c.layout = lay;
+        g.c.state_dtype = st;
+        g.c.T = 2;
+        v.push_back(g);
+      }
+  // Input / output dtypes.
+  {
+    GpuDecodeCase g = base(128);
+    g.c.dtype = g.c.out_dtype = DType::kFloat16;
+    v.push_back(g);
+    g.c.out_dtype = DType::kFloat32;
+    v.push_back(g);
+    g = base(128);
+    g.c.out_dtype = DType::kFloat32;
+    v.push_back(g);
+    g.c.state_dtype = DType::kBFloat16;
+    v.push_back(g);
+  }
+  // Gate and beta forms.
+  for (GateForm gf : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
+    for (int bf = 0; bf < 3; ++bf)
+      for (bool per_v : {false, true}) {
+        GpuDecodeCase g = base(64);
+        g.c.gate = gf;
+        g.c.beta = bf == 0 ? BetaForm::kActivated : BetaForm::kLogits;
+        g.c.allow_neg_eigval = bf == 2;
+        g.c.beta_per_v = per_v;
+        g.c.out_dtype = DType::kFloat32;
+        if (gf == GateForm::kLowerBound && per_v) g.lower_bound = -2.5f;
+        v.push_back(g);
+      }
+  // Preprocessing options and gate parameter dtypes.
+  {
+    GpuDecodeCase g = base(128);
+    g.l2norm = false;
+    v.push_back(g);
+    g = base(128);
+    g.scale = 0.37;
+    g.c.out_dtype = DType::kFloat32;
+    v.push_back(g);
+    g = base(128);
+    g.g_fp32 = true;
+    g.beta_fp32 = true;
+    g.c.beta_per_v = true;
+    v.push_back(g);
+    g = base(128);
+    g.dt_bias_bf16 = true;
+    g.c.gate = GateForm::kLowerBound;
+    v.push_back(g);
+    g = base(64);
+    g.no_gate_params = true;
+    v.push_back(g);
+    g.c.gate = GateForm::kLowerBound;
+    v.push_back(g);
+  }
+  // State indices: none, [N] int64, [N, T] (+ num_accepted), padding rows of every kind.
+  {
+    GpuDecodeCase g = base(128);
+    g.c.indices = 0;
+    v.push_back(g);
+    g.c.final_state_separate = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.index_dtype = DType::kInt64;
+    g.c.padding = true;
+    g.c.N = 6;
+    v.push_back(g);
+    g = base(128);
+    g.c.padding = true;
+    g.c.N = 5;
+    v.push_back(g);
+    for (bool nat : {false, true})
+      for (bool pad : {false, true})
+        for (DType idt : {DType::kInt32, DType::kInt64}) {
+          g = base(128);
+          g.c.indices = 2;
+          g.c.T = 4;
+          g.c.num_accepted = nat;
+          g.c.padding = pad;
+          g.c.index_dtype = idt;
+          g.c.N = 5;
+          v.push_back(g);
+        }
+    g = base(64);
+    g.c.indices = 2;
+    g.c.T = 3;
+    g.c.N = 4;
+    g.drop_token_slot = true;
+    v.push_back(g);
+    g.c.num_accepted = true;
+    v.push_back(g);
+  }
+  // Where states go: separate final state, per-token buffer, nowhere; no initial state.
+  {
+    GpuDecodeCase g = base(128);
+    g.c.final_state_separate = true;
+    g.c.padding = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.intermediate = true;
+    g.c.T = 3;
+    g.c.padding = true;
+    v.push_back(g);
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.store_final_state = false;
+    g.c.T = 2;
+    v.push_back(g);
+    g.c.intermediate = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.use_initial_state = false;
+    g.c.T = 2;
+    v.push_back(g);
+    g.c.final_state_separate = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.T = 0;  // no tokens: the state passes through (in place: written back unchanged)
+    v.push_back(g);
+  }
+  // Tokens per sequence (the loop has no limit) and GVA.
+  for (int64_t T : {1, 2, 4, 8, 13}) {
+    GpuDecodeCase g = base(128);
+    g.c.T = T;
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.state_dtype = T % 2 ? DType::kFloat32 : DType::kBFloat16;
+    v.push_back(g);
+    g = base(128);
+    g.c.T = T;
+    g.c.intermediate = true;
+    v.push_back(g);
+  }
+  for (auto hh : std::vector<std::pair<int64_t, int64_t>>{{1, 4}, {2, 8}, {4, 4}, {1, 1}, {3, 6}}) {
+    GpuDecodeCase g = base(64);
+    g.c.H = hh.first;
+    g.c.HV = hh.second;
+    g.c.T = 2;
+    v.push_back(g);
+  }
+  // Varlen.
+  {
+    GpuDecodeCase g = base(128);
+    g.c.seqlens = {1, 3, 0, 2, 8};
+    v.push_back(g);
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.padding = true;
+    v.push_back(g);
+    g.c.index_dtype = DType::kInt64;
+    g.c.layout = StateLayout::kKFirst;
+    v.push_back(g);
+    g = base(64);
+    g.c.seqlens = {2, 0, 5, 1};
+    g.c.intermediate = true;
+    v.push_back(g);
+    g.c.intermediate = false;
+    g.c.final_state_separate = true;
+    g.c.padding = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.seqlens = {20, 1, 3};
+    g.c.state_dtype = DType::kBFloat16;
+    v.push_back(g);
+  }
+  // Strides: unaligned (scalar loads), aligned padded (vector loads), strided pool.
+  for (StateLayout lay : {StateLayout::kVFirst, StateLayout::kKFirst}) {
+    GpuDecodeCase g = base(128);
+    g.c.layout = lay;
+    g.strided = 1;
+    g.c.T = 2;
+    v.push_back(g);
+    g.strided = 2;
+    g.c.beta_per_v = true;
+    v.push_back(g);
+    g = base(64);
+    g.c.layout = lay;
+    g.state_strided = true;
+    g.c.intermediate = true;
+    v.push_back(g);
+    g.c.state_dtype = DType::kBFloat16;
+    v.push_back(g);
+  }
+  // More blocks than SMs.
+  {
+    GpuDecodeCase g = base(128);
+    g.c.N = 48;
+    g.c.H = 4;
+    g.c.HV = 8;
+    v.push_back(g);
+    g.c.layout = StateLayout::kKFirst;
+    g.c.state_dtype = DType::kBFloat16;
+    v.push_back(g);
+  }
+  // The baseline kernel on the harder cases.
+  {
+    GpuDecodeCase g = base(64);
+    g.c.layout = StateLayout::kKFirst;
+    g.c.state_dtype = DType::kBFloat16;
+    g.c.T = 3;
+    g.baseline = true;
+    v.push_back(g);
+    g = base(128);
+    g.c.seqlens = {3, 1, 0, 4};
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.padding = true;
+    g.c.beta_per_v = true;
+    g.baseline = true;
+    v.push_back(g);
+    g = base(256);
+    g.c.intermediate = true;
+    g.c.T = 2;
+    g.strided = 1;
+    g.baseline = true;
+    v.push_back(g);
+  }
+  return v;
+}
+
+std::string case_name(const ::testing::TestParamInfo<GpuDecodeCase>& info) {
+  return info.param.name() + "_" + std::to_string(info.index);
+}
+
+INSTANTIATE_TEST_SUITE_P(Smoke, GpuDecode, ::testing::ValuesIn(smoke_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(Sweep, GpuDecode, ::testing::ValuesIn(sweep_cases()), case_name);
+
+// ---------------------------------------------------------------------------------------------
+// Special cases
+// ---------------------------------------------------------------------------------------------
+
+// Varlen with [N, Tmax] indices: a sequence longer than Tmax is a padding row.
+TEST(GpuDecodeEdge, VarlenRowLongerThanIndexColumnsIsPadding) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.seqlens = {2, 5, 3};
+  gc.c.indices = 2;
+  DecodeData d = make_data(gc);
+  HostTensor narrow(d.idx.dtype, {d.N, 3});
+  for (int64_t n = 0; n < d.N; ++n)
+    for (int64_t t = 0; t < 3; ++t) narrow.set(n * 3 + t, d.idx.get(n * d.idx.shape[1] + t));
+  d.idx = narrow;
+  check_against_reference(d, gc);
+}
+
+// check_indices = true with valid indices runs normally.
+TEST(GpuDecodeSmokeErrors, CheckIndicesAcceptsValidIndices) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.indices = 2;
+  gc.c.num_accepted = true;
+  gc.c.seqlens = {2, 3, 1};
+  const DecodeData d = make_data(gc);
+  DeviceDecode dev(d, gc);
+  dev.p.check_indices = true;
+  const Status s = decode(dev.p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+  DecodeData got = d;
+  dev.download(got);
+  const DecodeData ref = run_reference(d, gc);
+  expect_close("out", got.out, ref.out, tolerance_for(d.out.dtype));
+}
+
+// check_indices = true: a slot >= P is kInvalidArgument and nothing is written.
+TEST(GpuDecodeSmokeErrors, CheckIndicesRejectsSlotOutOfRange) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.N = 4;
+  DecodeData d = make_data(gc);
+  d.idx.set(2, static_cast<double>(d.P + 2));
+  DeviceDecode dev(d, gc);
+  dev.p.check_indices = true;
+  const Status s = decode(dev.p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("state_indices"), std::string::npos) << s.message();
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+  DecodeData got = d;
+  dev.download(got);
+  EXPECT_TRUE(std::memcmp(got.out.storage.data(), d.out.storage.data(), d.out.storage.size()) == 0) << "out written";
+  EXPECT_TRUE(std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0) << "state written";
+
+  // Without the check the row is a padding row: zero output, the rest as the reference.
+  dev.p.check_indices = false;
+  EXPECT_TRUE(decode(dev.p).ok());
+}
+
+TEST(GpuDecodeErrors, CheckIndicesRejectsNumAcceptedOutOfRange) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.indices = 2;
+  gc.c.T = 3;
+  gc.c.num_accepted = true;
+  DecodeData d = make_data(gc);
+  d.nat.set(1, 4);  // > T
+  DeviceDecode dev(d, gc);
+  dev.p.check_indices = true;
+  const Status s = decode(dev.p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("num_accepted_tokens"), std::string::npos) << s.message();
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+  DecodeData got = d;
+  dev.download(got);
+  EXPECT_TRUE(std::memcmp(got.out.storage.data(), d.out.storage.data(), d.out.storage.size()) == 0);
+  EXPECT_TRUE(std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0);
+}
+
+TEST(GpuDecodeErrors, CheckIndicesRejectsBadCuSeqlens) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.seqlens = {2, 3, 1};
+  DecodeData d = make_data(gc);
+  d.cu.set(2, 1);  // decreasing
+  DeviceDecode dev(d, gc);
+  dev.p.check_indices = true;
+  const Status s = decode(dev.p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+  EXPECT_NE(s.message().find("cu_seqlens"), std::string::npos) << s.message();
+  // Without the check, bad cu_seqlens are clamped on the device: no fault.
+  dev.p.check_indices = false;
+  EXPECT_TRUE(decode(dev.p).ok());
+  KDA_TEST_CUDA(cudaDeviceSynchronize());
+}
+
+TEST(GpuDecodeErrors, Fp32InputsAreUnsupported) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(64);
+  gc.c.dtype = gc.c.out_dtype = DType::kFloat32;
+  const DecodeData d = make_data(gc);
+  DeviceDecode dev(d, gc);
+  const Status s = decode(dev.p);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported) << s.to_string();
+  EXPECT_NE(s.message().find("'q'"), std::string::npos) << s.message();
+}
+
+// The decode is capturable in a CUDA graph (no allocation, no synchronization) and a replay on
+// a non-default stream gives the same bits as a direct call.
+TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(128);
+  gc.c.indices = 2;
+  gc.c.num_accepted = true;
+  gc.c.T = 2;
+  gc.c.N = 6;
+  const DecodeData d = make_data(gc);
+  const DecodeData direct = run_gpu(d, gc);
+
+  DeviceDecode dev(d, gc);
+  cudaStream_t stream;
+  KDA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  dev.p.exec.stream = stream;
+  cudaGraph_t graph;
+  KDA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status s = decode(dev.p);
+  KDA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  cudaGraphExec_t exec;
+  KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  KDA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  DecodeData got = d;
+  dev.download(got);
+  EXPECT_TRUE(bitwise_equal(got.out, direct.out));
+  EXPECT_TRUE(bitwise_equal(got.state, direct.state));
+  KDA_TEST_CUDA(cudaGraphExecDestroy(exec));
+  KDA_TEST_CUDA(cudaGraphDestroy(graph));
+  KDA_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+// The fast kernel and the baseline kernel agree (the differential test of the two CUDA paths).
+TEST(GpuDecodeSmokeBaseline, FastMatchesBaseline) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (StateLayout lay : {StateLayout::kVFirst, StateLayout::kKFirst}) {
+    GpuDecodeCase gc = base(128);
+    gc.c.layout = lay;
+    gc.c.T = 3;
+    gc.c.intermediate = true;
+    gc.c.out_dtype = DType::kFloat32;
+    const DecodeData d = make_data(gc);
+    const DecodeData fast = run_gpu(d, gc);
+    gc.baseline = true;
+    const DecodeData slow = run_gpu(d, gc);
+    expect_close("out (fast vs baseline)", fast.out, slow.out, 1e-5);
+    expect_close("inter (fast vs baseline)", fast.inter, slow.inter, 1e-5);
+  }
+}
+
+}  // namespace
