@@ -207,6 +207,14 @@ __device__ __forceinline__ float lane_group_sum(float x) {
   return x;
 }
 
+// The lane index, re-read at every use (volatile: the compiler neither hoists nor keeps it live
+// across loops, which keeps values derived from it out of the register budget).
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
 }

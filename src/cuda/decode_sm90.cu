@@ -153,9 +153,13 @@ struct TileMap {
   static constexpr int kRun = kKFirst ? kKt : kVec;
   static constexpr int kRuns = kKt / kRun;
   static constexpr int kThreads = kTileV * kKLanes / kVt;
-  // Register budget: <= 128 per thread (4 blocks of 128 threads per SM: 64 KB of state loads in
-  // flight per SM) when a thread holds 32 state elements; K-first bf16 K = 256 holds 64.
-  static constexpr int kMinBlocks = kVt * kKt <= 32 ? 512 / kThreads : 1;
+  // Register budget, as resident blocks per SM in units of 128 threads. The hot V-first K = 128
+  // tiles fit 80 registers (6 blocks of 128 threads: 96 KB of state loads in flight per SM); the
+  // others get the tightest bound that ptxas 13.0 meets without spilling (-DKDA_PTXAS_VERBOSE=ON
+  // shows it). K-first bf16 K = 256 holds 64 state elements per thread and is left unbounded.
+  static constexpr int kBlocksOf128 = !kKFirst ? (kMaxK == 128 ? 6 : kMaxK == 64 ? 5 : 4)
+                                               : (kVt * kKt > 32 ? 0 : (kMaxK == 128 && kVec == 4) ? 4 : 5);
+  static constexpr int kMinBlocks = kBlocksOf128 * 128 / kThreads > 1 ? kBlocksOf128 * 128 / kThreads : 1;
   static_assert(kKLanes >= 2 && kKLanes <= 32 && (kKLanes & (kKLanes - 1)) == 0, "lane group");
   static_assert(kThreads % 32 == 0 && kThreads <= 256, "block size");
   static_assert(kKt % kRun == 0 && kRun % 4 == 0, "runs of whole float4 slices");
@@ -284,7 +288,7 @@ template <int kMaxK>
 __device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int64_t tok, int h, int hv,
                                             float exp_A, TokenStage<kMaxK>& sh) {
   constexpr int kPer = kMaxK / 32;
-  const int k0 = (threadIdx.x % 32) * kPer;
+  const int k0 = dec::lane_id() * kPer;
   float q[kPer], k[kPer], d[kPer];
   if (k0 < a.K) {
     dec::load_run<kPer>(a.q.data, a.q.dtype, a.q.vec, a.q.offset(b, tok, h) + k0, q);
