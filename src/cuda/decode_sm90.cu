@@ -26,6 +26,10 @@
 // written once; more writes with per-token states) + q, k, v, g, beta, out once each. The extra
 // traffic of the redundant q/k/g reads (V/32 tiles per head, HV/H heads per q/k head) hits L2.
 //
+// Budget (ptxas 13.0, sm_90a): the V-first K = 128 tiles use 79 (fp32) / 80 (bf16) registers and
+// 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state loads in
+// flight) fit on an SM; no kernel spills.
+//
 // Kernels: decode_sm90_kernel<kMaxK, StateT, kKFirst> (kMaxK in {64, 128, 256}: K is padded up to
 // it with masked lanes; 12 instantiations), and decode_baseline_kernel, a plain one-thread-per-
 // value-column version kept as the differential baseline (KDA_CUDA_DECODE_KERNEL=baseline).
@@ -162,7 +166,7 @@ struct TileMap {
   static constexpr int kMinBlocks = kBlocksOf128 * 128 / kThreads > 1 ? kBlocksOf128 * 128 / kThreads : 1;
   static_assert(kKLanes >= 2 && kKLanes <= 32 && (kKLanes & (kKLanes - 1)) == 0, "lane group");
   static_assert(kThreads % 32 == 0 && kThreads <= 256, "block size");
-  static_assert(kKt % kRun == 0 && kRun % 4 == 0, "runs of whole float4 slices");
+  static_assert(kKt % kRun == 0 && kRun % 4 == 0 && kRuns >= 1, "runs of whole float4 slices");
 
   int lane_k;  // position among the kKLanes lanes that share a value row (column group)
   int v_base;  // V-first: this thread's first row; K-first: its first column
