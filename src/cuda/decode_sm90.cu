@@ -271,7 +271,7 @@ __device__ __forceinline__ void prefetch_later_tokens(const DecodeArgs& a, const
       case 1: p = static_cast<const char*>(a.k.data) + a.k.offset(row.b, tok, h) * (a.k.dtype == dec::kF32 ? 4 : 2); bytes = a.K * 2; break;
       case 2: p = static_cast<const char*>(a.g.data) + a.g.offset(row.b, tok, hv) * (a.g.dtype == dec::kF32 ? 4 : 2); bytes = a.K * (a.g.dtype == dec::kF32 ? 4 : 2); break;
       case 3: p = static_cast<const char*>(a.v.data) + a.v.offset(row.b, tok, hv) * 2; bytes = a.V * 2; break;
-      default: p = static_cast<const char*>(a.beta.data) + a.beta.offset(row.b, tok, hv) * (a.beta.dtype == dec::kF32 ? 4 : 2); bytes = a.beta_per_v ? a.V * 4 : 4; break;
+      default: p = static_cast<const char*>(a.beta.data) + a.beta.offset(row.b, tok, hv) * (a.beta.dtype == dec::kF32 ? 4 : 2); bytes = (a.beta_per_v ? a.V : 1) * (a.beta.dtype == dec::kF32 ? 4 : 2); break;
     }
     if (line * 128 < bytes) dec::prefetch_l2(p + line * 128);
   }
