@@ -36,10 +36,9 @@ void step_f32(DecodeScratch& w, int K, int V, bool beta_per_v, bool bf16_state) 
   for (int i = 0; i < K; ++i) {
     const float ki = w.k[i], qi = w.q[i];
     for (int j = 0; j < V; ++j) {
-      float s = S[i * V + j] + ki * w.u[j];
-      if (bf16_state) s = detail::bf16_bits_to_float(detail::float_to_bf16_bits(s));
-      S[i * V + j] = s;
-      w.o[j] += s * qi;
+      const float s = S[i * V + j] + ki * w.u[j];
+      w.o[j] += s * qi;  // the output reads the state before it is rounded (as the reference)
+      S[i * V + j] = bf16_state ? detail::bf16_bits_to_float(detail::float_to_bf16_bits(s)) : s;
     }
   }
 }
