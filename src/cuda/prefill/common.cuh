@@ -1,0 +1,223 @@
+// common.cuh — device helpers of the CUDA prefill (prefill_sm90.cu): the kernel parameter block,
+// strided views, the workspace record layout with its shared-memory swizzles, conversions.
+// PTX wrappers live in ptx.cuh.
+//
+// Fragment notation used in both kernels (PTX ISA, "warp-level matrix fragments"): lane = 4 g + c
+// (g = groupID 0..7, c = threadID_in_group 0..3).
+//   m16n8k16 bf16  A: {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)}  B: {(2c.., g), (2c+8.., g)}
+//   m16n8k8  tf32  A: {(g, c), (g+8, c), (g, c+4), (g+8, c+4)}                 B: {(c, g), (c+4, g)}
+//   accumulator    C: {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}
+// A tf32 product may relabel its 8 k indices as long as A and B agree. We use
+//   k-slot c <-> k = 2c,   k-slot c+4 <-> k = 2c+1
+// so that an fp32 accumulator tile (columns 2c, 2c+1) is directly the A operand of the next tf32
+// product over those columns, and B operands are read as float2 pairs along k.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "core/kda_math.h"
+#include "cuda/prefill/ptx.cuh"
+
+namespace kda::cuda::pf {
+
+// ---------------------------------------------------------------------------------------------
+// Sizes and the workspace record
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr int kChunk = 64;     // tokens per chunk (kda::kChunkSize)
+inline constexpr int kSub = 16;       // tokens per sub-chunk (row block of Akk/Aqk)
+inline constexpr int kHeadDim = 128;  // K == V == 128
+
+// One record per (chunk slot, value head), written by the prepare kernel and read (one bulk copy)
+// by the recurrence kernel. Every matrix is stored pre-swizzled for the reader's shared memory.
+//   W    [64 t][128 k] bf16   Tm (exp(G) k)                      swizzle_b16
+//   qg   [64 t][128 k] bf16   exp(G_t) q_t (q normalized, scaled) swizzle_b16
+//   kbT  [128 k][64 s] fp32   exp(G_L - G_s) k_s, transposed, tf32-rounded   swizzle_f32
+//   Aqk  [64 t][64 s]  fp32   lower triangle incl. diagonal, tf32-rounded    swizzle_f32
+//   Tm   [64 t][64 s]  fp32   (I + diag(b) Akk)^-1 diag(b), tf32-rounded     swizzle_f32
+//   gL   [128]         fp32   exp(G_L), the per-channel decay of the state over the chunk
+inline constexpr int kOffW = 0;
+inline constexpr int kOffQg = kOffW + kChunk * kHeadDim * 2;
+inline constexpr int kOffKbT = kOffQg + kChunk * kHeadDim * 2;
+inline constexpr int kOffAqk = kOffKbT + kHeadDim * kChunk * 4;
+inline constexpr int kOffTm = kOffAqk + kChunk * kChunk * 4;
+inline constexpr int kOffGL = kOffTm + kChunk * kChunk * 4;
+inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 98,816
+static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
+
+// bf16 matrix with 128 columns (256-byte rows): 16-byte chunk index XOR (row % 8). ldmatrix of 8
+// consecutive rows at one logical chunk then hits 8 different bank groups.
+__host__ __device__ __forceinline__ int swizzle_b16(int row, int col) {
+  return row * kHeadDim + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+}
+// fp32 matrix with 64 columns (256-byte rows): 16-byte chunk index XOR 2 (row % 4). A half-warp
+// reading float2 at (row 8j + g, col 8s + 2c) then covers all 32 banks once.
+__host__ __device__ __forceinline__ int swizzle_f32(int row, int col) {
+  return row * kChunk + ((((col >> 2) ^ ((row & 3) << 1)) << 2) | (col & 3));
+}
+// bf16 tile [64 rows][vs columns] (vs = 16, 32, 64, 128; rows of vs/8 16-byte chunks): byte offset
+// of 16-byte chunk `chunk` of `row`, swizzled so that 8 consecutive rows at one chunk are
+// conflict-free for ldmatrix/stmatrix.
+__device__ __forceinline__ int swizzle_vtile(int row, int chunk, int vs) {
+  const int cpr = vs >> 3;  // chunks per row: 2, 4, 8, 16
+  const int x = cpr >= 8 ? (row & 7) : ((row / (8 / cpr)) & (cpr - 1));
+  return row * (vs * 2) + ((chunk ^ x) << 4);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Views
+// ---------------------------------------------------------------------------------------------
+
+inline constexpr int kF32 = 0;  // static_cast<int>(DType::kFloat32)
+inline constexpr int kF16 = 1;
+inline constexpr int kBF16 = 2;
+
+// A rank-4 token tensor [B, T, heads, dim] (beta: [B, T, HV, 1]); last dimension contiguous.
+// `vec`: data pointer and leading strides allow 16-byte vector access of 8 (16-bit) or 4 (fp32)
+// consecutive elements that start at a multiple of 8 / 4.
+struct TokenView {
+  const void* data = nullptr;
+  int64_t s0 = 0, s1 = 0, s2 = 0;
+  int dtype = kBF16;
+  bool vec = false;
+  __device__ __forceinline__ int64_t offset(int64_t b, int64_t t, int64_t h) const {
+    return b * s0 + t * s1 + h * s2;
+  }
+};
+
+// A state tensor [rows, HV, V, K] (V-first) or [rows, HV, K, V] (K-first); absent: data null.
+struct StateView {
+  void* data = nullptr;
+  int64_t rows = 0, s0 = 0, s1 = 0, s2 = 0;
+  int dtype = kF32;
+};
+
+// An int32/int64 vector.
+struct IndexView {
+  const void* data = nullptr;
+  int64_t stride = 1;
+  bool is64 = false;
+  __device__ __forceinline__ int64_t load(int64_t i) const {
+    return is64 ? static_cast<const int64_t*>(data)[i * stride]
+                : static_cast<int64_t>(static_cast<const int32_t*>(data)[i * stride]);
+  }
+};
+
+// Everything both kernels read, passed by value (__grid_constant__).
+struct Params {
+  TokenView q, k, v, g, beta, out;  // out: written (const dropped at the store)
+  const float* A_log = nullptr;     // [HV] (stride A_log_s), optional
+  const float* dt_bias = nullptr;   // [HV, K] (row stride dt_bias_s), optional
+  int64_t A_log_s = 1, dt_bias_s = kHeadDim;
+  IndexView cu;                     // varlen: cu_seqlens [N + 1]
+  bool varlen = false;
+  int64_t B = 0, T = 0, N = 0;      // per-token tensors are [B, T, ...]; N sequences
+  int H = 0, HV = 0, groups = 1;    // groups = HV / H
+  int64_t chunks_per_seq = 0;       // dense: ceil(T / 64)
+  int64_t num_slots = 0;            // chunk slots (see slot_base)
+
+  int gate_form = 0;                // detail::kGate*
+  bool beta_logits = false, neg_eig = false, l2norm = true;
+  float scale = 1.f, lower_bound = -5.f;
+
+  uint8_t* ws = nullptr;            // records [num_slots][HV][kRecordBytes], 128-byte aligned
+
+  // States (kernel B only).
+  StateView h0, ht, pool, ckpt;
+  IndexView pool_idx, ckpt_off;
+  bool has_pool = false;
+  int64_t ckpt_every = 0;
+  bool kfirst = false;
+  int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
+};
+
+// Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read
+// on the device and never trusted to stay in bounds).
+struct SeqSpan {
+  int64_t b, bos, len, base;  // base: chunk slot of the sequence's first chunk
+};
+
+__device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
+
+// Chunk slots: dense, sequence n owns [n * ceil(T/64), (n+1) * ceil(T/64)); varlen, sequence n
+// owns [bos/64 + n, bos/64 + n + ceil(len/64)), disjoint for non-decreasing cu_seqlens and always
+// below T/64 + N (the workspace bound) even for arbitrary values.
+__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) {
+  return clamp64(p.cu.load(n), 0, p.T) / kChunk + n;
+}
+
+__device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
+  SeqSpan s;
+  if (!p.varlen) {
+    s.b = n;
+    s.bos = 0;
+    s.len = p.T;
+    s.base = n * p.chunks_per_seq;
+  } else {
+    s.b = 0;
+    s.bos = clamp64(p.cu.load(n), 0, p.T);
+    const int64_t eos = clamp64(p.cu.load(n + 1), s.bos, p.T);
+    s.len = eos - s.bos;
+    s.base = s.bos / kChunk + n;
+  }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Conversions
+// ---------------------------------------------------------------------------------------------
+
+template <bool kFp16>
+__device__ __forceinline__ float in_to_f32(uint32_t bits16) {
+  if constexpr (kFp16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+  else return __uint_as_float(bits16 << 16);
+}
+// Low / high 16-bit halves of a packed pair.
+template <bool kFp16>
+__device__ __forceinline__ float lo_f32(uint32_t x) { return in_to_f32<kFp16>(x & 0xffffu); }
+template <bool kFp16>
+__device__ __forceinline__ float hi_f32(uint32_t x) {
+  if constexpr (kFp16) return in_to_f32<true>(x >> 16);
+  else return __uint_as_float(x & 0xffff0000u);
+}
+
+template <bool kFp16>
+__device__ __forceinline__ uint32_t pack_out(float lo, float hi) {
+  if constexpr (kFp16) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  } else {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+}
+template <bool kFp16>
+__device__ __forceinline__ uint16_t out_bits(float x) {
+  if constexpr (kFp16) return __half_as_ushort(__float2half_rn(x));
+  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// Element of a float tensor of runtime dtype (fp32 / fp16 / bf16).
+__device__ __forceinline__ float load_any(const void* base, int dtype, int64_t off) {
+  if (dtype == kF32) return static_cast<const float*>(base)[off];
+  const uint16_t b = static_cast<const uint16_t*>(base)[off];
+  return dtype == kF16 ? in_to_f32<true>(b) : in_to_f32<false>(b);
+}
+__device__ __forceinline__ void store_any(void* base, int dtype, int64_t off, float x) {
+  if (dtype == kF32) static_cast<float*>(base)[off] = x;
+  else if (dtype == kF16) static_cast<uint16_t*>(base)[off] = out_bits<true>(x);
+  else static_cast<uint16_t*>(base)[off] = out_bits<false>(x);
+}
+
+}  // namespace kda::cuda::pf

@@ -1,0 +1,33 @@
+// heuristics.h — launch choices of the CUDA prefill, as pure host functions (tested on the CPU in
+// tests/test_gpu_prefill.cpp; no CUDA headers).
+#pragma once
+
+#include <cstdint>
+
+namespace kda::cuda::pf {
+
+// Value columns per recurrence block. The recurrence of one (sequence, value head) is independent
+// per value column, so V = 128 may be split across 128 / vs blocks of vs / 16 warps each. Splitting
+// re-reads the chunk's shared operands (W, qg, kbT, Aqk, Tm: ~97 KB) once per slice, so split only
+// as far as needed to fill the GPU: the largest vs in {128, 64, 32, 16} whose block count reaches
+// 70% of the multiprocessors (one block per SM: ~225 KB of shared memory at vs = 128).
+// Worked examples on 132 SMs (threshold 92.4 blocks):
+//   P1 1x8192, HV=96:  96 pairs -> vs = 128 (96 blocks: one wave, 8 warps each)
+//   P2 1x8192, HV=64:  64 pairs -> vs = 64  (128 blocks)
+//   P5 1x32768, HV=32: 32 pairs -> vs = 32  (128 blocks of 2 warps)
+//   P6 16x4096, HV=32: 512 pairs -> vs = 128 (512 blocks, ~3.9 waves)
+inline int recurrence_value_split(int64_t pairs, int num_sms) {
+  for (int vs = 128; vs > 16; vs /= 2)
+    if (pairs * (128 / vs) * 10 >= static_cast<int64_t>(num_sms) * 7) return vs;
+  return 16;
+}
+
+// Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
+// ceil(T / 64) slots; varlen, sequence n owns slots from cu[n] / 64 + n on, which stays below
+// T / 64 + N whatever the (device-side, unread) cu_seqlens values are.
+inline int64_t prefill_chunk_slots(bool varlen, int64_t B, int64_t T, int64_t N) {
+  if (varlen) return N > 0 ? T / 64 + N : 0;
+  return B * ((T + 63) / 64);
+}
+
+}  // namespace kda::cuda::pf

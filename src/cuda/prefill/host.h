@@ -1,0 +1,139 @@
+// host.h — host side of the CUDA prefill shared by the launcher (prefill_sm90.cu) and the
+// kernels' CPU emulation used in development: support checks, workspace size, kernel parameters.
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+#include "core/problem.h"
+#include "cuda/prefill/common.cuh"
+#include "cuda/prefill/heuristics.h"
+
+namespace kda::cuda::pf {
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+inline TokenView token_view(const TensorView& t) {
+  TokenView v;
+  v.data = t.data;
+  v.s0 = t.strides[0];
+  v.s1 = t.strides[1];
+  v.s2 = t.strides[2];
+  v.dtype = static_cast<int>(t.dtype);
+  const int64_t per16 = 16 / static_cast<int64_t>(dtype_size(t.dtype));
+  v.vec = aligned16(t.data) && v.s0 % per16 == 0 && v.s1 % per16 == 0 && v.s2 % per16 == 0;
+  return v;
+}
+
+inline StateView state_view(const TensorView& t) {
+  StateView s;
+  if (!t.present()) return s;
+  s.data = t.data;
+  s.rows = t.shape[0];
+  s.s0 = t.strides[0];
+  s.s1 = t.strides[1];
+  s.s2 = t.strides[2];
+  s.dtype = static_cast<int>(t.dtype);
+  return s;
+}
+
+inline IndexView index_view(const TensorView& t) {
+  IndexView v;
+  if (!t.present()) return v;
+  v.data = t.data;
+  v.stride = t.strides[0];
+  v.is64 = t.dtype == DType::kInt64;
+  return v;
+}
+
+inline Status check_supported(const detail::PrefillProblem& pr) {
+  const auto& d = pr.d;
+  if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
+    return {StatusCode::kUnsupported, std::string("argument 'q': the CUDA prefill takes bf16 or fp16 q/k/v, got ") +
+                                          dtype_name(pr.q.dtype)};
+  if (d.K != kHeadDim)
+    return {StatusCode::kUnsupported,
+            "argument 'q': the CUDA prefill supports head dim K = 128, got K = " + std::to_string(d.K)};
+  if (d.V != kHeadDim)
+    return {StatusCode::kUnsupported,
+            "argument 'v': the CUDA prefill supports head dim V = 128, got V = " + std::to_string(d.V)};
+  return Status::Ok();
+}
+
+inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
+  return prefill_chunk_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N);
+}
+
+inline size_t workspace_bytes(const detail::PrefillProblem& pr) {
+  const int64_t records = chunk_slots(pr) * pr.d.HV;
+  if (records <= 0 || pr.d.N <= 0) return 0;
+  return static_cast<size_t>(records) * kRecordBytes + 128;  // + alignment slack
+}
+
+// Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
+// workspace_bytes(pr) bytes (unused when that is 0). Returns the block counts of both kernels.
+inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms, Params* out,
+                          int64_t* prep_blocks_out, int64_t* rec_blocks_out) {
+  const auto& d = pr.d;
+  const size_t need = workspace_bytes(pr);
+  const int64_t slots = chunk_slots(pr);
+  const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
+  const int64_t pairs = d.N * d.HV;
+  if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX)
+    return {StatusCode::kUnsupported, "argument 'q': problem too large for one CUDA prefill launch (" +
+                                          std::to_string(prep_blocks) + " chunk blocks)"};
+
+  Params& p = *out;
+  p = Params{};
+  p.q = token_view(pr.q);
+  p.k = token_view(pr.k);
+  p.v = token_view(pr.v);
+  p.g = token_view(pr.g);
+  p.beta = token_view(pr.beta);
+  p.out = token_view(pr.out);
+  if (pr.A_log.present()) {
+    p.A_log = static_cast<const float*>(pr.A_log.data);
+    p.A_log_s = pr.A_log.strides[0];
+  }
+  if (pr.dt_bias.present()) {
+    p.dt_bias = static_cast<const float*>(pr.dt_bias.data);
+    p.dt_bias_s = pr.dt_bias.strides[0];
+  }
+  p.varlen = d.varlen;
+  p.cu = index_view(pr.cu_seqlens);
+  p.B = d.B;
+  p.T = d.T;
+  p.N = d.N;
+  p.H = static_cast<int>(d.H);
+  p.HV = static_cast<int>(d.HV);
+  p.groups = static_cast<int>(d.groups());
+  p.chunks_per_seq = (d.T + kChunk - 1) / kChunk;
+  p.num_slots = slots;
+  p.gate_form = static_cast<int>(pr.gate.form);
+  p.beta_logits = pr.gate.beta_form == BetaForm::kLogits;
+  p.neg_eig = pr.gate.allow_neg_eigval;
+  p.l2norm = pr.gate.l2norm;
+  p.scale = static_cast<float>(pr.gate.scale);
+  p.lower_bound = pr.gate.lower_bound;
+  if (need > 0) {
+    const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
+    p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));
+  }
+  p.h0 = state_view(pr.initial_state);
+  p.ht = state_view(pr.final_state);
+  p.pool = state_view(pr.state_pool);
+  p.has_pool = pr.state_pool.present();
+  p.pool_idx = index_view(pr.state_indices);
+  p.ckpt = state_view(pr.checkpoints);
+  p.ckpt_off = index_view(pr.checkpoint_offsets);
+  p.ckpt_every = pr.checkpoint_every;
+  p.kfirst = pr.layout == StateLayout::kKFirst;
+  p.vs = recurrence_value_split(pairs, num_sms);
+  p.nslices = kHeadDim / p.vs;
+
+  *prep_blocks_out = prep_blocks;
+  *rec_blocks_out = pairs * p.nslices;
+  return Status::Ok();
+}
+
+}  // namespace kda::cuda::pf

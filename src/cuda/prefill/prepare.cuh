@@ -1,0 +1,475 @@
+// prepare.cuh — kernel A of the CUDA prefill: everything of a 64-token chunk that does not depend
+// on the state, for one (chunk slot, value head), written to the workspace record (common.cuh).
+//
+// Mirrors src/cpu/prefill_chunked.cpp (same chunk, same 16-token sub-chunks, same exactness rules):
+//   q, k  <- l2norm (scale folded into q);  a = log decay (gate form);  G = cumsum_t a  (fp32)
+//   Akk[t,s] = sum_k k_t k_s exp(G_t - G_s)  (s < t),  Aqk[t,s] = same with q_t (s <= t)
+//   Tm = (I + diag(b) Akk)^-1 diag(b)   (block inversion of the unit lower triangle)
+//   W = Tm (exp(G) k),  qg = exp(G) q,  kbT = (exp(G_L - G) k)^T,  gL = exp(G_L)
+// Exact for unbounded decays: every exp() below has an argument <= 0 except the diagonal 16x16
+// blocks, which factor exp(G_t - G_s) = exp(G_t - G_m) exp(G_m - G_s) around the block's middle
+// token m only when both factors stay within e^+-45 (always for the lower-bound gate, |a| <= 5);
+// other blocks take pairwise differences exp(G_t - G_s) (t >= s, argument <= 0).
+//
+// Products use tf32 mma.sync (m16n8k8, fp32 accumulate): operands are fp32 values rounded to
+// tf32 (10-bit mantissa); Tm and Aqk leave this kernel tf32-rounded so kernel B sees exactly the
+// matrices used here. 256 threads, ~107 KB shared memory: two blocks per SM.
+#pragma once
+
+#include "cuda/prefill/common.cuh"
+
+namespace kda::cuda::pf {
+
+// Shared memory of the prepare kernel. Pitches are chosen for conflict-free fragment reads.
+inline constexpr int kQkPitch = 136;  // bf16/fp16 per row of raw q, k (272 B)
+inline constexpr int kGPitch = 132;   // fp32 per row of G (528 B)
+inline constexpr int kMPitch = 72;    // fp32 per row of M = I + diag(b) Akk and X = M^-1 (288 B)
+inline constexpr int kSmQr = 0;                                   // raw q  [64][136] 16-bit
+inline constexpr int kSmKr = kSmQr + kChunk * kQkPitch * 2;       // raw k  [64][136] 16-bit
+inline constexpr int kSmG = kSmKr + kChunk * kQkPitch * 2;        // G      [64][132] fp32
+inline constexpr int kSmInvQ = kSmG + kChunk * kGPitch * 4;       // scale / ||q_t||  [64]
+inline constexpr int kSmInvK = kSmInvQ + kChunk * 4;              // 1 / ||k_t||      [64]
+inline constexpr int kSmBeta = kSmInvK + kChunk * 4;              // b_t              [64]
+inline constexpr int kSmM = kSmBeta + kChunk * 4;                 // M      [64][72] fp32
+inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X, then Tm [64][72] fp32
+inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // block products [3][16][16]
+inline constexpr int kSmInfo = kSmP + 3 * 256 * 4;                // chunk location (int64 x 4)
+inline constexpr int kPrepareSmemBytes = kSmInfo + 64;            // 109,376
+inline constexpr int kPrepareThreads = 256;
+
+// Largest sequence n with slot_base(n) <= slot (varlen): a 32-ary search by one warp.
+__device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, int lane) {
+  int64_t lo = 0, hi = p.N;  // the answer lies in [lo, hi); slot_base(0) = 0 <= slot
+  while (hi - lo > 1) {
+    const int64_t span = hi - lo;
+    const int64_t cand = span <= 32 ? lo + lane : lo + (span * lane) / 32;  // lane 0 -> lo
+    const bool ok = cand < hi && varlen_base(p, cand) <= slot;
+    const unsigned m = __ballot_sync(0xffffffffu, ok);
+    const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
+    const int64_t new_lo = __shfl_sync(0xffffffffu, cand, i);
+    const int64_t next = __shfl_sync(0xffffffffu, cand, i < 31 ? i + 1 : 31);
+    hi = span <= 32 ? new_lo + 1 : (i < 31 ? next : hi);
+    lo = new_lo;
+  }
+  return lo;
+}
+
+// 8 consecutive 16-bit elements (16 bytes) of a token tensor at element offset `off`.
+__device__ __forceinline__ uint4 load8_b16(const TokenView& t, int64_t off) {
+  const uint16_t* p = static_cast<const uint16_t*>(t.data) + off;
+  if (t.vec) return ld_global_16(p);
+  uint32_t w[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
+  return make_uint4(w[0], w[1], w[2], w[3]);
+}
+
+// 8 consecutive gate inputs (q's dtype or fp32) as fp32.
+template <bool kFp16>
+__device__ __forceinline__ void load8_gate(const TokenView& t, int64_t off, float (&x)[8]) {
+  if (t.dtype == kF32) {
+    const float* p = static_cast<const float*>(t.data) + off;
+    if (t.vec) {
+      const uint4 a = ld_global_16(p), b = ld_global_16(p + 4);
+      x[0] = __uint_as_float(a.x); x[1] = __uint_as_float(a.y); x[2] = __uint_as_float(a.z); x[3] = __uint_as_float(a.w);
+      x[4] = __uint_as_float(b.x); x[5] = __uint_as_float(b.y); x[6] = __uint_as_float(b.z); x[7] = __uint_as_float(b.w);
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = p[i];
+    }
+  } else {
+    const uint4 r = load8_b16(t, off);
+    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      x[2 * i] = lo_f32<kFp16>(w[i]);
+      x[2 * i + 1] = hi_f32<kFp16>(w[i]);
+    }
+  }
+}
+
+// Akk / Aqk tiles of row block i (rows 16i..16i+15) against column tiles [tile0, tile0 + ntiles)
+// (8 columns each), factored around reference token r: operands k_t exp(G_t - G_r) and
+// k_s exp(G_r - G_s), normalized (q also scaled), rounded to tf32. Results go to M (b_t Akk, s < t)
+// and to the Aqk record (s <= t; zero above the diagonal).
+template <int kMaxTiles, bool kFp16>
+__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t* kr, const float* G,
+                                              const float* invq, const float* invk, const float* bet,
+                                              float* M, float* rec_aqk, int i, int r, int tile0, int ntiles,
+                                              int g, int c) {
+  float acc_k[kMaxTiles][4], acc_q[kMaxTiles][4];
+#pragma unroll
+  for (int jt = 0; jt < kMaxTiles; ++jt)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
+  const int ta = 16 * i + g, tb = ta + 8;
+  const float ika = invk[ta], ikb = invk[tb], iqa = invq[ta], iqb = invq[tb];
+#pragma unroll 4
+  for (int ks = 0; ks < 16; ++ks) {
+    const int c0 = 8 * ks + c, c1 = c0 + 4;  // natural k mapping: slot c <-> c0, slot c+4 <-> c1
+    const float gr0 = G[r * kGPitch + c0], gr1 = G[r * kGPitch + c1];
+    const float ea0 = __expf(G[ta * kGPitch + c0] - gr0), eb0 = __expf(G[tb * kGPitch + c0] - gr0);
+    const float ea1 = __expf(G[ta * kGPitch + c1] - gr1), eb1 = __expf(G[tb * kGPitch + c1] - gr1);
+    const uint32_t ak[4] = {f32_to_tf32(in_to_f32<kFp16>(kr[ta * kQkPitch + c0]) * ika * ea0),
+                            f32_to_tf32(in_to_f32<kFp16>(kr[tb * kQkPitch + c0]) * ikb * eb0),
+                            f32_to_tf32(in_to_f32<kFp16>(kr[ta * kQkPitch + c1]) * ika * ea1),
+                            f32_to_tf32(in_to_f32<kFp16>(kr[tb * kQkPitch + c1]) * ikb * eb1)};
+    const uint32_t aq[4] = {f32_to_tf32(in_to_f32<kFp16>(qr[ta * kQkPitch + c0]) * iqa * ea0),
+                            f32_to_tf32(in_to_f32<kFp16>(qr[tb * kQkPitch + c0]) * iqb * eb0),
+                            f32_to_tf32(in_to_f32<kFp16>(qr[ta * kQkPitch + c1]) * iqa * ea1),
+                            f32_to_tf32(in_to_f32<kFp16>(qr[tb * kQkPitch + c1]) * iqb * eb1)};
+#pragma unroll
+    for (int jt = 0; jt < kMaxTiles; ++jt) {
+      if (jt < ntiles) {
+        const int s = 8 * (tile0 + jt) + g;
+        const float iks = invk[s];
+        const uint32_t b0 = f32_to_tf32(in_to_f32<kFp16>(kr[s * kQkPitch + c0]) * iks * __expf(gr0 - G[s * kGPitch + c0]));
+        const uint32_t b1 = f32_to_tf32(in_to_f32<kFp16>(kr[s * kQkPitch + c1]) * iks * __expf(gr1 - G[s * kGPitch + c1]));
+        mma_tf32(acc_k[jt], ak, b0, b1);
+        mma_tf32(acc_q[jt], aq, b0, b1);
+      }
+    }
+  }
+#pragma unroll
+  for (int jt = 0; jt < kMaxTiles; ++jt) {
+    if (jt < ntiles) {
+      const int s = 8 * (tile0 + jt) + 2 * c;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
+        const int t = h ? tb : ta;
+        const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
+        const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
+        if (s < t) M[t * kMPitch + s] = bet[t] * k0;
+        if (s + 1 < t) M[t * kMPitch + s + 1] = bet[t] * k1;
+        const float2 v = make_float2(s <= t ? tf32_round(q0) : 0.f, s + 1 <= t ? tf32_round(q1) : 0.f);
+        *reinterpret_cast<float2*>(rec_aqk + swizzle_f32(t, s)) = v;
+      }
+    }
+  }
+}
+
+// Diagonal block i by pairwise differences (any decay): lanes = 16 columns s x 2 channel halves.
+template <bool kFp16>
+__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const uint16_t* kr, const float* G,
+                                                      const float* invq, const float* invk, const float* bet,
+                                                      float* M, float* rec_aqk, int i, int lane) {
+  const int sl = lane & 15, hc = lane >> 4, s = 16 * i + sl;
+  for (int tl = 0; tl < 16; ++tl) {
+    const int t = 16 * i + tl;
+    float sk = 0.f, sq = 0.f;
+    if (sl <= tl) {
+      for (int m = 0; m < 64; ++m) {
+        const int cc = 64 * hc + ((m + (sl >> 3) + 2 * hc) & 63);  // rotated: fewer bank conflicts
+        const float e = __expf(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
+        const float ks = in_to_f32<kFp16>(kr[s * kQkPitch + cc]) * e;
+        sk = fmaf(in_to_f32<kFp16>(kr[t * kQkPitch + cc]), ks, sk);
+        sq = fmaf(in_to_f32<kFp16>(qr[t * kQkPitch + cc]), ks, sq);
+      }
+    }
+    sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+    if (hc == 0) {
+      if (sl < tl) M[t * kMPitch + s] = bet[t] * sk * invk[t] * invk[s];
+      rec_aqk[swizzle_f32(t, s)] = sl <= tl ? tf32_round(sq * invq[t] * invk[s]) : 0.f;
+    }
+  }
+}
+
+template <bool kFp16>
+__global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  uint16_t* qr = reinterpret_cast<uint16_t*>(smem + kSmQr);
+  uint16_t* kr = reinterpret_cast<uint16_t*>(smem + kSmKr);
+  float* G = reinterpret_cast<float*>(smem + kSmG);
+  float* invq = reinterpret_cast<float*>(smem + kSmInvQ);
+  float* invk = reinterpret_cast<float*>(smem + kSmInvK);
+  float* bet = reinterpret_cast<float*>(smem + kSmBeta);
+  float* M = reinterpret_cast<float*>(smem + kSmM);
+  float* X = reinterpret_cast<float*>(smem + kSmX);
+  float* P = reinterpret_cast<float*>(smem + kSmP);
+  int64_t* info = reinterpret_cast<int64_t*>(smem + kSmInfo);
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+
+  // ---- Locate the chunk: slot -> (sequence n, chunk j) -> tokens [t0, t0 + L) of batch row b.
+  int64_t b, t0;
+  int L;
+  if (!p.varlen) {
+    const int64_t n = slot / p.chunks_per_seq, j = slot % p.chunks_per_seq;
+    b = n;
+    t0 = j * kChunk;
+    L = static_cast<int>(clamp64(p.T - t0, 0, kChunk));
+  } else {
+    if (warp == 0) {
+      const int64_t n = find_sequence(p, slot, lane);
+      if (lane == 0) {
+        const SeqSpan sp = seq_span(p, n);
+        const int64_t j = slot - sp.base;
+        info[0] = sp.bos + j * kChunk;
+        info[1] = (j < 0 || j * kChunk >= sp.len) ? 0 : clamp64(sp.len - j * kChunk, 0, kChunk);
+      }
+    }
+    __syncthreads();
+    b = 0;
+    t0 = info[0];
+    L = static_cast<int>(info[1]);
+  }
+  if (L <= 0) return;  // an unused slot of a varlen batch
+  uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
+  float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
+
+  // ---- Load q, k (raw), gate -> log decay a, beta. Thread: rows rr + 16 pass, channels 8ch..8ch+7.
+  {
+    const int h = hv / p.groups;
+    const int ch = tid & 15, rr = tid >> 4;
+    const float exp_a = p.A_log ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+    float bias[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) bias[i] = p.dt_bias ? p.dt_bias[hv * p.dt_bias_s + 8 * ch + i] : 0.f;
+    uint4 qv[4], kv[4];
+    float gv[4][8];
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {  // every load in flight before the first use
+      const int row = 16 * pass + rr;
+      if (row < L) {
+        const int64_t tok = t0 + row;
+        qv[pass] = load8_b16(p.q, p.q.offset(b, tok, h) + 8 * ch);
+        kv[pass] = load8_b16(p.k, p.k.offset(b, tok, h) + 8 * ch);
+        load8_gate<kFp16>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gv[pass]);
+      } else {
+        qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) gv[pass][i] = 0.f;
+      }
+    }
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+      const int row = 16 * pass + rr;
+      const bool valid = row < L;
+      *reinterpret_cast<uint4*>(qr + row * kQkPitch + 8 * ch) = qv[pass];
+      *reinterpret_cast<uint4*>(kr + row * kQkPitch + 8 * ch) = kv[pass];
+      const uint32_t wq[4] = {qv[pass].x, qv[pass].y, qv[pass].z, qv[pass].w};
+      const uint32_t wk[4] = {kv[pass].x, kv[pass].y, kv[pass].z, kv[pass].w};
+      float ssq = 0.f, ssk = 0.f;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const float q0 = lo_f32<kFp16>(wq[i]), q1 = hi_f32<kFp16>(wq[i]);
+        const float k0 = lo_f32<kFp16>(wk[i]), k1 = hi_f32<kFp16>(wk[i]);
+        ssq = fmaf(q0, q0, fmaf(q1, q1, ssq));
+        ssk = fmaf(k0, k0, fmaf(k1, k1, ssk));
+      }
+#pragma unroll
+      for (int o = 8; o >= 1; o >>= 1) {  // the 16 threads of a row are one half-warp
+        ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
+        ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+      }
+      float a[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i)
+        a[i] = valid ? detail::log_decay<float>(p.gate_form, gv[pass][i], exp_a, bias[i], p.lower_bound) : 0.f;
+      *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch) = make_float4(a[0], a[1], a[2], a[3]);
+      *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch + 4) = make_float4(a[4], a[5], a[6], a[7]);
+      if (ch == 0) {
+        const float eps = static_cast<float>(detail::kL2NormEps);
+        invq[row] = p.l2norm ? p.scale / sqrtf(ssq + eps) : p.scale;
+        invk[row] = p.l2norm ? 1.f / sqrtf(ssk + eps) : 1.f;
+        float bt = 0.f;
+        if (valid) {
+          const float braw = load_any(p.beta.data, p.beta.dtype, p.beta.offset(b, t0 + row, hv));
+          bt = detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw);
+        }
+        bet[row] = bt;
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- G = cumulative log decay over the chunk (padded tokens have a = 0: G_t = G_{L-1}).
+  {
+    const int cc = tid & 127, half = tid >> 7;
+    float run = 0.f;
+    for (int r = 32 * half; r < 32 * half + 32; ++r) {
+      run += G[r * kGPitch + cc];
+      G[r * kGPitch + cc] = run;
+    }
+    __syncthreads();
+    if (half == 1) {
+      const float base = G[31 * kGPitch + cc];
+      for (int r = 32; r < 64; ++r) G[r * kGPitch + cc] += base;
+    }
+  }
+  __syncthreads();
+
+  // ---- Akk (into M = b_t Akk), Aqk (into the record). Warps 0-3: diagonal block i = warp around
+  // its middle token (or pairwise); warps 4-7: off-diagonal tiles of row blocks 3, 3, 2, 1 with
+  // reference = the row block's first token.
+  if (warp < 4) {
+    const int i = warp, m = 16 * i + 8;
+    float span = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int cc = lane + 32 * q;
+      span = fmaxf(span, fmaxf(G[(16 * i) * kGPitch + cc] - G[m * kGPitch + cc],
+                               G[m * kGPitch + cc] - G[(16 * i + 15) * kGPitch + cc]));
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+    if (span <= 45.f) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
+      akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, 2, g, c);
+    } else {
+      akk_aqk_diag_pairwise<kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, lane);
+    }
+  } else {
+    // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2)
+    const int w = warp - 4;
+    const int i = w < 2 ? 3 : (w == 2 ? 2 : 1);
+    const int tile0 = w == 1 ? 3 : 0;
+    const int ntiles = w < 2 ? 3 : (w == 2 ? 4 : 2);
+    akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, 16 * i, tile0, ntiles, g, c);
+  }
+  __syncthreads();
+
+  // ---- X = M^-1 (unit lower triangular). Diagonal 16x16 blocks: warp i, lane = column.
+  if (warp < 4) {
+    const int i = warp, jj = lane & 15;
+    float x[16];
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float acc = (t == jj) ? 1.f : 0.f;
+#pragma unroll
+      for (int s = 0; s < t; ++s) acc = fmaf(-M[(16 * i + t) * kMPitch + 16 * i + s], x[s], acc);
+      x[t] = acc;
+    }
+    if (lane < 16) {
+#pragma unroll
+      for (int t = 0; t < 16; ++t) X[(16 * i + t) * kMPitch + 16 * i + jj] = x[t];
+    }
+  }
+  __syncthreads();
+  // Off-diagonal blocks by distance d = i - j: X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.
+  {
+    const int er = tid >> 4, ec = tid & 15;
+    for (int d = 1; d < 4; ++d) {
+      for (int j = 0; j + d < 4; ++j) {
+        const int i = j + d;
+        float acc = 0.f;
+        for (int k = j; k < i; ++k)
+#pragma unroll
+          for (int m = 0; m < 16; ++m)
+            acc = fmaf(M[(16 * i + er) * kMPitch + 16 * k + m], X[(16 * k + m) * kMPitch + 16 * j + ec], acc);
+        P[j * 256 + er * 16 + ec] = acc;
+      }
+      __syncthreads();
+      for (int j = 0; j + d < 4; ++j) {
+        const int i = j + d;
+        float acc = 0.f;
+#pragma unroll
+        for (int m = 0; m < 16; ++m) acc = fmaf(X[(16 * i + er) * kMPitch + 16 * i + m], P[j * 256 + m * 16 + ec], acc);
+        X[(16 * i + er) * kMPitch + 16 * j + ec] = -acc;
+      }
+      __syncthreads();
+    }
+  }
+
+  // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into X and the record.
+  {
+    float* rec_tm = reinterpret_cast<float*>(rec + kOffTm);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int task = tid + kPrepareThreads * m, row = task >> 4, col = (task & 15) * 4;
+      float v[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int s = col + e;
+        v[e] = s < 16 * (row / 16 + 1) ? tf32_round(X[row * kMPitch + s] * bet[s]) : 0.f;
+      }
+      *reinterpret_cast<float4*>(X + row * kMPitch + col) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(rec_tm + swizzle_f32(row, col)) = make_float4(v[0], v[1], v[2], v[3]);
+    }
+  }
+  __syncthreads();
+
+  // ---- W = Tm (exp(G) k): warp w owns channels [16w, 16w + 16); k-steps over tokens s with the
+  // paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
+  {
+    float acc[4][2][4];
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[mi][nt][e] = 0.f;
+#pragma unroll
+    for (int sk = 0; sk < 8; ++sk) {
+      const int s0 = 8 * sk + 2 * c, s1 = s0 + 1;
+      uint32_t bb[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = 16 * warp + 8 * nt + g;
+        bb[nt][0] = f32_to_tf32(in_to_f32<kFp16>(kr[s0 * kQkPitch + col]) * invk[s0] * __expf(G[s0 * kGPitch + col]));
+        bb[nt][1] = f32_to_tf32(in_to_f32<kFp16>(kr[s1 * kQkPitch + col]) * invk[s1] * __expf(G[s1 * kGPitch + col]));
+      }
+#pragma unroll
+      for (int mi = 0; mi < 4; ++mi) {
+        if (sk <= 2 * mi + 1) {  // rows 16mi.. need tokens s <= t only
+          const int ta = 16 * mi + g;
+          const float2 xa = *reinterpret_cast<const float2*>(X + ta * kMPitch + s0);
+          const float2 xb = *reinterpret_cast<const float2*>(X + (ta + 8) * kMPitch + s0);
+          const uint32_t a[4] = {__float_as_uint(xa.x), __float_as_uint(xb.x), __float_as_uint(xa.y),
+                                 __float_as_uint(xb.y)};
+          mma_tf32(acc[mi][0], a, bb[0][0], bb[0][1]);
+          mma_tf32(acc[mi][1], a, bb[1][0], bb[1][1]);
+        }
+      }
+    }
+    uint16_t* rec_w = reinterpret_cast<uint16_t*>(rec + kOffW);
+#pragma unroll
+    for (int mi = 0; mi < 4; ++mi)
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+        const int col = 16 * warp + 8 * nt + 2 * c, ta = 16 * mi + g;
+        *reinterpret_cast<uint32_t*>(rec_w + swizzle_b16(ta, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
+        *reinterpret_cast<uint32_t*>(rec_w + swizzle_b16(ta + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
+      }
+  }
+
+  // ---- qg = exp(G) q (bf16), kbT = (exp(G_L - G) k)^T (tf32), gL = exp(G_L).
+  {
+    uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int task = tid + kPrepareThreads * m, t = task >> 4, col = (task & 15) * 8;
+      const uint4 raw = *reinterpret_cast<const uint4*>(qr + t * kQkPitch + col);
+      const float4 ga = *reinterpret_cast<const float4*>(G + t * kGPitch + col);
+      const float4 gb = *reinterpret_cast<const float4*>(G + t * kGPitch + col + 4);
+      const float iq = invq[t];
+      const float gg[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
+      uint32_t o[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        o[e] = pack_bf16(lo_f32<kFp16>(w[e]) * iq * __expf(gg[2 * e]), hi_f32<kFp16>(w[e]) * iq * __expf(gg[2 * e + 1]));
+      *reinterpret_cast<uint4*>(rec_qg + swizzle_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
+    }
+    float* rec_kbt = reinterpret_cast<float*>(rec + kOffKbT);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int task = tid + kPrepareThreads * m, kk = task & 127, sg = task >> 7;
+      const float gl = G[(kChunk - 1) * kGPitch + kk];
+      float v[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) {
+        const int s = 8 * sg + e;
+        v[e] = tf32_round(in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * __expf(gl - G[s * kGPitch + kk]));
+      }
+      *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg)) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg + 4)) = make_float4(v[4], v[5], v[6], v[7]);
+    }
+    if (tid < kHeadDim)
+      reinterpret_cast<float*>(rec + kOffGL)[tid] = expf(G[(kChunk - 1) * kGPitch + tid]);
+  }
+}
+
+}  // namespace kda::cuda::pf

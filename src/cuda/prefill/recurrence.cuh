@@ -1,0 +1,301 @@
+// recurrence.cuh — kernel B of the CUDA prefill: the sequential walk over the chunks of one
+// (sequence, value head, value slice), with the state slice in registers (fp32).
+//
+// Per chunk (math of src/cpu/prefill_chunked.cpp, written transposed so that the state S^T
+// [V][K] is the accumulator of every product that updates it; S^T rows = value columns):
+//   U^T  = v^T Tm^T - S^T W^T                    (bf16 S^T W^T; tf32 v^T Tm^T)
+//   O^T  = S^T qg^T + U^T Aqk^T                  (bf16; tf32, Aqk lower triangular)
+//   S^T <- S^T diag(exp(G_L)) + U^T kb           (tf32)
+// Warp w owns 16 value rows of S^T: accumulators S^T 16x128 (64 fp32 per thread), U^T and O^T
+// 16x64 (32 each). Warps never exchange data; they share the chunk's operands in shared memory.
+//
+// Pipeline: two stages, each = the chunk's workspace record (one bulk copy, mbarrier) + the v tile
+// [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in flight
+// while chunk c computes. The output tile goes through the stage's W area (free once every warp
+// has passed the first product) with stmatrix, then out with 16-byte coalesced stores.
+// Shared memory: 2 x (98,816 + 128 vs) + 16 bytes (230,416 at vs = 128): one block per SM.
+#pragma once
+
+#include "cuda/prefill/common.cuh"
+
+namespace kda::cuda::pf {
+
+__host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return kRecordBytes + kChunk * vs * 2; }
+__host__ __device__ constexpr int recurrence_smem_bytes(int vs) { return 2 * recurrence_stage_bytes(vs) + 16; }
+
+// Element offset of state element (value row v, key column kk) of head hv in row `row`.
+__device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst, int64_t row, int hv, int v, int kk) {
+  return row * s.s0 + hv * s.s1 + (kfirst ? static_cast<int64_t>(kk) * s.s2 + v : static_cast<int64_t>(v) * s.s2 + kk);
+}
+
+// This thread's S^T elements: acc[j][e] = S^T[vw + g + 8 (e >> 1)][8j + 2c + (e & 1)].
+__device__ __forceinline__ void load_state(float (&acc)[16][4], const StateView& s, bool kfirst, int64_t row,
+                                           int hv, int vw, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[j][e] = load_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), 8 * j + 2 * c + (e & 1)));
+}
+__device__ __forceinline__ void store_state(const float (&acc)[16][4], const StateView& s, bool kfirst, int64_t row,
+                                            int hv, int vw, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      store_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), 8 * j + 2 * c + (e & 1)),
+                acc[j][e]);
+}
+
+template <bool kFp16>
+__global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+  extern __shared__ __align__(128) uint8_t smem[];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+  const int nthreads = blockDim.x;  // 2 vs
+  const int vs = p.vs;
+  const int slice = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.nslices));
+  const int64_t pair = blockIdx.x / static_cast<unsigned>(p.nslices);
+  const int hv = static_cast<int>(pair % p.HV);
+  const int64_t n = pair / p.HV;
+  const SeqSpan sp = seq_span(p, n);
+  const int64_t nchunks = (sp.len + kChunk - 1) / kChunk;
+  const int vcol0 = slice * vs;        // first value column of this block
+  const int vw = vcol0 + 16 * warp;    // first value row of S^T owned by this warp
+  const int sbytes = recurrence_stage_bytes(vs);
+  const uint32_t smem0 = smem_u32(smem);
+  const uint32_t bar0 = smem0 + 2 * sbytes;  // two mbarriers (8 bytes each)
+
+  // ---- Initial state (pool slot, initial_state row n, or zero).
+  float accS[16][4];
+  int64_t slot = -1;
+  if (p.has_pool) {
+    slot = p.pool_idx.load(n);
+    if (slot < 0 || slot >= p.pool.rows) slot = -1;
+  }
+  if (slot >= 0) {
+    load_state(accS, p.pool, p.kfirst, slot, hv, vw, g, c);
+  } else if (!p.has_pool && p.h0.data != nullptr) {
+    load_state(accS, p.h0, p.kfirst, n, hv, vw, g, c);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accS[j][e] = 0.f;
+  }
+  int64_t ck_lo = 0, ck_hi = 0;
+  if (p.ckpt_every > 0) {
+    ck_lo = p.ckpt_off.load(n);
+    const int64_t hi = p.ckpt_off.load(n + 1);
+    ck_hi = hi < p.ckpt.rows ? hi : p.ckpt.rows;
+  }
+
+  if (tid == 0) {
+    mbar_init(bar0, 1);
+    mbar_init(bar0 + 8, 1);
+    fence_barrier_init();
+  }
+  __syncthreads();
+
+  // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy) and the v tile.
+  auto issue = [&](int64_t ci) {
+    const int st = static_cast<int>(ci & 1);
+    const uint32_t sdst = smem0 + st * sbytes;
+    if (tid == 0) {
+      const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
+      const uint32_t bar = bar0 + 8 * st;
+      mbar_arrive_expect_tx(bar, kRecordBytes);
+      for (int off = 0; off < kRecordBytes; off += 32768) {
+        const int bytes = kRecordBytes - off < 32768 ? kRecordBytes - off : 32768;
+        bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
+      }
+    }
+    const int cpr = vs >> 3;  // 16-byte chunks per row
+    const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
+    for (int task = tid; task < kChunk * cpr; task += nthreads) {
+      const int r = task / cpr, ch = task % cpr;
+      const int64_t tl = ci * kChunk + r;
+      const bool valid = tl < sp.len;
+      const int soff = kRecordBytes + swizzle_vtile(r, ch, vs);
+      const int64_t goff = valid ? p.v.offset(sp.b, sp.bos + tl, hv) + vcol0 + 8 * ch : 0;
+      if (p.v.vec) {
+        cp_async_16(sdst + soff, vbase + goff, valid ? 16 : 0);
+      } else {
+        uint32_t w[4] = {0, 0, 0, 0};
+        if (valid)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            w[i] = static_cast<uint32_t>(vbase[goff + 2 * i]) | (static_cast<uint32_t>(vbase[goff + 2 * i + 1]) << 16);
+        *reinterpret_cast<uint4*>(smem + st * sbytes + soff) = make_uint4(w[0], w[1], w[2], w[3]);
+      }
+    }
+    cp_async_commit();
+  };
+
+  if (nchunks > 0) issue(0);
+  for (int64_t ci = 0; ci < nchunks; ++ci) {
+    const int st = static_cast<int>(ci & 1);
+    uint8_t* sb = smem + st * sbytes;
+    cp_async_wait<0>();
+    mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
+    __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
+    if (ci + 1 < nchunks) issue(ci + 1);
+    const int L = static_cast<int>(sp.len - ci * kChunk < kChunk ? sp.len - ci * kChunk : kChunk);
+
+    // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators).
+    float accU[8][4], accO[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accU[j][e] = accO[j][e] = 0.f;
+    {
+      const uint32_t w_base = smem_u32(sb + kOffW), q_base = smem_u32(sb + kOffQg);
+#pragma unroll
+      for (int kq = 0; kq < 8; ++kq) {
+        const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
+                               pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
+                               pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
+#pragma unroll
+        for (int pp = 0; pp < 4; ++pp) {
+          // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
+          const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
+          const int col = (2 * kq + ((lane >> 3) & 1)) * 8;
+          const uint32_t off = static_cast<uint32_t>(swizzle_b16(row, col)) * 2;
+          uint32_t bw[4], bq[4];
+          ldmatrix_x4(bw, w_base + off);
+          ldmatrix_x4(bq, q_base + off);
+          mma_bf16(accU[2 * pp], a, bw[0], bw[1]);
+          mma_bf16(accU[2 * pp + 1], a, bw[2], bw[3]);
+          mma_bf16(accO[2 * pp], a, bq[0], bq[1]);
+          mma_bf16(accO[2 * pp + 1], a, bq[2], bq[3]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accU[j][e] = -accU[j][e];
+
+    // ---- U^T += v^T Tm^T (tf32, Tm lower triangular: t-tile j needs s-steps sj <= j). v^T comes
+    // from the v tile by ldmatrix.trans: 16-bit pairs (s = 2c, 2c+1) are the k-slots c, c+4.
+    {
+      const uint32_t v_base = smem_u32(sb + kRecordBytes);
+      const float* tm = reinterpret_cast<const float*>(sb + kOffTm);
+#pragma unroll
+      for (int hh = 0; hh < 4; ++hh) {
+        const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
+        const int chunk = 2 * warp + ((lane >> 3) & 1);
+        uint32_t va[4];
+        ldmatrix_x4_trans(va, v_base + swizzle_vtile(row, chunk, vs));
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int sj = 2 * hh + half;
+          const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])), __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
+                                 __float_as_uint(hi_f32<kFp16>(va[2 * half])), __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
+#pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (j >= sj) {
+              const float2 b = *reinterpret_cast<const float2*>(tm + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
+              mma_tf32(accU[j], a, __float_as_uint(b.x), __float_as_uint(b.y));
+            }
+          }
+        }
+      }
+    }
+
+    // ---- U^T as tf32 A operands (k-slot c <-> token 2c, c+4 <-> 2c+1 of each 8-token step).
+    uint32_t ua[8][4];
+#pragma unroll
+    for (int sj = 0; sj < 8; ++sj) {
+      ua[sj][0] = f32_to_tf32(accU[sj][0]);
+      ua[sj][1] = f32_to_tf32(accU[sj][2]);
+      ua[sj][2] = f32_to_tf32(accU[sj][1]);
+      ua[sj][3] = f32_to_tf32(accU[sj][3]);
+    }
+
+    // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal).
+    {
+      const float* aqk = reinterpret_cast<const float*>(sb + kOffAqk);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int sj = 0; sj < 8; ++sj) {
+          if (sj <= j) {
+            const float2 b = *reinterpret_cast<const float2*>(aqk + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
+            mma_tf32(accO[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+          }
+        }
+    }
+
+    // ---- S^T <- S^T diag(exp(G_L)) + U^T kb (tf32).
+    {
+      const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
+      const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * c);
+        accS[j][0] *= d.x;
+        accS[j][1] *= d.y;
+        accS[j][2] *= d.x;
+        accS[j][3] *= d.y;
+#pragma unroll
+        for (int sj = 0; sj < 8; ++sj) {
+          const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
+          mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+        }
+      }
+    }
+
+    // ---- Output: O^T tile -> shared [t][vs] (stmatrix.trans into the stage's W area) -> out.
+    __syncthreads();  // every warp is past its reads of W
+    {
+      const uint32_t o_base = smem_u32(sb + kOffW);
+#pragma unroll
+      for (int jj = 0; jj < 4; ++jj) {
+        const int row = 16 * jj + ((lane >> 4) << 3) + (lane & 7);
+        const int chunk = 2 * warp + ((lane >> 3) & 1);
+        stmatrix_x4_trans(o_base + swizzle_vtile(row, chunk, vs), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
+                          pack_out<kFp16>(accO[2 * jj][2], accO[2 * jj][3]),
+                          pack_out<kFp16>(accO[2 * jj + 1][0], accO[2 * jj + 1][1]),
+                          pack_out<kFp16>(accO[2 * jj + 1][2], accO[2 * jj + 1][3]));
+      }
+    }
+    __syncthreads();
+    {
+      const int cpr = vs >> 3;
+      uint16_t* obase = static_cast<uint16_t*>(const_cast<void*>(p.out.data));
+      for (int task = tid; task < kChunk * cpr; task += nthreads) {
+        const int r = task / cpr, ch = task % cpr;
+        if (r < L) {
+          const uint4 x = *reinterpret_cast<const uint4*>(sb + kOffW + swizzle_vtile(r, ch, vs));
+          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vcol0 + 8 * ch;
+          if (p.out.vec) {
+            *reinterpret_cast<uint4*>(obase + goff) = x;
+          } else {
+            const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+              obase[goff + 2 * i] = static_cast<uint16_t>(w[i] & 0xffffu);
+              obase[goff + 2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
+            }
+          }
+        }
+      }
+    }
+    fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
+
+    // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
+    if (p.ckpt_every > 0 && L == kChunk) {
+      const int64_t done = (ci + 1) * kChunk;
+      if (done % p.ckpt_every == 0) {
+        const int64_t row = ck_lo + done / p.ckpt_every - 1;
+        if (row >= 0 && row < ck_hi) store_state(accS, p.ckpt, p.kfirst, row, hv, vw, g, c);
+      }
+    }
+  }
+
+  // ---- Final state.
+  if (!p.has_pool && p.ht.data != nullptr) store_state(accS, p.ht, p.kfirst, n, hv, vw, g, c);
+  if (slot >= 0) store_state(accS, p.pool, p.kfirst, slot, hv, vw, g, c);
+}
+
+}  // namespace kda::cuda::pf

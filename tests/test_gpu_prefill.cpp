@@ -1,0 +1,528 @@
+// test_gpu_prefill.cpp — CUDA prefill (src/cuda/prefill_sm90.cu) against the fp64 reference.
+//
+// Every GPU test starts with KDA_SKIP_WITHOUT_SM90(). The reference is kda::prefill with
+// Backend::kCpuReference on widen(data): the same (bf16/fp16-exact) inputs in fp32, computed in
+// fp64. Tolerances (relative L2 over the whole tensor) are derived from where the kernel rounds:
+//   * output bf16: the rounding of the stored result alone is ~1.7e-3 (tolerance_for(bf16) =
+//     3e-3 leaves room for the kernel's own error, measured 1e-4..5e-4 on top in emulation);
+//   * output fp16: the result rounding is ~2.5e-4, but the kernel keeps the state operand of
+//     S^T W^T and S^T qg^T and the W / qg operands in bf16 (docs/perf_notes.md, "Precision"),
+//     which adds up to ~1.5e-3 under weak decay (long memory): 2.5e-3;
+//   * states fp32: everything that updates the state is tf32/fp32 (~3e-4..7e-4): 2e-3;
+//     bf16 / fp16 states add their own rounding (1.7e-3 / 2.5e-4): 3.5e-3 / 2e-3.
+#include <cuda_runtime_api.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <memory>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "core/kda_math.h"
+#include "cuda/prefill/heuristics.h"
+#include "gpu_support.h"
+#include "support.h"
+
+namespace kda::test {
+namespace {
+
+// ---------------------------------------------------------------------------------------------
+// Running the CUDA prefill on a PrefillData
+// ---------------------------------------------------------------------------------------------
+
+// Results of one CUDA run, downloaded into host tensors of the inputs' layouts.
+struct GpuResult {
+  Status status;
+  HostTensor out, ht, pool, ckpt;
+};
+
+// Device mirrors of every tensor of `d`.
+struct DeviceData {
+  std::vector<std::unique_ptr<DeviceTensor>> keep;
+  PrefillParams p;
+  DeviceTensor *out = nullptr, *ht = nullptr, *pool = nullptr, *ckpt = nullptr;
+
+  explicit DeviceData(const PrefillData& d) {
+    p = d.params();
+    auto dev = [&](const HostTensor& h) -> DeviceTensor* {
+      keep.push_back(std::make_unique<DeviceTensor>(h));
+      return keep.back().get();
+    };
+    p.q = dev(d.q)->view();
+    p.k = dev(d.k)->view();
+    p.v = dev(d.v)->view();
+    p.g = dev(d.g)->view();
+    p.beta = dev(d.beta)->view();
+    p.A_log = dev(d.A_log)->view();
+    p.dt_bias = dev(d.dt_bias)->view();
+    p.cu_seqlens = dev(d.cu)->view();
+    out = dev(d.out);
+    p.out = out->view();
+    p.initial_state = dev(d.h0)->view();
+    ht = dev(d.ht);
+    p.final_state = ht->view();
+    pool = dev(d.pool);
+    p.state_pool = pool->view();
+    p.state_indices = dev(d.idx)->view();
+    ckpt = dev(d.ckpt);
+    p.checkpoints = ckpt->view();
+    p.checkpoint_offsets = dev(d.ckpt_off)->view();
+    p.exec.backend = Backend::kCuda;
+  }
+};
+
+// Device workspace of `bytes` (freed on destruction).
+struct DeviceBuffer {
+  void* ptr = nullptr;
+  explicit DeviceBuffer(size_t bytes) {
+    if (bytes) KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
+  }
+  ~DeviceBuffer() {
+    if (ptr) cudaFree(ptr);
+  }
+};
+
+void download(const DeviceTensor* dt, const HostTensor& like, HostTensor* dst) {
+  if (like.empty()) return;
+  *dst = like;
+  dt->download(*dst);
+}
+
+// Runs the CUDA prefill on device copies of `d` (poisoned outputs included).
+GpuResult run_cuda(const PrefillData& d, cudaStream_t stream = nullptr) {
+  GpuResult r;
+  DeviceData dd(d);
+  size_t bytes = 0;
+  r.status = prefill_workspace_size(dd.p, &bytes);
+  if (!r.status.ok()) return r;
+  DeviceBuffer ws(bytes);
+  dd.p.exec.workspace = ws.ptr;
+  dd.p.exec.workspace_bytes = bytes;
+  dd.p.exec.stream = stream;
+  r.status = prefill(dd.p);
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  KDA_TEST_CUDA(cudaGetLastError());
+  download(dd.out, d.out, &r.out);
+  download(dd.ht, d.ht, &r.ht);
+  download(dd.pool, d.pool, &r.pool);
+  download(dd.ckpt, d.ckpt, &r.ckpt);
+  return r;
+}
+
+// The fp64 reference on the widened inputs.
+PrefillData run_reference(const PrefillData& d) {
+  PrefillData ref = widen(d);
+  PrefillParams p = ref.params();
+  p.exec.backend = Backend::kCpuReference;
+  const Status s = prefill(p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return ref;
+}
+
+double out_tolerance(DType dt) { return dt == DType::kFloat16 ? 2.5e-3 : tolerance_for(DType::kBFloat16); }
+double state_tolerance(DType dt) {
+  switch (dt) {
+    case DType::kBFloat16: return 3.5e-3;
+    case DType::kFloat16: return 2e-3;
+    default: return 2e-3;
+  }
+}
+
+void expect_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
+  if (got.empty()) return;
+  const Compare c = compare(got, ref, tol);
+  EXPECT_TRUE(c.ok(tol)) << what << ": rel_l2 " << c.rel_l2 << " (tol " << tol << "), max_abs " << c.max_abs
+                         << ", nonfinite " << c.nonfinite << ";" << c.first_mismatches;
+}
+
+// Rows [row, row + 1) of a state tensor [rows, ...] compared bit for bit.
+bool rows_bitwise_equal(const HostTensor& a, const HostTensor& b, int64_t row_a, int64_t row_b) {
+  const int64_t per_row = a.numel() / a.shape[0];
+  const size_t es = dtype_size(a.dtype);
+  for (int64_t i = 0; i < per_row; ++i)
+    if (std::memcmp(a.storage.data() + a.offset(row_a * per_row + i) * es,
+                    b.storage.data() + b.offset(row_b * per_row + i) * es, es) != 0)
+      return false;
+  return true;
+}
+
+PrefillCase base_case() {
+  PrefillCase c;
+  c.K = 128;
+  c.V = 128;
+  c.dtype = DType::kBFloat16;
+  return c;
+}
+
+// With use_qk_l2norm off the kernel takes q, k as given. Random keys of norm ~sqrt(K) make the
+// recurrence expansive (|1 - b |k|^2| >> 1): outputs grow like 1e8 within 80 tokens and every
+// rounding is amplified (the fp32 CPU backend lands at ~6e-6, 100x its epsilon; the kernel's tf32
+// intermediates at ~1e-2). Callers that switch the in-kernel norm off normalize outside, so the
+// tests do the same, to norm 0.5 (a kernel that normalized anyway would fail).
+void normalize_rows(HostTensor& t, double norm) {
+  const int64_t dim = t.shape.back(), rows = t.numel() / dim;
+  for (int64_t r = 0; r < rows; ++r) {
+    double ss = 0;
+    for (int64_t i = 0; i < dim; ++i) ss += t.get(r * dim + i) * t.get(r * dim + i);
+    const double f = ss > 0 ? norm / std::sqrt(ss) : 0.0;
+    for (int64_t i = 0; i < dim; ++i) t.set(r * dim + i, t.get(r * dim + i) * f);
+  }
+}
+
+PrefillData make_data(const PrefillCase& c) {
+  PrefillData d = make_prefill(c);
+  if (!c.l2norm) {
+    normalize_rows(d.q, 0.5);
+    normalize_rows(d.k, 0.5);
+  }
+  return d;
+}
+
+std::string sanitize(std::string s) {
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Parameterized sweep
+// ---------------------------------------------------------------------------------------------
+
+std::vector<PrefillCase> sweep_cases() {
+  std::vector<PrefillCase> v;
+  auto add = [&](auto&& edit) {
+    PrefillCase c = base_case();
+    edit(c);
+    v.push_back(c);
+  };
+  // Lengths: dense, below / at / above a chunk; varlen with empty and long sequences.
+  for (int64_t T : {1, 15, 63, 64, 65, 200}) add([&](PrefillCase& c) { c.seqlens = {T}; });
+  add([](PrefillCase& c) { c.seqlens = {300, 300}; });
+  add([](PrefillCase& c) { c.seqlens = {1000}; c.H = 1; c.HV = 1; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {0, 1, 15, 63, 64, 65, 1000}; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {5, 0}; });
+  add([](PrefillCase& c) {  // many short sequences: the slot search of the prepare kernel
+    c.varlen = true;
+    c.seqlens.clear();
+    for (int i = 0; i < 70; ++i) c.seqlens.push_back((i * 37) % 90);
+    c.H = 1;
+    c.HV = 1;
+  });
+  // GVA and head counts.
+  add([](PrefillCase& c) { c.H = 2; c.HV = 6; c.seqlens = {130}; });
+  add([](PrefillCase& c) { c.H = 1; c.HV = 1; c.seqlens = {129}; });
+  add([](PrefillCase& c) { c.H = 3; c.HV = 12; c.varlen = true; c.seqlens = {70, 3}; });
+  // Gate forms.
+  add([](PrefillCase& c) { c.gate = GateForm::kLowerBound; c.seqlens = {150}; });
+  add([](PrefillCase& c) { c.gate = GateForm::kLowerBound; c.lower_bound = -0.05; c.seqlens = {300}; });
+  add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.seqlens = {150}; });
+  add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.gate_extreme = -1000; c.seqlens = {150}; });
+  add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.weak_decay = true; c.seqlens = {300}; });
+  // Beta forms.
+  add([](PrefillCase& c) { c.beta = BetaForm::kActivated; c.seqlens = {100}; });
+  add([](PrefillCase& c) { c.allow_neg_eigval = true; c.seqlens = {100}; });
+  // Normalization off (keys normalized by the caller, see make_data).
+  add([](PrefillCase& c) { c.l2norm = false; c.seqlens = {80}; });
+  add([](PrefillCase& c) { c.l2norm = false; c.gate = GateForm::kLowerBound; c.beta = BetaForm::kActivated; c.seqlens = {140}; });
+  // States.
+  add([](PrefillCase& c) { c.init = InitState::kNone; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.init = InitState::kZero; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.final_state = false; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.layout = StateLayout::kKFirst; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.state_dtype = DType::kBFloat16; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.state_dtype = DType::kFloat16; c.layout = StateLayout::kKFirst; c.seqlens = {90}; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {100, 0, 64, 7}; c.pool = true; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {130, 20, 64}; c.pool = true; c.state_dtype = DType::kBFloat16; });
+  // Checkpoints.
+  add([](PrefillCase& c) { c.seqlens = {200, 200}; c.checkpoint_every = 64; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {300, 0, 127, 128}; c.checkpoint_every = 128; c.layout = StateLayout::kKFirst; });
+  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {256, 64, 5}; c.checkpoint_every = 64; c.pool = true; });
+  // Strided q/k/v/g/beta (rows not 16-byte aligned: the scalar load paths).
+  add([](PrefillCase& c) { c.strided = true; c.seqlens = {100}; c.H = 2; c.HV = 4; });
+  add([](PrefillCase& c) { c.strided = true; c.varlen = true; c.seqlens = {33, 70}; c.gate = GateForm::kLowerBound; });
+  // fp16.
+  add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.seqlens = {150}; });
+  add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.varlen = true; c.seqlens = {1, 64, 99}; c.state_dtype = DType::kFloat16; });
+  add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.gate = GateForm::kPrecomputed; c.weak_decay = true; c.seqlens = {256}; });
+  return v;
+}
+
+class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
+
+TEST_P(GpuPrefillSweep, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const PrefillCase& c = GetParam();
+  const PrefillData d = make_data(c);
+  const PrefillData ref = run_reference(d);
+  const GpuResult r = run_cuda(d);
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  expect_close("out", r.out, ref.out, out_tolerance(c.dtype));
+  const double st = state_tolerance(c.state_dtype);
+  expect_close("final_state", r.ht, ref.ht, st);
+  expect_close("state_pool", r.pool, ref.pool, st);
+  expect_close("checkpoints", r.ckpt, ref.ckpt, st);
+
+  // Empty sequences pass their state through unchanged (bit for bit: load and store round-trip).
+  if (!d.h0.empty() && !d.ht.empty() && d.h0.dtype == d.ht.dtype)
+    for (int64_t n = 0; n < d.N; ++n)
+      if (d.cu_host[n + 1] == d.cu_host[n]) EXPECT_TRUE(rows_bitwise_equal(r.ht, d.h0, n, n)) << "sequence " << n;
+  // Pool slots that no sequence owns stay untouched; so does the slot of a sequence whose index
+  // is -1 (it starts from zero and writes nothing).
+  if (c.pool) {
+    std::set<int64_t> used;
+    for (int64_t n = 0; n < d.N; ++n) used.insert(static_cast<int64_t>(d.idx.get(n)));
+    for (int64_t s = 0; s < d.pool.shape[0]; ++s)
+      if (!used.count(s)) EXPECT_TRUE(rows_bitwise_equal(r.pool, d.pool, s, s)) << "untouched pool slot " << s;
+  }
+  // Checkpoint rows that no sequence reaches stay as initialized (zero).
+  if (c.checkpoint_every > 0) {
+    const int64_t rows = d.ckpt.shape[0], written = static_cast<int64_t>(d.ckpt_off.get(d.N));
+    for (int64_t row = written; row < rows; ++row) EXPECT_TRUE(rows_bitwise_equal(r.ckpt, d.ckpt, row, row));
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
+                         [](const ::testing::TestParamInfo<PrefillCase>& info) {
+                           return sanitize(info.param.name());
+                         });
+
+// ---------------------------------------------------------------------------------------------
+// Single tests
+// ---------------------------------------------------------------------------------------------
+
+TEST(GpuPrefillSmoke, DenseBf16) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.seqlens = {130, 130};
+  c.gate = GateForm::kLowerBound;
+  const PrefillData d = make_prefill(c);
+  const PrefillData ref = run_reference(d);
+  const GpuResult r = run_cuda(d);
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  expect_close("out", r.out, ref.out, out_tolerance(c.dtype));
+  expect_close("final_state", r.ht, ref.ht, state_tolerance(c.state_dtype));
+}
+
+TEST(GpuPrefillSmoke, VarlenPoolCheckpointsStrided) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.varlen = true;
+  c.seqlens = {0, 1, 70, 128};
+  c.pool = true;
+  c.checkpoint_every = 64;
+  c.strided = true;
+  c.layout = StateLayout::kKFirst;
+  c.state_dtype = DType::kBFloat16;
+  c.H = 1;
+  c.HV = 2;
+  const PrefillData d = make_prefill(c);
+  const PrefillData ref = run_reference(d);
+  const GpuResult r = run_cuda(d);
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  expect_close("out", r.out, ref.out, out_tolerance(c.dtype));
+  expect_close("state_pool", r.pool, ref.pool, state_tolerance(c.state_dtype));
+  expect_close("checkpoints", r.ckpt, ref.ckpt, state_tolerance(c.state_dtype));
+}
+
+TEST(GpuPrefill, BitwiseDeterministic) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.varlen = true;
+  c.seqlens = {300, 17, 64};
+  c.checkpoint_every = 64;
+  const PrefillData d = make_prefill(c);
+  const GpuResult a = run_cuda(d), b = run_cuda(d);
+  ASSERT_TRUE(a.status.ok() && b.status.ok());
+  EXPECT_TRUE(bitwise_equal(a.out, b.out));
+  EXPECT_TRUE(bitwise_equal(a.ht, b.ht));
+  EXPECT_TRUE(bitwise_equal(a.ckpt, b.ckpt));
+}
+
+// The accuracy bar of targets.md (case A): 1 x 8192 tokens, H = 8, bf16 inputs, initial state
+// 0.05 randn (bf16-exact); output <= 4.5e-3 and final state <= 3.5e-3 rel L2 vs the fp64
+// recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), and the softplus form.
+void accuracy_case_a(GateForm gate, double lower_bound) {
+  PrefillCase c = base_case();
+  c.seqlens = {8192};
+  c.H = 8;
+  c.HV = 8;
+  c.gate = gate;
+  c.lower_bound = lower_bound;
+  c.beta = BetaForm::kLogits;
+  c.seed = 2026;
+  PrefillData d = make_prefill(c);
+  for (int64_t i = 0; i < d.h0.numel(); ++i)
+    d.h0.set(i, detail::bf16_bits_to_float(detail::float_to_bf16_bits(static_cast<float>(0.5 * d.h0.get(i)))));
+  const PrefillData ref = run_reference(d);
+  const GpuResult r = run_cuda(d);
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const Compare co = compare(r.out, ref.out, 4.5e-3), cs = compare(r.ht, ref.ht, 3.5e-3);
+  std::printf("  case A (gate %d, lb %g): output rel L2 %.3e, final state rel L2 %.3e\n", static_cast<int>(gate),
+              lower_bound, co.rel_l2, cs.rel_l2);
+  EXPECT_TRUE(co.ok(4.5e-3)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
+  EXPECT_TRUE(cs.ok(3.5e-3)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
+}
+
+TEST(GpuPrefillAccuracy, CaseALowerBound) {
+  KDA_SKIP_WITHOUT_SM90();
+  accuracy_case_a(GateForm::kLowerBound, -5.0);
+}
+TEST(GpuPrefillAccuracy, CaseASoftplus) {
+  KDA_SKIP_WITHOUT_SM90();
+  accuracy_case_a(GateForm::kSoftplus, -5.0);
+}
+TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
+  KDA_SKIP_WITHOUT_SM90();
+  accuracy_case_a(GateForm::kLowerBound, -0.05);
+}
+
+// Error does not grow with the sequence length (the state stays fp32).
+TEST(GpuPrefillAccuracy, ErrorFlatInLength) {
+  KDA_SKIP_WITHOUT_SM90();
+  double err[2];
+  const int64_t lens[2] = {512, 4096};
+  for (int i = 0; i < 2; ++i) {
+    PrefillCase c = base_case();
+    c.seqlens = {lens[i]};
+    c.H = 2;
+    c.HV = 2;
+    c.gate = GateForm::kLowerBound;
+    c.lower_bound = -0.05;
+    const PrefillData d = make_prefill(c);
+    const PrefillData ref = run_reference(d);
+    const GpuResult r = run_cuda(d);
+    ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+    err[i] = compare(r.out, ref.out, 1).rel_l2;
+  }
+  EXPECT_LT(err[1], 1.5 * err[0] + 2e-4) << "T=512: " << err[0] << ", T=4096: " << err[1];
+}
+
+// Captured into a CUDA graph and replayed: same result as a direct call (no allocation or
+// synchronization inside the call).
+TEST(GpuPrefill, CudaGraphCapture) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.varlen = true;
+  c.seqlens = {100, 64, 0, 31};
+  c.final_state = true;
+  const PrefillData d = make_prefill(c);
+  const GpuResult direct = run_cuda(d);
+  ASSERT_TRUE(direct.status.ok()) << direct.status.to_string();
+
+  DeviceData dd(d);
+  size_t bytes = 0;
+  ASSERT_TRUE(prefill_workspace_size(dd.p, &bytes).ok());
+  DeviceBuffer ws(bytes);
+  cudaStream_t stream;
+  KDA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  dd.p.exec.workspace = ws.ptr;
+  dd.p.exec.workspace_bytes = bytes;
+  dd.p.exec.stream = stream;
+  cudaGraph_t graph;
+  KDA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status s = prefill(dd.p);
+  KDA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  ASSERT_TRUE(s.ok()) << s.to_string();
+  cudaGraphExec_t exec;
+  KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+  KDA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+  HostTensor out = d.out, ht = d.ht;
+  dd.out->download(out);
+  dd.ht->download(ht);
+  EXPECT_TRUE(bitwise_equal(out, direct.out));
+  EXPECT_TRUE(bitwise_equal(ht, direct.ht));
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  cudaStreamDestroy(stream);
+}
+
+TEST(GpuPrefill, WorkspaceTooSmall) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.seqlens = {100};
+  const PrefillData d = make_prefill(c);
+  DeviceData dd(d);
+  size_t bytes = 0;
+  ASSERT_TRUE(prefill_workspace_size(dd.p, &bytes).ok());
+  ASSERT_GT(bytes, 0u);
+  DeviceBuffer ws(bytes);
+  dd.p.exec.workspace = ws.ptr;
+  dd.p.exec.workspace_bytes = bytes - 1;
+  Status s = prefill(dd.p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("exec.workspace"), std::string::npos) << s.message();
+  dd.p.exec.workspace = nullptr;
+  dd.p.exec.workspace_bytes = 0;
+  s = prefill(dd.p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  // Nothing was written: the output is still the poison pattern.
+  HostTensor out = d.out;
+  dd.out->download(out);
+  EXPECT_TRUE(bitwise_equal(out, d.out));
+}
+
+TEST(GpuPrefill, UnsupportedHeadDim) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.K = 64;
+  c.V = 64;
+  c.seqlens = {10};
+  const PrefillData d = make_prefill(c);
+  DeviceData dd(d);
+  const Status s = prefill(dd.p);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("'q'"), std::string::npos) << s.message();
+}
+
+TEST(GpuPrefill, UnsupportedFp32Inputs) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.dtype = DType::kFloat32;
+  c.seqlens = {10};
+  const PrefillData d = make_prefill(c);
+  DeviceData dd(d);
+  const Status s = prefill(dd.p);
+  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
+  EXPECT_NE(s.message().find("'q'"), std::string::npos) << s.message();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Launch heuristics (pure host functions: no GPU needed)
+// ---------------------------------------------------------------------------------------------
+
+TEST(PrefillHeuristics, ValueSplit) {
+  using cuda::pf::recurrence_value_split;
+  EXPECT_EQ(recurrence_value_split(96, 132), 128);   // P1
+  EXPECT_EQ(recurrence_value_split(64, 132), 64);    // P2
+  EXPECT_EQ(recurrence_value_split(32, 132), 32);    // P5, P7
+  EXPECT_EQ(recurrence_value_split(512, 132), 128);  // P6
+  EXPECT_EQ(recurrence_value_split(1, 132), 16);
+  EXPECT_EQ(recurrence_value_split(0, 132), 16);
+}
+
+TEST(PrefillHeuristics, ChunkSlots) {
+  using cuda::pf::prefill_chunk_slots;
+  EXPECT_EQ(prefill_chunk_slots(false, 2, 130, 2), 6);
+  EXPECT_EQ(prefill_chunk_slots(false, 1, 0, 1), 0);
+  EXPECT_EQ(prefill_chunk_slots(true, 1, 1300 + 547 + 2048 + 963 + 271 + 3063, 6), 8192 / 64 + 6);
+  EXPECT_EQ(prefill_chunk_slots(true, 1, 0, 0), 0);
+  // Every sequence's chunks fit below the bound for any split of T tokens.
+  const std::vector<int64_t> lens = {1, 63, 64, 65, 0, 127, 129, 5};
+  int64_t T = 0;
+  for (int64_t l : lens) T += l;
+  const int64_t slots = prefill_chunk_slots(true, 1, T, static_cast<int64_t>(lens.size()));
+  int64_t bos = 0, prev_end = 0;
+  for (size_t n = 0; n < lens.size(); ++n) {
+    const int64_t base = bos / 64 + static_cast<int64_t>(n), chunks = (lens[n] + 63) / 64;
+    EXPECT_GE(base, prev_end);
+    EXPECT_LE(base + chunks, slots);
+    prev_end = base + chunks;
+    bos += lens[n];
+  }
+}
+
+}  // namespace
+}  // namespace kda::test
