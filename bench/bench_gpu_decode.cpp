@@ -11,6 +11,9 @@
 // q, k, v, g, beta, out) / time. Graph cases capture 1 call (or 20 calls) in a CUDA graph and time
 // the replay (divided by the number of calls).
 //
+// Kernel: the library's choice (the persistent kernel on this setup); KDA_CUDA_DECODE_KERNEL=tile
+// (or =baseline) in the environment times the other kernels on the same cases.
+//
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
 #include <cuda_runtime_api.h>
 

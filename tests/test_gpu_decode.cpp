@@ -43,6 +43,10 @@ struct GpuDecodeCase {
   bool state_strided = false;   // pool with padded (unaligned) strides: no 16-byte vectors
   bool drop_token_slot = false; // [N, T] indices: one row's last write slot is -1 (skipped)
   bool baseline = false;        // run the baseline kernel (KDA_CUDA_DECODE_KERNEL=baseline)
+  bool tile = false;            // run the tile kernel where the persistent one would run (=tile)
+  int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
+  bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
+  int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
 
   std::string name() const {
     std::string s = c.name();
@@ -58,6 +62,10 @@ struct GpuDecodeCase {
     if (state_strided) s += "_ststrided";
     if (drop_token_slot) s += "_dropslot";
     if (baseline) s += "_baseline";
+    if (tile) s += "_tile";
+    if (grid > 0) s += "_grid" + std::to_string(grid);
+    if (state_aligned_pad) s += "_stpadal";
+    if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
     for (char& ch : s)
       if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
     return s;
@@ -108,6 +116,9 @@ DecodeData make_data(const GpuDecodeCase& gc) {
     if (gc.strided == 2) *t = restride(*t, 8, fill);
   }
   if (gc.state_strided) d.state = pad_unaligned(d.state, 0x00);
+  if (gc.state_aligned_pad) d.state = restride(d.state, 8, 0x00);
+  if (gc.pad_every > 0 && d.idx.shape.size() == 1)
+    for (int64_t n = 1; n < d.N; n += gc.pad_every) d.idx.set(n, -1);
   if (gc.drop_token_slot && d.idx.shape.size() == 2 && d.N >= 2 && d.idx.shape[1] >= 2) {
     const int64_t cols = d.idx.shape[1];
     const int64_t read_col = d.nat.empty() ? 0 : static_cast<int64_t>(d.nat.get(1)) - 1;
@@ -123,18 +134,19 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.gate.lower_bound = gc.lower_bound;
 }
 
-// Sets KDA_CUDA_DECODE_KERNEL=baseline while alive.
-class BaselineKernel {
+// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile) and KDA_CUDA_DECODE_GRID while alive.
+class KernelChoice {
  public:
-  explicit BaselineKernel(bool on) : on_(on) {
-    if (on_) setenv("KDA_CUDA_DECODE_KERNEL", "baseline", 1);
+  explicit KernelChoice(const GpuDecodeCase& gc) {
+    if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
+    if (gc.grid > 0) setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
   }
-  ~BaselineKernel() {
-    if (on_) unsetenv("KDA_CUDA_DECODE_KERNEL");
+  ~KernelChoice() {
+    unsetenv("KDA_CUDA_DECODE_KERNEL");
+    unsetenv("KDA_CUDA_DECODE_GRID");
   }
-
- private:
-  bool on_;
+  KernelChoice(const KernelChoice&) = delete;
+  KernelChoice& operator=(const KernelChoice&) = delete;
 };
 
 // Device copies of every tensor of a DecodeData, and the DecodeParams that point at them.
@@ -181,7 +193,7 @@ DecodeData run_gpu(const DecodeData& d, const GpuDecodeCase& gc, Status* status 
   DeviceDecode dev(d, gc);
   Status s;
   {
-    BaselineKernel bk(gc.baseline);
+    KernelChoice kc(gc);
     s = decode(dev.p);
   }
   KDA_TEST_CUDA(cudaDeviceSynchronize());
@@ -558,6 +570,68 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.c.state_dtype = DType::kBFloat16;
     v.push_back(g);
   }
+  // The persistent kernel's pipeline (V-first, K = 128, dense, T <= 8): a small forced grid, so
+  // every block walks hundreds of work items around its ring of stages many times; the item
+  // count is not a multiple of the grid; padding rows are interleaved (their stages carry no
+  // state copy); T > 1 with per-token write slots and per-token states; bf16 state (8 stages);
+  // a pool whose rows are aligned but not contiguous (one bulk copy per row).
+  {
+    GpuDecodeCase g = base(128);
+    g.c.N = 40;
+    g.c.H = 4;
+    g.c.HV = 8;
+    g.c.padding = true;
+    g.pad_every = 3;
+    g.grid = 7;
+    v.push_back(g);
+    g.pad_every = 0;
+    g.c.state_dtype = DType::kBFloat16;
+    g.c.T = 3;
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.grid = 5;
+    v.push_back(g);
+    g = base(128);
+    g.c.N = 33;
+    g.c.H = 2;
+    g.c.HV = 8;
+    g.c.T = 4;
+    g.c.intermediate = true;
+    g.c.padding = true;
+    g.grid = 3;
+    v.push_back(g);
+    g = base(128);
+    g.c.N = 21;
+    g.c.HV = 6;
+    g.c.H = 3;
+    g.c.T = 2;
+    g.c.final_state_separate = true;
+    g.c.padding = true;
+    g.state_aligned_pad = true;
+    g.grid = 4;
+    v.push_back(g);
+    g.c.state_dtype = DType::kBFloat16;
+    g.c.use_initial_state = false;
+    g.grid = 1;
+    v.push_back(g);
+    g = base(128);
+    g.c.N = 17;
+    g.c.T = 8;  // the largest T the persistent kernel takes (2 stages for fp32)
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.padding = true;
+    g.grid = 2;
+    v.push_back(g);
+    g = base(128);  // the default grid with more items than resident blocks
+    g.c.N = 48;
+    g.c.H = 8;
+    g.c.HV = 16;
+    g.c.padding = true;
+    g.pad_every = 5;
+    v.push_back(g);
+    g.tile = true;  // the tile kernel on the shape the persistent one takes
+    v.push_back(g);
+  }
   // The baseline kernel on the harder cases.
   {
     GpuDecodeCase g = base(64);
@@ -731,6 +805,33 @@ TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
   KDA_TEST_CUDA(cudaGraphExecDestroy(exec));
   KDA_TEST_CUDA(cudaGraphDestroy(graph));
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
+}
+
+// The persistent kernel (the default for V-first K = 128 dense decode) and the tile kernel agree,
+// also with a small grid (many items per block, ring wrap-around).
+TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (DType st : {DType::kFloat32, DType::kBFloat16}) {
+    GpuDecodeCase gc = base(128);
+    gc.c.N = 24;
+    gc.c.H = 4;
+    gc.c.HV = 8;
+    gc.c.T = 2;
+    gc.c.state_dtype = st;
+    gc.c.padding = true;
+    gc.c.intermediate = true;
+    gc.c.out_dtype = DType::kFloat32;
+    const DecodeData d = make_data(gc);
+    gc.tile = true;
+    const DecodeData tile = run_gpu(d, gc);
+    gc.tile = false;
+    gc.grid = 5;
+    const DecodeData pers = run_gpu(d, gc);
+    const double tol = st == DType::kFloat32 ? 1e-6 : 1e-5;
+    expect_close("out (persistent vs tile)", pers.out, tile.out, tol);
+    expect_close("state (persistent vs tile)", pers.state, tile.state, tol);
+    expect_close("inter (persistent vs tile)", pers.inter, tile.inter, tol);
+  }
 }
 
 // The fast kernel and the baseline kernel agree (the differential test of the two CUDA paths).

@@ -22,24 +22,57 @@
 // rounded back to bf16 after every token, exactly as the reference does; the output of a token
 // reads the state before that rounding (as the reference does).
 //
+// Persistent kernel (the hot shape: V-first, K = V = 128, fp32 or bf16 pool with 16-byte
+// aligned rows, dense tokens, T <= 8; see "The persistent kernel" below). The tile kernel above
+// is latency bound: a block's life is index load -> state load -> token staging -> compute ->
+// store, and registers cap residency at 6 blocks (96 KB of state loads) per SM, in flight only
+// during the load phase (measured 2.8-3.0 TB/s at B = 256-1024, bf16 state no faster than fp32).
+// The persistent kernel decouples the two: grid = min(items, 3 x SMs) blocks of 4 consumer warps +
+// 1 producer warp; work items (n, hv, 32-row tile) are dealt round robin; the producer keeps a
+// ring of S stages in shared memory filled with 1-D bulk copies (cp.async.bulk -> mbarrier
+// transaction counts), S x 16 KB (fp32) or S x 8 KB (bf16) of state in flight per block, and
+// preprocesses the item's tokens (l2 norm, scale, gate, beta) into the stage, once per item
+// instead of once per warp. Its index loads and token-0 input loads for item i + 1 are issued
+// before it finishes item i, so the per-item chain is one load latency, hidden behind the ring.
+// The consumers read the tile from shared memory (each quarter warp reads one 128-byte run of a
+// row: no bank conflicts), run the same recurrence_token as the tile kernel (bitwise the same
+// arithmetic), release the stage, and store the new state from registers with 16-byte streaming
+// stores. At B = 1 (128 items, one per block) the chain is index + token loads together -> state
+// copy -> compute -> store, one dependent load shorter than the tile kernel's.
+//
 // Byte model (what the benchmark counts): state 2 x B x HV x K x V x sizeof(state) (read once,
 // written once; more writes with per-token states) + q, k, v, g, beta, out once each. The extra
 // traffic of the redundant q/k/g reads (V/32 tiles per head, HV/H heads per q/k head) hits L2.
+// Prediction (persistent kernel): per SM 3 blocks x (S - 1) x 16 KB = 144 KB fp32 (3 x 6 x 8 KB
+// bf16) of reads in flight at all times, well above the ~25-35 KB of reads that Little's law
+// asks per SM at ~4 TB/s (read + write) and 1.5-2 us loaded latency, so DRAM-bound: ~3.7-3.9
+// TB/s at B = 256 / 1024, >= 3 TB/s at B = 32 (10 items per block; the ramp of the first stage is the cost), the bf16 state at
+// about half the fp32 time, T = 4 at about the T = 1 time (the state traffic is the same; the
+// per-token work is in the producer and the consumers' FMAs).
 //
-// Budget (ptxas 13.0, sm_90a): the V-first K = 128 tiles use 79 (fp32) / 80 (bf16) registers and
-// 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state loads in
-// flight) fit on an SM; no kernel spills.
+// Budget (ptxas 13.0, sm_90a): the tile kernel's V-first K = 128 tiles use 79 (fp32) / 80 (bf16)
+// registers and 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state
+// loads in flight) fit on an SM. The persistent kernel: 160 threads, 124 (fp32) / 117 (bf16)
+// registers (3 blocks x 5 warps x 128 x 32 = 61440 <= 64 K), dynamic shared memory 128 B of
+// barriers + S stages of 16 KB (8 KB) state + T x 1792 B tokens + 80 B descriptor, S = min(8,
+// (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
+// T = 8). No kernel spills.
 //
-// Kernels: decode_sm90_kernel<kMaxK, StateT, kKFirst> (kMaxK in {64, 128, 256}: K is padded up to
-// it with masked lanes; 12 instantiations), and decode_baseline_kernel, a plain one-thread-per-
-// value-column version kept as the differential baseline (KDA_CUDA_DECODE_KERNEL=baseline).
+// Kernels: decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK, StateT,
+// kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked lanes; 12
+// instantiations; every shape the persistent kernel does not take), and decode_baseline_kernel,
+// a plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
+// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile overrides it, KDA_CUDA_DECODE_GRID
+// caps the persistent grid (a test hook: many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -330,6 +363,57 @@ __device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int6
   }
 }
 
+// One token of the recurrence on the thread's tile s (Map layout), the preprocessed token in
+// shared memory (q: l2-normalized and scaled, k: l2-normalized, decay = exp(a_t); all indexed by
+// k), vv / bt: v and the activated beta of the thread's rows (columns). o: the outputs of the
+// thread's rows, summed over the row's lanes (every lane of a group holds the same bits).
+//   S <- diag(exp a) S;  u = b (v - S^T k);  S <- S + k u^T;  o = S^T q
+template <class Map, bool kBf16State>
+__device__ __forceinline__ void recurrence_token(const Map& m, float (&s)[Map::kVt][Map::kKt], const float* __restrict__ q_sh,
+                                                 const float* __restrict__ k_sh, const float* __restrict__ d_sh,
+                                                 const float (&vv)[Map::kVt], const float (&bt)[Map::kVt],
+                                                 float (&o)[Map::kVt]) {
+  constexpr int kVt = Map::kVt, kKt = Map::kKt, kRun = Map::kRun;
+  constexpr int kKLanes = Map::kKLanes;
+  float sk[kVt] = {};
+#pragma unroll
+  for (int k4 = 0; k4 < kKt; k4 += 4) {
+    const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
+    const float4 d4 = *reinterpret_cast<const float4*>(&d_sh[kx]);
+    const float4 kv4 = *reinterpret_cast<const float4*>(&k_sh[kx]);
+    const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int vt = 0; vt < kVt; ++vt) {
+        s[vt][k4 + e] *= d[e];
+        sk[vt] = fmaf(s[vt][k4 + e], kv[e], sk[vt]);
+      }
+  }
+  float u[kVt];
+#pragma unroll
+  for (int vt = 0; vt < kVt; ++vt) u[vt] = bt[vt] * (vv[vt] - dec::lane_group_sum<kKLanes>(sk[vt]));
+#pragma unroll
+  for (int vt = 0; vt < kVt; ++vt) o[vt] = 0.f;
+#pragma unroll
+  for (int k4 = 0; k4 < kKt; k4 += 4) {
+    const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
+    const float4 q4 = *reinterpret_cast<const float4*>(&q_sh[kx]);
+    const float4 kv4 = *reinterpret_cast<const float4*>(&k_sh[kx]);
+    const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int vt = 0; vt < kVt; ++vt) {
+        s[vt][k4 + e] = fmaf(kv[e], u[vt], s[vt][k4 + e]);
+        o[vt] = fmaf(s[vt][k4 + e], qv[e], o[vt]);  // o reads the state before the bf16 rounding
+        if (kBf16State) s[vt][k4 + e] = dec::round_bf16(s[vt][k4 + e]);
+      }
+  }
+#pragma unroll
+  for (int vt = 0; vt < kVt; ++vt) o[vt] = dec::lane_group_sum<kKLanes>(o[vt]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // The fast kernel
 // ---------------------------------------------------------------------------------------------
@@ -338,8 +422,7 @@ template <int kMaxK, typename StateT, bool kKFirst>
 __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, TileMap<kMaxK, StateT, kKFirst>::kMinBlocks)
     decode_sm90_kernel(const __grid_constant__ DecodeArgs a) {
   using Map = TileMap<kMaxK, StateT, kKFirst>;
-  constexpr int kVt = Map::kVt, kKt = Map::kKt, kRun = Map::kRun;
-  constexpr int kKLanes = Map::kKLanes;
+  constexpr int kVt = Map::kVt, kKt = Map::kKt;
   constexpr bool kBf16State = sizeof(StateT) == 2;
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows / columns)
@@ -397,43 +480,8 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
     __syncwarp();
 
     // ---- Recurrence: S <- diag(exp a) S;  u = b (v - S^T k);  S <- S + k u^T;  o = S^T q
-    //      (q, k, decay are read from the warp's slice 4 elements at a time)
-    float sk[kVt] = {};
-#pragma unroll
-    for (int k4 = 0; k4 < kKt; k4 += 4) {
-      const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
-      const float4 d4 = *reinterpret_cast<const float4*>(&sh.decay[kx]);
-      const float4 kv4 = *reinterpret_cast<const float4*>(&sh.k[kx]);
-      const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int vt = 0; vt < kVt; ++vt) {
-          s[vt][k4 + e] *= d[e];
-          sk[vt] = fmaf(s[vt][k4 + e], kv[e], sk[vt]);
-        }
-    }
-    float u[kVt];
-#pragma unroll
-    for (int vt = 0; vt < kVt; ++vt) u[vt] = bt[vt] * (vv[vt] - dec::lane_group_sum<kKLanes>(sk[vt]));
-    float o[kVt] = {};
-#pragma unroll
-    for (int k4 = 0; k4 < kKt; k4 += 4) {
-      const int kx = m.k_of_run(k4 / kRun) + k4 % kRun;
-      const float4 q4 = *reinterpret_cast<const float4*>(&sh.q[kx]);
-      const float4 kv4 = *reinterpret_cast<const float4*>(&sh.k[kx]);
-      const float qv[4] = {q4.x, q4.y, q4.z, q4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-#pragma unroll
-        for (int vt = 0; vt < kVt; ++vt) {
-          s[vt][k4 + e] = fmaf(kv[e], u[vt], s[vt][k4 + e]);
-          o[vt] = fmaf(s[vt][k4 + e], qv[e], o[vt]);  // o reads the state before the bf16 rounding
-          if (kBf16State) s[vt][k4 + e] = dec::round_bf16(s[vt][k4 + e]);
-        }
-    }
-#pragma unroll
-    for (int vt = 0; vt < kVt; ++vt) o[vt] = dec::lane_group_sum<kKLanes>(o[vt]);
+    float o[kVt];
+    recurrence_token<Map, kBf16State>(m, s, sh.q, sh.k, sh.decay, vv, bt, o);
     __syncwarp();  // the slice is free for the next token
 
     // ---- Output row of this token
@@ -458,6 +506,346 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
   if (a.store_final_state && !a.has_intermediate && !a.indices_2d) {
     if (a.has_final_state) store_state_tile<Map, StateT, kKFirst>(m, a.final_state, n, hv, a.K, s);
     else store_state_tile<Map, StateT, kKFirst>(m, a.state, row.slot, hv, a.K, s);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The persistent kernel (V-first, K = V = 128, fp32 or bf16 state, dense tokens, T <= 8)
+// ---------------------------------------------------------------------------------------------
+//
+// Work item = (sequence n, value head hv, tile of 32 value rows), item j = (n * HV + hv) * 4 +
+// tile; block b handles items b, b + G, b + 2G, ... (G = gridDim.x <= 3 blocks per SM). Each block
+// is 4 consumer warps (the tile kernel's thread map, 128 threads, 32 state elements per thread)
+// and 1 producer warp, around a ring of S stages in dynamic shared memory (S = 2..8, chosen by the
+// host from T and the state dtype so that 3 blocks fit an SM). Stage layout:
+//   state tile   32 rows x 128 k of StateT (16 KB fp32 / 8 KB bf16), a bulk copy of global memory
+//   tokens[T]    per token: q (l2-normalized, scaled), k (l2-normalized), decay = exp(a_t) over k,
+//                v and activated beta of the tile's 32 rows (1792 bytes), written by the producer
+//   ItemDesc     the read slot (-1: padding row) and the [N, Tmax] write slots of every token
+// Barriers: full[s] (33 producer arrivals: lane 0's expect_tx one and, after the stage writes,
+// one per lane; + the state tile's bytes), empty[s] (128 consumer
+// arrivals). The producer issues the index loads and the token-0 inputs of item i + 1 before it
+// finishes item i, waits for empty[s], then issues the state copy, preprocesses the tokens into
+// the stage and arrives; so up to S state tiles per block (S x 16 KB) are in flight while the
+// consumers compute from shared memory and store the new state from registers with 16-byte
+// streaming stores.
+constexpr int kPersistMaxStages = 8;
+constexpr int kPersistMaxT = 8;
+constexpr int kPersistBlocksPerSM = 3;
+constexpr int kPersistConsumers = 128;             // threads: 4 warps, TileMap<128, *, false>
+constexpr int kPersistThreads = kPersistConsumers + 32;
+constexpr int kPersistBarrierBytes = 2 * kPersistMaxStages * 8;  // full[8], empty[8]
+constexpr int kPersistK = 128, kPersistTileV = 32;
+
+struct __align__(16) PersistToken {
+  float q[kPersistK];
+  float k[kPersistK];
+  float decay[kPersistK];
+  float v[kPersistTileV];
+  float beta[kPersistTileV];
+};
+
+struct __align__(16) PersistDesc {
+  long long slot;                   // read slot (-1: padding row)
+  long long wslot[kPersistMaxT];    // [N, Tmax] indices: slot written after token t (-1: none)
+};
+
+// Bytes of one stage (a multiple of 128) for T tokens per item.
+__host__ __device__ constexpr int persist_stage_bytes(int state_elem_bytes, int T) {
+  return (kPersistTileV * kPersistK * state_elem_bytes + T * static_cast<int>(sizeof(PersistToken)) +
+          static_cast<int>(sizeof(PersistDesc)) + 127) / 128 * 128;
+}
+
+// The raw inputs of one token that one producer lane needs: q, k, g at k = 4 * lane .. + 3, the
+// gate bias there and exp(A) of the head, v and beta of row 32 * tile + lane.
+struct RawToken {
+  float q[4], k[4], g[4], bias[4];
+  float v, beta, A_log;
+};
+
+__device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, int64_t tok, int h, int hv, int tile_v0,
+                                               int lane, RawToken& r) {
+  const int k0 = lane * 4;
+  if (k0 < a.K) {
+    dec::load_run<4>(a.q.data, a.q.dtype, a.q.vec, a.q.offset(n, tok, h) + k0, r.q);
+    dec::load_run<4>(a.k.data, a.k.dtype, a.k.vec, a.k.offset(n, tok, h) + k0, r.k);
+    dec::load_run<4>(a.g.data, a.g.dtype, a.g.vec, a.g.offset(n, tok, hv) + k0, r.g);
+    if (a.dt_bias.data != nullptr) {
+      dec::load_run<4>(a.dt_bias.data, a.dt_bias.dtype, a.dt_bias.vec, hv * a.dt_bias.s0 + k0, r.bias);
+    } else {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) r.bias[e] = 0.f;
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) r.q[e] = 0.f, r.k[e] = 0.f, r.g[e] = 0.f, r.bias[e] = 0.f;
+  }
+  const int v = tile_v0 + lane;
+  const int64_t vb = a.v.offset(n, tok, hv);
+  r.v = dec::load_elem(a.v.data, a.v.dtype, vb + v);
+  r.beta = dec::load_elem(a.beta.data, a.beta.dtype, a.beta.offset(n, tok, hv) + (a.beta_per_v ? v : 0));
+  r.A_log = a.A_log != nullptr ? a.A_log[hv * a.A_log_s0] : 0.f;
+}
+
+// Preprocesses one token (full-warp l2 norms, as stage_token) into the stage's token slot.
+__device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane, PersistToken& dst) {
+  const int k0 = lane * 4;
+  const float exp_A = a.A_log != nullptr ? expf(r.A_log) : 1.f;
+  float d[4];
+  if (k0 < a.K) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate_form, r.g[e], exp_A, r.bias[e], a.lower_bound));
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = 1.f;
+  }
+  float q_norm = 1.f, k_norm = 1.f;
+  if (a.l2norm) {
+    float qq = 0.f, kq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qq = fmaf(r.q[e], r.q[e], qq), kq = fmaf(r.k[e], r.k[e], kq);
+    qq = dec::lane_group_sum<32>(qq);
+    kq = dec::lane_group_sum<32>(kq);
+    q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
+    k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
+  }
+  *reinterpret_cast<float4*>(&dst.q[k0]) = make_float4((r.q[0] * q_norm) * a.scale, (r.q[1] * q_norm) * a.scale,
+                                                       (r.q[2] * q_norm) * a.scale, (r.q[3] * q_norm) * a.scale);
+  *reinterpret_cast<float4*>(&dst.k[k0]) = make_float4(r.k[0] * k_norm, r.k[1] * k_norm, r.k[2] * k_norm, r.k[3] * k_norm);
+  *reinterpret_cast<float4*>(&dst.decay[k0]) = make_float4(d[0], d[1], d[2], d[3]);
+  dst.v[lane] = r.v;
+  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval, r.beta);
+}
+
+// The index loads that resolve a dense row's read slot (resolve_row without varlen), issued
+// ahead of their use: state_indices[n, 0] and num_accepted[n].
+struct RowRaw {
+  int64_t idx0, acc;
+};
+
+__device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
+  RowRaw r{-1, 1};
+  if (a.has_indices && (!a.indices_2d || a.Tmax > 0)) r.idx0 = dec::load_index(a.state_indices, n * a.state_indices.s0);
+  if (a.has_num_accepted) r.acc = dec::load_index(a.num_accepted, n * a.num_accepted.s0);
+  return r;
+}
+
+// resolve_row(a, n).slot for a dense row (len = T), from the prefetched loads.
+__device__ __forceinline__ int64_t finish_row_slot(const DecodeArgs& a, int64_t n, const RowRaw& r) {
+  if (!a.has_indices) return n < a.P ? n : -1;
+  int64_t col = 0;
+  if (a.has_num_accepted) {
+    if (r.acc < 1 || r.acc > a.T) return -1;
+    col = r.acc - 1;
+  }
+  if (a.indices_2d && (a.T > a.Tmax || col >= a.Tmax)) return -1;
+  const int64_t slot = col == 0 ? r.idx0 : dec::load_index(a.state_indices, n * a.state_indices.s0 + col * a.state_indices.s1);
+  return (slot >= 0 && slot < a.P) ? slot : -1;
+}
+
+struct PersistItem {
+  int64_t n;
+  int hv, h, tile_v0;
+};
+
+__device__ __forceinline__ PersistItem persist_item(const DecodeArgs& a, int64_t j) {
+  constexpr int kTiles = kPersistK / kPersistTileV;  // V = K = 128: 4 tiles per head
+  const int64_t head = j / kTiles;
+  PersistItem it;
+  it.tile_v0 = static_cast<int>(j - head * kTiles) * kPersistTileV;
+  it.n = head / a.HV;
+  it.hv = static_cast<int>(head - it.n * a.HV);
+  it.h = it.hv / a.groups;
+  return it;
+}
+
+template <typename StateT>
+__global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
+    decode_persistent_kernel(const __grid_constant__ DecodeArgs a, int64_t items, int stages, int stage_bytes) {
+  using Map = TileMap<kPersistK, StateT, false>;
+  static_assert(Map::kThreads == kPersistConsumers && Map::kTileV == kPersistTileV, "consumer map");
+  constexpr int kVt = Map::kVt, kVec = Map::kVec;
+  constexpr bool kBf16State = sizeof(StateT) == 2;
+  constexpr uint32_t kStateBytes = kPersistTileV * kPersistK * sizeof(StateT);
+  constexpr int kRowBytes = kPersistK * static_cast<int>(sizeof(StateT));
+
+  extern __shared__ __align__(128) unsigned char smem[];
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem);
+  uint64_t* empty = full + kPersistMaxStages;
+  unsigned char* ring = smem + kPersistBarrierBytes;
+  const int T = static_cast<int>(a.T);  // dense: every row has T tokens (T <= kPersistMaxT)
+  auto stage_tokens = [&](int s) { return reinterpret_cast<PersistToken*>(ring + s * stage_bytes + kStateBytes); };
+  auto stage_desc = [&](int s) {
+    return reinterpret_cast<PersistDesc*>(ring + s * stage_bytes + kStateBytes + T * sizeof(PersistToken));
+  };
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < stages; ++s) {
+      dec::mbar_init(&full[s], 33);  // lane 0's arrive.expect_tx + the 32 producer lanes' arrivals
+      dec::mbar_init(&empty[s], kPersistConsumers);
+    }
+    dec::fence_mbar_init();
+  }
+  __syncthreads();  // the only block barrier: the roles never meet again except through mbarriers
+
+  if (threadIdx.x >= kPersistConsumers) {
+    // ================= Producer warp
+    const int lane = dec::lane_id();
+    const uint64_t policy = dec::l2_evict_first_policy();
+    const bool rows_contiguous = a.state.s2 == kPersistK;  // the tile is one 16 KB (8 KB) run
+    int64_t j = blockIdx.x;
+    PersistItem it = persist_item(a, j);
+    RowRaw rr = load_row_raw(a, it.n);
+    RawToken tk;
+    if (T > 0) load_raw_token(a, it.n, 0, it.h, it.hv, it.tile_v0, lane, tk);
+    int s = 0;
+    uint32_t phase = 0;
+#pragma unroll 1
+    for (;;) {
+      // Prefetch the next item's index loads and token-0 inputs (consumed next iteration).
+      const int64_t jn = j + gridDim.x;
+      const bool has_next = jn < items;
+      PersistItem itn = it;
+      RowRaw rrn = rr;
+      RawToken tkn = tk;
+      if (has_next) {
+        itn = persist_item(a, jn);
+        rrn = load_row_raw(a, itn.n);
+        if (T > 0) load_raw_token(a, itn.n, 0, itn.h, itn.hv, itn.tile_v0, lane, tkn);
+      }
+      const int64_t slot = finish_row_slot(a, it.n, rr);
+
+      dec::mbar_wait(&empty[s], phase ^ 1u);  // the consumers are done with this stage's last use
+      dec::fence_proxy_async_smem();
+      unsigned char* st = ring + s * stage_bytes;
+      PersistToken* toks = stage_tokens(s);
+      PersistDesc* desc = stage_desc(s);
+      const uint32_t bytes = (slot >= 0 && a.use_initial_state) ? kStateBytes : 0u;
+      if (lane == 0) dec::mbar_arrive_expect_tx(&full[s], bytes);  // before any copy completes on it
+      __syncwarp();
+      if (bytes != 0) {
+        const StateT* src = static_cast<const StateT*>(a.state.data) + slot * a.state.s0 + it.hv * a.state.s1 +
+                            static_cast<int64_t>(it.tile_v0) * a.state.s2;
+        if (rows_contiguous) {
+          if (lane == 0) dec::bulk_copy_g2s(st, src, kStateBytes, &full[s], policy);
+        } else {  // one row per lane (rows are 16-byte aligned: state.vec)
+          dec::bulk_copy_g2s(st + lane * kRowBytes, src + static_cast<int64_t>(lane) * a.state.s2, kRowBytes, &full[s],
+                             policy);
+        }
+      }
+      if (slot >= 0) {
+        RawToken cur = tk;
+#pragma unroll 1
+        for (int t = 0; t < T; ++t) {
+          RawToken nxt = cur;
+          if (t + 1 < T) load_raw_token(a, it.n, t + 1, it.h, it.hv, it.tile_v0, lane, nxt);
+          prep_token(a, cur, lane, toks[t]);
+          cur = nxt;
+        }
+        if (a.indices_2d && a.store_final_state && !a.has_intermediate && lane < T)
+          desc->wslot[lane] = token_slot(a, it.n, lane);
+      }
+      if (lane == 0) desc->slot = slot;
+      dec::mbar_arrive(&full[s]);  // all 32 lanes: releases each lane's stage writes
+      if (!has_next) break;
+      j = jn;
+      it = itn;
+      rr = rrn;
+      tk = tkn;
+      if (++s == stages) s = 0, phase ^= 1u;
+    }
+    return;
+  }
+
+  // ================= Consumer warps
+  const int tid = threadIdx.x;
+  int s = 0;
+  uint32_t phase = 0;
+#pragma unroll 1
+  for (int64_t j = blockIdx.x; j < items; j += gridDim.x) {
+    const PersistItem it = persist_item(a, j);
+    const Map m(tid, it.tile_v0);
+    const bool out_lane = m.lane_k == 0;
+    dec::mbar_wait(&full[s], phase);
+    const unsigned char* st = ring + s * stage_bytes;
+    const PersistToken* toks = stage_tokens(s);
+    const PersistDesc* desc = stage_desc(s);
+    const int64_t slot = desc->slot;
+
+    if (slot < 0) {  // padding row: zero output, no state access
+      dec::mbar_arrive(&empty[s]);
+      if (out_lane)
+        for (int t = 0; t < T; ++t) {
+          const int64_t o_off = a.out.offset(it.n, t, it.hv);
+#pragma unroll
+          for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
+        }
+    } else {
+      // ---- State tile: shared memory -> registers (each quarter warp reads one 128-byte run of a row)
+      float sreg[kVt][Map::kKt];
+      if (a.use_initial_state) {
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt) {
+          const StateT* row = reinterpret_cast<const StateT*>(st) + (m.v_of(vt) - it.tile_v0) * kPersistK;
+#pragma unroll
+          for (int r = 0; r < Map::kRuns; ++r) {
+            const int k0 = m.k_of_run(r);
+            if constexpr (kBf16State) {
+              const uint4 x = *reinterpret_cast<const uint4*>(row + k0);
+              const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+              for (int q = 0; q < 4; ++q) {
+                sreg[vt][r * kVec + 2 * q] = __uint_as_float(w[q] << 16);
+                sreg[vt][r * kVec + 2 * q + 1] = __uint_as_float(w[q] & 0xffff0000u);
+              }
+            } else {
+              const float4 x = *reinterpret_cast<const float4*>(row + k0);
+              sreg[vt][r * kVec] = x.x, sreg[vt][r * kVec + 1] = x.y, sreg[vt][r * kVec + 2] = x.z,
+                            sreg[vt][r * kVec + 3] = x.w;
+            }
+          }
+        }
+      } else {
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt)
+#pragma unroll
+          for (int kt = 0; kt < Map::kKt; ++kt) sreg[vt][kt] = 0.f;
+      }
+
+#pragma unroll 1
+      for (int t = 0; t < T; ++t) {
+        const PersistToken& tok = toks[t];
+        float vv[kVt], bt[kVt], o[kVt];
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt) {
+          const int lr = m.v_of(vt) - it.tile_v0;
+          vv[vt] = tok.v[lr];
+          bt[vt] = tok.beta[lr];
+        }
+        recurrence_token<Map, kBf16State>(m, sreg, tok.q, tok.k, tok.decay, vv, bt, o);
+        if (out_lane) {
+          const int64_t o_off = a.out.offset(it.n, t, it.hv);
+#pragma unroll
+          for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o[vt]);
+        }
+        if (a.store_final_state) {
+          if (a.has_intermediate) {
+            store_state_tile<Map, StateT, false>(m, a.inter, it.n * a.T + t, it.hv, a.K, sreg);
+          } else if (a.indices_2d) {
+            const int64_t ws = desc->wslot[t];
+            if (ws >= 0) store_state_tile<Map, StateT, false>(m, a.state, ws, it.hv, a.K, sreg);
+          }
+        }
+      }
+      dec::mbar_arrive(&empty[s]);  // every read of this stage is done (values are in registers)
+
+      // ---- Final state: separate output, or in place to the read slot
+      if (a.store_final_state && !a.has_intermediate && !a.indices_2d) {
+        if (a.has_final_state) store_state_tile<Map, StateT, false>(m, a.final_state, it.n, it.hv, a.K, sreg);
+        else store_state_tile<Map, StateT, false>(m, a.state, slot, it.hv, a.K, sreg);
+      }
+    }
+    if (++s == stages) s = 0, phase ^= 1u;
   }
 }
 
@@ -691,9 +1079,88 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
   return {StatusCode::kUnsupported, "argument 'q': the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
 }
 
-bool use_baseline_kernel() {
-  const char* e = std::getenv("KDA_CUDA_DECODE_KERNEL");
-  return e != nullptr && std::strcmp(e, "baseline") == 0;
+// ---- Kernel choice
+
+enum class DecodeKernel { kBaseline, kTile, kPersistent };
+
+// Device facts the launch needs, read once per device.
+struct DeviceInfo {
+  int sms = 0;
+  int smem_per_sm = 0;         // bytes of shared memory per SM
+  int smem_reserved = 0;       // bytes the runtime reserves per resident block
+  std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
+};
+
+Status device_info(DeviceInfo** out) {
+  static std::mutex mu;
+  static DeviceInfo infos[64];
+  int dev = 0;
+  KDA_CUDA_RETURN_IF_ERROR(cudaGetDevice(&dev), "cudaGetDevice");
+  if (dev < 0 || dev >= 64) return {StatusCode::kUnsupported, "CUDA device index out of range"};
+  std::lock_guard<std::mutex> lock(mu);
+  DeviceInfo& d = infos[dev];
+  if (d.sms == 0) {
+    KDA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.smem_per_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev),
+                             "cudaDeviceGetAttribute");
+    KDA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.smem_reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev),
+                             "cudaDeviceGetAttribute");
+    KDA_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, dev), "cudaDeviceGetAttribute");
+  }
+  *out = &d;
+  return Status::Ok();
+}
+
+// Dynamic shared memory one persistent block may use: kPersistBlocksPerSM blocks per SM.
+int persist_block_smem(const DeviceInfo& d) {
+  return d.smem_per_sm / kPersistBlocksPerSM - d.smem_reserved;
+}
+
+// Ring stages of the persistent kernel for T tokens per item (0: it does not fit).
+int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
+  if (T < 0 || T > kPersistMaxT) return 0;
+  const int per_stage = persist_stage_bytes(state_elem_bytes, static_cast<int>(T));
+  const int s = (persist_block_smem(d) - kPersistBarrierBytes) / per_stage;
+  return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
+}
+
+// The one kernel heuristic (pure). The persistent kernel takes the hot shape: V-first, K = V =
+// 128, a 16-byte-aligned pool (its tiles are bulk copies), dense tokens with T <= 8 (a fixed
+// number of tokens per work item, so the token stage has a fixed size), at least 2 ring stages.
+// Its grid covers at most kPersistBlocksPerSM blocks per SM, so it wins from B = 1 (one item per
+// block: the shortest dependency chain, index and token loads issued together) to B = 1024 (many
+// items per block, S tiles in flight per block). Everything else (K-first, other K, varlen,
+// T > 8, unaligned pools) runs the tile kernel; the baseline kernel only on request.
+// KDA_CUDA_DECODE_KERNEL = baseline | tile | persistent overrides (persistent only where eligible).
+DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, const char* env) {
+  if (env != nullptr && std::strcmp(env, "baseline") == 0) return DecodeKernel::kBaseline;
+  const bool eligible = pr.layout == StateLayout::kVFirst && pr.d.K == kPersistK && pr.d.V == kPersistK &&
+                        rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
+  if (env != nullptr && std::strcmp(env, "tile") == 0) return DecodeKernel::kTile;
+  return eligible ? DecodeKernel::kPersistent : DecodeKernel::kTile;
+}
+
+template <typename StateT>
+Status launch_persistent(const DecodeArgs& a, DeviceInfo& d, int stages, cudaStream_t stream) {
+  auto* kernel = decode_persistent_kernel<StateT>;
+  const int which = sizeof(StateT) == 2 ? 1 : 0;
+  if (!d.persist_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
+    KDA_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, persist_block_smem(d)),
+        "cudaFuncSetAttribute(decode_persistent_kernel)");
+    d.persist_configured[which].store(true, std::memory_order_release);
+  }
+  const int stage_bytes = persist_stage_bytes(static_cast<int>(sizeof(StateT)), static_cast<int>(a.T));
+  const int smem = kPersistBarrierBytes + stages * stage_bytes;
+  const int64_t items = a.N * a.HV * (kPersistK / kPersistTileV);
+  int64_t grid = static_cast<int64_t>(d.sms) * kPersistBlocksPerSM;
+  if (const char* e = std::getenv("KDA_CUDA_DECODE_GRID")) {  // test hook: a smaller persistent grid
+    const long g = std::strtol(e, nullptr, 10);
+    if (g > 0) grid = g;
+  }
+  if (grid > items) grid = items;
+  kernel<<<static_cast<unsigned>(grid), kPersistThreads, smem, stream>>>(a, items, stages, stage_bytes);
+  KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_persistent_kernel");
+  return Status::Ok();
 }
 
 }  // namespace
@@ -720,7 +1187,15 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
 
   const DecodeArgs a = make_args(pr);
   const bool k_first = pr.layout == StateLayout::kKFirst;
-  if (use_baseline_kernel()) {
+  const bool bf16_state = pr.state.dtype == DType::kBFloat16;
+  DeviceInfo* info = nullptr;
+  {
+    const Status s = device_info(&info);
+    if (!s.ok()) return s;
+  }
+  const int stages = persist_stages(*info, bf16_state ? 2 : 4, pr.d.T);
+  const DecodeKernel kernel = choose_kernel(pr, stages, std::getenv("KDA_CUDA_DECODE_KERNEL"));
+  if (kernel == DecodeKernel::kBaseline) {
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
       return {StatusCode::kUnsupported, "argument 'q': N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
@@ -728,11 +1203,13 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
     KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_baseline_kernel");
     return Status::Ok();
   }
+  if (kernel == DecodeKernel::kPersistent)
+    return bf16_state ? launch_persistent<__nv_bfloat16>(a, *info, stages, stream) : launch_persistent<float>(a, *info, stages, stream);
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
                                           " blocks exceed the grid limit; split the batch"};
-  if (pr.state.dtype == DType::kBFloat16) return dispatch_fast<__nv_bfloat16>(a, k_first, blocks, stream);
+  if (bf16_state) return dispatch_fast<__nv_bfloat16>(a, k_first, blocks, stream);
   return dispatch_fast<float>(a, k_first, blocks, stream);
 }
 
