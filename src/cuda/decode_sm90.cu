@@ -33,7 +33,7 @@
 // transaction counts), S x 16 KB (fp32) or S x 8 KB (bf16) of state in flight per block, and
 // preprocesses the item's tokens (l2 norm, scale, gate, beta) into the stage, once per item
 // instead of once per warp. Its index loads and token-0 input loads for item i + 1 are issued
-// before it finishes item i, so the per-item chain is one load latency, hidden behind the ring.
+// right after item i's bulk copy, so the per-item chain is one load latency, hidden behind the ring.
 // The consumers read the tile from shared memory (each quarter warp reads one 128-byte run of a
 // row: no bank conflicts), run the same recurrence_token as the tile kernel (bitwise the same
 // arithmetic), release the stage, and store the new state from registers with 16-byte streaming
@@ -52,7 +52,7 @@
 //
 // Budget (ptxas 13.0, sm_90a): the tile kernel's V-first K = 128 tiles use 79 (fp32) / 80 (bf16)
 // registers and 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state
-// loads in flight) fit on an SM. The persistent kernel: 160 threads, 124 (fp32) / 117 (bf16)
+// loads in flight) fit on an SM. The persistent kernel: 160 threads, 126 (fp32) / 120 (bf16)
 // registers (3 blocks x 5 warps x 128 x 32 = 61440 <= 64 K), dynamic shared memory 128 B of
 // barriers + S stages of 16 KB (8 KB) state + T x 1792 B tokens + 80 B descriptor, S = min(8,
 // (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
@@ -524,9 +524,9 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
 //   ItemDesc     the read slot (-1: padding row) and the [N, Tmax] write slots of every token
 // Barriers: full[s] (33 producer arrivals: lane 0's expect_tx one and, after the stage writes,
 // one per lane; + the state tile's bytes), empty[s] (128 consumer
-// arrivals). The producer issues the index loads and the token-0 inputs of item i + 1 before it
-// finishes item i, waits for empty[s], then issues the state copy, preprocesses the tokens into
-// the stage and arrives; so up to S state tiles per block (S x 16 KB) are in flight while the
+// arrivals). For item i the producer waits for empty[s], issues the state copy (its read slot
+// came from loads issued one item earlier), issues item i + 1's index and token-0 input loads,
+// preprocesses item i's tokens into the stage and arrives; so up to S state tiles per block (S x 16 KB) are in flight while the
 // consumers compute from shared memory and store the new state from registers with 16-byte
 // streaming stores.
 constexpr int kPersistMaxStages = 8;
@@ -702,20 +702,14 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
     uint32_t phase = 0;
 #pragma unroll 1
     for (;;) {
-      // Prefetch the next item's index loads and token-0 inputs (consumed next iteration).
-      const int64_t jn = j + gridDim.x;
-      const bool has_next = jn < items;
-      PersistItem itn = it;
-      RowRaw rrn = rr;
-      RawToken tkn = tk;
-      if (has_next) {
-        itn = persist_item(a, jn);
-        rrn = load_row_raw(a, itn.n);
-        if (T > 0) load_raw_token(a, itn.n, 0, itn.h, itn.hv, itn.tile_v0, lane, tkn);
-      }
-      const int64_t slot = finish_row_slot(a, it.n, rr);
+      const int64_t slot = finish_row_slot(a, it.n, rr);  // rr was loaded one item ago
 
       dec::mbar_wait(&empty[s], phase ^ 1u);  // the consumers are done with this stage's last use
+      // Generic-proxy accesses of this stage (the consumers' reads, this warp's token writes)
+      // before the bulk copy's async-proxy writes. The copy only ever overwrites the state region,
+      // which no thread writes with generic stores, so this is belt and braces; it is placed
+      // before the next item's loads are issued, because it compiles to MEMBAR.CTA, which may
+      // wait for this thread's outstanding loads.
       dec::fence_proxy_async_smem();
       unsigned char* st = ring + s * stage_bytes;
       PersistToken* toks = stage_tokens(s);
@@ -732,6 +726,17 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
           dec::bulk_copy_g2s(st + lane * kRowBytes, src + static_cast<int64_t>(lane) * a.state.s2, kRowBytes, &full[s],
                              policy);
         }
+      }
+      // Prefetch the next item's index loads and token-0 inputs (consumed next iteration).
+      const int64_t jn = j + gridDim.x;
+      const bool has_next = jn < items;
+      PersistItem itn = it;
+      RowRaw rrn = rr;
+      RawToken tkn = tk;
+      if (has_next) {
+        itn = persist_item(a, jn);
+        rrn = load_row_raw(a, itn.n);
+        if (T > 0) load_raw_token(a, itn.n, 0, itn.h, itn.hv, itn.tile_v0, lane, tkn);
       }
       if (slot >= 0) {
         RawToken cur = tk;
