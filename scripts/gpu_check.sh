@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench fla python
-# (default: all). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# profile (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -35,7 +35,7 @@ if has demo; then
 fi
 
 if has tests; then
-  timeout 400 ./$B/tests/kda_gpu_tests --gtest_brief=1 >"$OUT/gpu_tests.log" 2>&1
+  timeout 300 ./$B/tests/kda_gpu_tests --gtest_brief=1 --gtest_filter="${GPU_TEST_FILTER:-*}" >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   grep -E "^\[  FAILED|Failure|error" "$OUT/gpu_tests.log" | head -30
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test|tests? ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
@@ -43,7 +43,7 @@ fi
 
 if has sanitize; then
   if command -v compute-sanitizer >/dev/null; then
-    timeout 300 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='*Smoke*' --gtest_brief=1 >"$OUT/sanitizer.log" 2>&1
+    timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='*Smoke*' --gtest_brief=1 >"$OUT/sanitizer.log" 2>&1
     rc=$?
     grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/sanitizer.log" | head -8
     note "memcheck (Smoke) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
@@ -55,7 +55,7 @@ fi
 if has bench; then
   for b in decode prefill; do
     if [ -x ./$B/bench/bench_gpu_$b ]; then
-      timeout 300 ./$B/bench/bench_gpu_$b --csv "$OUT/bench_$b.csv" >"$OUT/bench_$b.log" 2>&1
+      timeout 200 ./$B/bench/bench_gpu_$b >"$OUT/bench_$b.log" 2>&1
       note "bench $b rc=$?"
     fi
   done
@@ -65,7 +65,7 @@ if has fla; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     for b in decode prefill; do
-      [ -f scripts/fla_${b}_bench.py ] && timeout 300 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
+      [ -f scripts/fla_${b}_bench.py ] && timeout 200 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
       note "fla $b rc=$?"
     done
   else
@@ -75,11 +75,21 @@ fi
 
 if has python; then
   if python3 -m pip install -q --no-build-isolation --no-deps --no-index . >"$OUT/python.log" 2>&1; then
-    PYTHONPATH= timeout 300 python3 -m pytest tests/python -q -x -rs >>"$OUT/python.log" 2>&1
-    note "python tests rc=$?: $(tail -1 "$OUT/python.log")"
+    PYTHONPATH= PYTHONFAULTHANDLER=1 timeout 240 python3 -m pytest tests/python -q -rs -p no:cacheprovider >>"$OUT/python.log" 2>&1
+    rc=$?
+    grep -E "FAILED|Error|error|Fatal|File \"|passed|failed" "$OUT/python.log" | grep -v "^  " | head -25
+    note "python tests rc=$rc: $(grep -E 'passed|failed' "$OUT/python.log" | tail -1)"
   else
     note "python install FAILED"; tail -20 "$OUT/python.log"
   fi
+fi
+
+if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
+  for c in P1 P5; do
+    timeout 120 ncu --clock-control none --section SpeedOfLight --launch-skip 2 --launch-count 2 \
+      ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/ncu_$c.log" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Registers|Block Size|Grid Size" "$OUT/ncu_$c.log" | head -24
+  done
 fi
 
 echo
