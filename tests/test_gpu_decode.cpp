@@ -134,12 +134,16 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.gate.lower_bound = gc.lower_bound;
 }
 
-// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile) and KDA_CUDA_DECODE_GRID while alive.
+// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile / persistent with a grid) and KDA_CUDA_DECODE_GRID
+// while alive.
 class KernelChoice {
  public:
   explicit KernelChoice(const GpuDecodeCase& gc) {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
-    if (gc.grid > 0) setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
+    if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
+      setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
+      setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
+    }
   }
   ~KernelChoice() {
     unsetenv("KDA_CUDA_DECODE_KERNEL");
@@ -807,7 +811,7 @@ TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
 }
 
-// The persistent kernel (the default for V-first K = 128 dense decode) and the tile kernel agree,
+// The persistent kernel (opt-in for V-first K = 128 dense decode) and the tile kernel agree,
 // also with a small grid (many items per block, ring wrap-around).
 TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
   KDA_SKIP_WITHOUT_SM90();

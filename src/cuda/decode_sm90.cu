@@ -62,8 +62,8 @@
 // kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked lanes; 12
 // instantiations; every shape the persistent kernel does not take), and decode_baseline_kernel,
 // a plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile overrides it, KDA_CUDA_DECODE_GRID
-// caps the persistent grid (a test hook: many items per block).
+// the one heuristic (the tile kernel; KDA_CUDA_DECODE_KERNEL = baseline | persistent overrides
+// it), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook: many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
@@ -1140,8 +1140,11 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, const ch
   if (env != nullptr && std::strcmp(env, "baseline") == 0) return DecodeKernel::kBaseline;
   const bool eligible = pr.layout == StateLayout::kVFirst && pr.d.K == kPersistK && pr.d.V == kPersistK &&
                         rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
-  if (env != nullptr && std::strcmp(env, "tile") == 0) return DecodeKernel::kTile;
-  return eligible ? DecodeKernel::kPersistent : DecodeKernel::kTile;
+  // The tile kernel is the default: measured on the H200 (docs/perf_notes.md, Decode) the
+  // persistent kernel was slower (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4:
+  // 1273 vs 816), so it runs only when asked for (KDA_CUDA_DECODE_KERNEL=persistent).
+  const bool want_persistent = env != nullptr && std::strcmp(env, "persistent") == 0;
+  return eligible && want_persistent ? DecodeKernel::kPersistent : DecodeKernel::kTile;
 }
 
 template <typename StateT>
