@@ -8,8 +8,9 @@
 //   * output fp16: the result rounding is ~2.5e-4, but the kernel keeps the state operand of
 //     S^T W^T and S^T qg^T and the W / qg operands in bf16 (docs/perf_notes.md, "Precision"),
 //     which adds up to ~1.5e-3 under weak decay (long memory): 2.5e-3;
-//   * states fp32: everything that updates the state is tf32/fp32 (~3e-4..7e-4): 2e-3;
-//     bf16 / fp16 states add their own rounding (1.7e-3 / 2.5e-4): 3.5e-3 / 2e-3.
+//   * states: the update is a tf32 product whose kb operand is stored in bf16 (kKbTBf16), which
+//     alone gives ~1.6e-3 (strong decay) .. 1.8e-3 (weak decay): fp32 / fp16 states 3e-3; a bf16
+//     state adds its own rounding (1.7e-3): 4e-3.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -122,13 +123,7 @@ PrefillData run_reference(const PrefillData& d) {
 }
 
 double out_tolerance(DType dt) { return dt == DType::kFloat16 ? 2.5e-3 : tolerance_for(DType::kBFloat16); }
-double state_tolerance(DType dt) {
-  switch (dt) {
-    case DType::kBFloat16: return 3.5e-3;
-    case DType::kFloat16: return 2e-3;
-    default: return 2e-3;
-  }
-}
+double state_tolerance(DType dt) { return dt == DType::kBFloat16 ? 4e-3 : 3e-3; }
 
 void expect_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
   if (got.empty()) return;

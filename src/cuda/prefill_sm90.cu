@@ -8,6 +8,7 @@
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <string>
 
@@ -39,39 +40,62 @@ class DeviceGuard {
  public:
   explicit DeviceGuard(int device) {
     if (cudaGetDevice(&prev_) != cudaSuccess) prev_ = -1;
-    if (prev_ != device) status_ = cudaSetDevice(device);
+    if (prev_ != device) {
+      status_ = cudaSetDevice(device);
+      changed_ = status_ == cudaSuccess && prev_ >= 0;
+    }
   }
   ~DeviceGuard() {
-    if (prev_ >= 0) cudaSetDevice(prev_);
+    if (changed_) cudaSetDevice(prev_);
   }
   cudaError_t status() const { return status_; }
 
  private:
   int prev_ = -1;
+  bool changed_ = false;
   cudaError_t status_ = cudaSuccess;
 };
 
+// Per-device facts read once (no synchronization either way): multiprocessor count, and whether
+// the kernels' dynamic shared-memory limits were raised on that device.
+constexpr int kMaxDevices = 64;
+std::atomic<int> g_sms[kMaxDevices];
+std::atomic<uint32_t> g_smem_ready[kMaxDevices];  // bit per kernel instantiation
+
 int multiprocessors(int device) {
+  if (device >= 0 && device < kMaxDevices && g_sms[device].load(std::memory_order_relaxed) > 0)
+    return g_sms[device].load(std::memory_order_relaxed);
   int sms = 0;
   if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess || sms <= 0) {
     cudaGetLastError();
-    sms = 132;
+    return 132;
   }
+  if (device >= 0 && device < kMaxDevices) g_sms[device].store(sms, std::memory_order_relaxed);
   return sms;
 }
 
+// Raises a kernel's dynamic shared-memory limit to the most it may use (once per device).
+template <typename Kernel>
+cudaError_t allow_smem(Kernel kernel, int bytes, int device, uint32_t bit) {
+  const bool cached = device >= 0 && device < kMaxDevices;
+  if (cached && (g_smem_ready[device].load(std::memory_order_acquire) & bit)) return cudaSuccess;
+  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  if (e == cudaSuccess && cached) g_smem_ready[device].fetch_or(bit, std::memory_order_acq_rel);
+  return e;
+}
+
 template <bool kFp16>
-Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, cudaStream_t stream) {
+Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int device, cudaStream_t stream) {
+  const uint32_t bit = kFp16 ? 1u : 4u;
   if (prep_blocks > 0) {
-    KDA_PF_CUDA(cudaFuncSetAttribute(pf::prepare_kernel<kFp16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                     pf::kPrepareSmemBytes));
+    KDA_PF_CUDA(allow_smem(pf::prepare_kernel<kFp16>, pf::kPrepareSmemBytes, device, bit));
     pf::prepare_kernel<kFp16><<<static_cast<unsigned>(prep_blocks), pf::kPrepareThreads, pf::kPrepareSmemBytes, stream>>>(p);
     KDA_PF_CUDA(cudaGetLastError());
   }
   if (rec_blocks > 0) {
-    const int smem = pf::recurrence_smem_bytes(p.vs);
-    KDA_PF_CUDA(cudaFuncSetAttribute(pf::recurrence_kernel<kFp16>, cudaFuncAttributeMaxDynamicSharedMemorySize, smem));
-    pf::recurrence_kernel<kFp16><<<static_cast<unsigned>(rec_blocks), 2 * p.vs, smem, stream>>>(p);
+    // The limit is raised to the largest configuration (vs = 128) once; smaller vs use less.
+    KDA_PF_CUDA(allow_smem(pf::recurrence_kernel<kFp16>, pf::recurrence_smem_bytes(pf::kHeadDim), device, bit << 1));
+    pf::recurrence_kernel<kFp16><<<static_cast<unsigned>(rec_blocks), 2 * p.vs, pf::recurrence_smem_bytes(p.vs), stream>>>(p);
     KDA_PF_CUDA(cudaGetLastError());
   }
   return Status::Ok();
@@ -106,8 +130,9 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   s = pf::make_params(pr, exec.workspace, multiprocessors(pr.q.device_index), &p, &prep_blocks, &rec_blocks);
   if (!s.ok()) return s;
   cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
-  return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, stream)
-                                       : launch<false>(p, prep_blocks, rec_blocks, stream);
+  const int device = pr.q.device_index;
+  return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, device, stream)
+                                       : launch<false>(p, prep_blocks, rec_blocks, device, stream);
 }
 
 }  // namespace kda::cuda

@@ -32,27 +32,39 @@ inline constexpr int kChunk = 64;     // tokens per chunk (kda::kChunkSize)
 inline constexpr int kSub = 16;       // tokens per sub-chunk (row block of Akk/Aqk)
 inline constexpr int kHeadDim = 128;  // K == V == 128
 
+// kbT storage: bf16 (default) or fp32. The state update is a tf32 product either way; bf16 storage
+// saves 16 KB of the record (17% of the workspace traffic, half of kernel B's shared-memory reads
+// for the update) for a final-state error of ~1.6e-3 instead of ~4e-4 rel L2 (docs/perf_notes.md).
+inline constexpr bool kKbTBf16 = true;
+
 // One record per (chunk slot, value head), written by the prepare kernel and read (one bulk copy)
 // by the recurrence kernel. Every matrix is stored pre-swizzled for the reader's shared memory.
 //   W    [64 t][128 k] bf16   Tm (exp(G) k)                      swizzle_b16
 //   qg   [64 t][128 k] bf16   exp(G_t) q_t (q normalized, scaled) swizzle_b16
-//   kbT  [128 k][64 s] fp32   exp(G_L - G_s) k_s, transposed, tf32-rounded   swizzle_f32
+//   kbT  [128 k][64 s]        exp(G_L - G_s) k_s, transposed: bf16 (swizzle_b16_64) or
+//                             fp32 tf32-rounded (swizzle_f32), see kKbTBf16
 //   Aqk  [64 t][64 s]  fp32   lower triangle incl. diagonal, tf32-rounded    swizzle_f32
 //   Tm   [64 t][64 s]  fp32   (I + diag(b) Akk)^-1 diag(b), tf32-rounded     swizzle_f32
 //   gL   [128]         fp32   exp(G_L), the per-channel decay of the state over the chunk
+inline constexpr int kKbTBytes = kHeadDim * kChunk * (kKbTBf16 ? 2 : 4);
 inline constexpr int kOffW = 0;
 inline constexpr int kOffQg = kOffW + kChunk * kHeadDim * 2;
 inline constexpr int kOffKbT = kOffQg + kChunk * kHeadDim * 2;
-inline constexpr int kOffAqk = kOffKbT + kHeadDim * kChunk * 4;
+inline constexpr int kOffAqk = kOffKbT + kKbTBytes;
 inline constexpr int kOffTm = kOffAqk + kChunk * kChunk * 4;
 inline constexpr int kOffGL = kOffTm + kChunk * kChunk * 4;
-inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 98,816
+inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 82,432 (98,816 with fp32 kbT)
 static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
 
 // bf16 matrix with 128 columns (256-byte rows): 16-byte chunk index XOR (row % 8). ldmatrix of 8
 // consecutive rows at one logical chunk then hits 8 different bank groups.
 __host__ __device__ __forceinline__ int swizzle_b16(int row, int col) {
   return row * kHeadDim + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+}
+// 16-bit matrix with 64 columns (128-byte rows): 16-byte chunk index XOR (row % 8). A warp reading
+// 32-bit pairs at (row 8j + g, col 8s + 2c) covers all 32 banks once.
+__host__ __device__ __forceinline__ int swizzle_b16_64(int row, int col) {
+  return row * kChunk + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
 }
 // fp32 matrix with 64 columns (256-byte rows): 16-byte chunk index XOR 2 (row % 4). A half-warp
 // reading float2 at (row 8j + g, col 8s + 2c) then covers all 32 banks once.

@@ -21,8 +21,10 @@
 namespace kda::cuda::pf {
 
 // Shared memory of the prepare kernel. Pitches are chosen for conflict-free fragment reads.
+// G is kept in log2 units (G * log2 e) so that every exp() below is one MUFU.EX2.
+inline constexpr float kLog2e = 1.4426950408889634f;
 inline constexpr int kQkPitch = 136;  // bf16/fp16 per row of raw q, k (272 B)
-inline constexpr int kGPitch = 132;   // fp32 per row of G (528 B)
+inline constexpr int kGPitch = 136;   // fp32 per row of G (544 B)
 inline constexpr int kMPitch = 72;    // fp32 per row of M = I + diag(b) Akk and X = M^-1 (288 B)
 inline constexpr int kSmQr = 0;                                   // raw q  [64][136] 16-bit
 inline constexpr int kSmKr = kSmQr + kChunk * kQkPitch * 2;       // raw k  [64][136] 16-bit
@@ -34,8 +36,19 @@ inline constexpr int kSmM = kSmBeta + kChunk * 4;                 // M      [64]
 inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X, then Tm [64][72] fp32
 inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // block products [3][16][16]
 inline constexpr int kSmInfo = kSmP + 3 * 256 * 4;                // chunk location (int64 x 4)
-inline constexpr int kPrepareSmemBytes = kSmInfo + 64;            // 109,376
+inline constexpr int kPrepareSmemBytes = kSmInfo + 64;            // 110,400
 inline constexpr int kPrepareThreads = 256;
+
+// Log decay in log2 units (a * log2 e) of one channel. The lower-bound form (the common one)
+// takes a fast sigmoid: 1 / (1 + 2^(-x log2 e)) with an approximate reciprocal (x clamped at -80,
+// where the sigmoid is below 2e-35); the other forms use the shared accurate formula.
+__device__ __forceinline__ float log2_decay(int form, float g, float exp_a, float bias, float lower_bound) {
+  if (form == detail::kGateLowerBound) {
+    const float x = fmaxf(exp_a * (g + bias), -80.f);
+    return lower_bound * kLog2e * __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+  }
+  return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
+}
 
 // Largest sequence n with slot_base(n) <= slot (varlen): a 32-ary search by one warp.
 __device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, int lane) {
@@ -90,7 +103,7 @@ __device__ __forceinline__ void load8_gate(const TokenView& t, int64_t off, floa
 
 // Akk / Aqk tiles of row block i (rows 16i..16i+15) against column tiles [tile0, tile0 + ntiles)
 // (8 columns each), factored around reference token r: operands k_t exp(G_t - G_r) and
-// k_s exp(G_r - G_s), normalized (q also scaled), rounded to tf32. Results go to M (b_t Akk, s < t)
+// k_s exp(G_r - G_s), normalized (q also scaled), rounded to tf32 (G in log2 units). Results go to M (b_t Akk, s < t)
 // and to the Aqk record (s <= t; zero above the diagonal).
 template <int kMaxTiles, bool kFp16>
 __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t* kr, const float* G,
@@ -104,27 +117,35 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t
     for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
   const int ta = 16 * i + g, tb = ta + 8;
   const float ika = invk[ta], ikb = invk[tb], iqa = invq[ta], iqb = invq[tb];
+  // Paired k mapping: k-slot c <-> channel 8ks + 2c, k-slot c+4 <-> 8ks + 2c + 1 (one 32-bit load
+  // of two 16-bit inputs, one float2 of G per row).
+  auto lo = [](uint32_t x) { return lo_f32<kFp16>(x); };
+  auto hi = [](uint32_t x) { return hi_f32<kFp16>(x); };
 #pragma unroll 4
   for (int ks = 0; ks < 16; ++ks) {
-    const int c0 = 8 * ks + c, c1 = c0 + 4;  // natural k mapping: slot c <-> c0, slot c+4 <-> c1
-    const float gr0 = G[r * kGPitch + c0], gr1 = G[r * kGPitch + c1];
-    const float ea0 = __expf(G[ta * kGPitch + c0] - gr0), eb0 = __expf(G[tb * kGPitch + c0] - gr0);
-    const float ea1 = __expf(G[ta * kGPitch + c1] - gr1), eb1 = __expf(G[tb * kGPitch + c1] - gr1);
-    const uint32_t ak[4] = {f32_to_tf32(in_to_f32<kFp16>(kr[ta * kQkPitch + c0]) * ika * ea0),
-                            f32_to_tf32(in_to_f32<kFp16>(kr[tb * kQkPitch + c0]) * ikb * eb0),
-                            f32_to_tf32(in_to_f32<kFp16>(kr[ta * kQkPitch + c1]) * ika * ea1),
-                            f32_to_tf32(in_to_f32<kFp16>(kr[tb * kQkPitch + c1]) * ikb * eb1)};
-    const uint32_t aq[4] = {f32_to_tf32(in_to_f32<kFp16>(qr[ta * kQkPitch + c0]) * iqa * ea0),
-                            f32_to_tf32(in_to_f32<kFp16>(qr[tb * kQkPitch + c0]) * iqb * eb0),
-                            f32_to_tf32(in_to_f32<kFp16>(qr[ta * kQkPitch + c1]) * iqa * ea1),
-                            f32_to_tf32(in_to_f32<kFp16>(qr[tb * kQkPitch + c1]) * iqb * eb1)};
+    const int ch = 8 * ks + 2 * c;
+    const float2 gr = *reinterpret_cast<const float2*>(G + r * kGPitch + ch);
+    const float2 gta = *reinterpret_cast<const float2*>(G + ta * kGPitch + ch);
+    const float2 gtb = *reinterpret_cast<const float2*>(G + tb * kGPitch + ch);
+    const float ea0 = fast_exp2(gta.x - gr.x), eb0 = fast_exp2(gtb.x - gr.x);
+    const float ea1 = fast_exp2(gta.y - gr.y), eb1 = fast_exp2(gtb.y - gr.y);
+    const uint32_t ka = *reinterpret_cast<const uint32_t*>(kr + ta * kQkPitch + ch);
+    const uint32_t kb = *reinterpret_cast<const uint32_t*>(kr + tb * kQkPitch + ch);
+    const uint32_t qa = *reinterpret_cast<const uint32_t*>(qr + ta * kQkPitch + ch);
+    const uint32_t qb = *reinterpret_cast<const uint32_t*>(qr + tb * kQkPitch + ch);
+    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ika * ea0), f32_to_tf32(lo(kb) * ikb * eb0),
+                            f32_to_tf32(hi(ka) * ika * ea1), f32_to_tf32(hi(kb) * ikb * eb1)};
+    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * iqa * ea0), f32_to_tf32(lo(qb) * iqb * eb0),
+                            f32_to_tf32(hi(qa) * iqa * ea1), f32_to_tf32(hi(qb) * iqb * eb1)};
 #pragma unroll
     for (int jt = 0; jt < kMaxTiles; ++jt) {
       if (jt < ntiles) {
         const int s = 8 * (tile0 + jt) + g;
         const float iks = invk[s];
-        const uint32_t b0 = f32_to_tf32(in_to_f32<kFp16>(kr[s * kQkPitch + c0]) * iks * __expf(gr0 - G[s * kGPitch + c0]));
-        const uint32_t b1 = f32_to_tf32(in_to_f32<kFp16>(kr[s * kQkPitch + c1]) * iks * __expf(gr1 - G[s * kGPitch + c1]));
+        const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + ch);
+        const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kr + s * kQkPitch + ch);
+        const uint32_t b0 = f32_to_tf32(lo(ks2) * iks * fast_exp2(gr.x - gs.x));
+        const uint32_t b1 = f32_to_tf32(hi(ks2) * iks * fast_exp2(gr.y - gs.y));
         mma_tf32(acc_k[jt], ak, b0, b1);
         mma_tf32(acc_q[jt], aq, b0, b1);
       }
@@ -160,7 +181,7 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const 
     if (sl <= tl) {
       for (int m = 0; m < 64; ++m) {
         const int cc = 64 * hc + ((m + (sl >> 3) + 2 * hc) & 63);  // rotated: fewer bank conflicts
-        const float e = __expf(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
+        const float e = fast_exp2(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
         const float ks = in_to_f32<kFp16>(kr[s * kQkPitch + cc]) * e;
         sk = fmaf(in_to_f32<kFp16>(kr[t * kQkPitch + cc]), ks, sk);
         sq = fmaf(in_to_f32<kFp16>(qr[t * kQkPitch + cc]), ks, sq);
@@ -268,7 +289,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       float a[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        a[i] = valid ? detail::log_decay<float>(p.gate_form, gv[pass][i], exp_a, bias[i], p.lower_bound) : 0.f;
+        a[i] = valid ? log2_decay(p.gate_form, gv[pass][i], exp_a, bias[i], p.lower_bound) : 0.f;
       *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch) = make_float4(a[0], a[1], a[2], a[3]);
       *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch + 4) = make_float4(a[4], a[5], a[6], a[7]);
       if (ch == 0) {
@@ -316,7 +337,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-    if (span <= 45.f) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
+    if (span <= 45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
       akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, 2, g, c);
     } else {
       akk_aqk_diag_pairwise<kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, lane);
@@ -408,8 +429,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * warp + 8 * nt + g;
-        bb[nt][0] = f32_to_tf32(in_to_f32<kFp16>(kr[s0 * kQkPitch + col]) * invk[s0] * __expf(G[s0 * kGPitch + col]));
-        bb[nt][1] = f32_to_tf32(in_to_f32<kFp16>(kr[s1 * kQkPitch + col]) * invk[s1] * __expf(G[s1 * kGPitch + col]));
+        bb[nt][0] = f32_to_tf32(in_to_f32<kFp16>(kr[s0 * kQkPitch + col]) * invk[s0] * fast_exp2(G[s0 * kGPitch + col]));
+        bb[nt][1] = f32_to_tf32(in_to_f32<kFp16>(kr[s1 * kQkPitch + col]) * invk[s1] * fast_exp2(G[s1 * kGPitch + col]));
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -435,7 +456,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
   }
 
-  // ---- qg = exp(G) q (bf16), kbT = (exp(G_L - G) k)^T (tf32), gL = exp(G_L).
+  // ---- qg = exp(G) q (bf16), kbT = (exp(G_L - G) k)^T (bf16 or tf32), gL = exp(G_L).
   {
     uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
 #pragma unroll
@@ -450,10 +471,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       uint32_t o[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        o[e] = pack_bf16(lo_f32<kFp16>(w[e]) * iq * __expf(gg[2 * e]), hi_f32<kFp16>(w[e]) * iq * __expf(gg[2 * e + 1]));
+        o[e] = pack_bf16(lo_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
       *reinterpret_cast<uint4*>(rec_qg + swizzle_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
     }
-    float* rec_kbt = reinterpret_cast<float*>(rec + kOffKbT);
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
       const int task = tid + kPrepareThreads * m, kk = task & 127, sg = task >> 7;
@@ -462,13 +482,22 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int s = 8 * sg + e;
-        v[e] = tf32_round(in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * __expf(gl - G[s * kGPitch + kk]));
+        v[e] = in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
       }
-      *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg)) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg + 4)) = make_float4(v[4], v[5], v[6], v[7]);
+      if constexpr (kKbTBf16) {
+        uint16_t* rec_kbt = reinterpret_cast<uint16_t*>(rec + kOffKbT);
+        *reinterpret_cast<uint4*>(rec_kbt + swizzle_b16_64(kk, 8 * sg)) =
+            make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+      } else {
+        float* rec_kbt = reinterpret_cast<float*>(rec + kOffKbT);
+        *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg)) =
+            make_float4(tf32_round(v[0]), tf32_round(v[1]), tf32_round(v[2]), tf32_round(v[3]));
+        *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg + 4)) =
+            make_float4(tf32_round(v[4]), tf32_round(v[5]), tf32_round(v[6]), tf32_round(v[7]));
+      }
     }
     if (tid < kHeadDim)
-      reinterpret_cast<float*>(rec + kOffGL)[tid] = expf(G[(kChunk - 1) * kGPitch + tid]);
+      reinterpret_cast<float*>(rec + kOffGL)[tid] = exp2f(G[(kChunk - 1) * kGPitch + tid]);
   }
 }
 

@@ -16,6 +16,13 @@ __device__ __forceinline__ uint32_t f32_to_tf32(float x) {
 }
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(f32_to_tf32(x)); }
 
+// 2^x (MUFU.EX2, ~2 ulp; flushes denormal results to zero: 2^x < 2^-126 reads as 0).
+__device__ __forceinline__ float fast_exp2(float x) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(x));
+  return r;
+}
+
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
 // ---------------------------------------------------------------------------------------------

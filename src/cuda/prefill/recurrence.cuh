@@ -13,7 +13,8 @@
 // [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in flight
 // while chunk c computes. The output tile goes through the stage's W area (free once every warp
 // has passed the first product) with stmatrix, then out with 16-byte coalesced stores.
-// Shared memory: 2 x (98,816 + 128 vs) + 16 bytes (230,416 at vs = 128): one block per SM.
+// Shared memory: 2 x (record + 128 vs) + 16 bytes (197,648 at vs = 128 with the bf16 kbT record):
+// one block per SM.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -229,7 +230,6 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     // ---- S^T <- S^T diag(exp(G_L)) + U^T kb (tf32).
     {
       const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
-      const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * c);
@@ -239,8 +239,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         accS[j][3] *= d.y;
 #pragma unroll
         for (int sj = 0; sj < 8; ++sj) {
-          const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
-          mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+          if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
+            const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
+            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + swizzle_b16_64(8 * j + g, 8 * sj + 2 * c));
+            mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
+          } else {
+            const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
+            const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
+            mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+          }
         }
       }
     }

@@ -1,0 +1,20 @@
+// emu_backend.cpp — emulated CUDA backend: kda::cuda::prefill runs the real kernel source on the
+// CPU (engine.h). Linked instead of the CUDA objects when building the GPU tests for emulation.
+#include "engine.h"
+#include "cuda/cuda_backend.h"
+namespace kda::cuda {
+std::vector<DeviceInfo> devices() { DeviceInfo d; d.name = "emulated H200"; d.sm_major = 9; d.multiprocessors = 132; d.supported = true; return {d}; }
+Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
+  *bytes = 0; Status s = pf::check_supported(pr); if (!s.ok()) return s; *bytes = pf::workspace_bytes(pr); return Status::Ok();
+}
+Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
+  Status s = pf::check_supported(pr); if (!s.ok()) return s;
+  const size_t need = pf::workspace_bytes(pr);
+  if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
+    return {StatusCode::kInvalidArgument, "argument 'exec.workspace': too small (emulated)"};
+  if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // poison: unwritten records read as NaN
+  const char* vs = std::getenv("EMU_VS");
+  return emu_run::emu_problem(pr, exec.workspace, vs ? std::atoi(vs) : 0);
+}
+Status decode(const detail::DecodeProblem&, const ExecOptions&, bool) { return {StatusCode::kUnsupported, "emulated: no decode"}; }
+}  // namespace kda::cuda

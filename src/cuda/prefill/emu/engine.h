@@ -1,0 +1,134 @@
+// engine.h — CPU emulation of the CUDA prefill kernels, for development without a GPU. Not
+// built by CMake and not part of the library: a tool that runs the real kernel source
+// (prepare.cuh, recurrence.cuh, common.cuh, host.h) on the host.
+//
+// Every CUDA thread of a block is a ucontext fiber, scheduled round-robin on one OS thread;
+// __syncthreads and the warp collectives (shuffles, ballot, mma.sync, ldmatrix, stmatrix) yield
+// until all participants arrive, then compute what the hardware does (PTX ISA fragment layouts).
+// Copies (cp.async, bulk copies) complete at once, so the emulation checks the kernels' math,
+// indexing, fragment layouts and swizzles, not their asynchronous ordering. Shared memory of every
+// block starts as 0xff bytes (NaN), and so does the workspace: reads of unwritten data show up.
+//
+// shim/ replaces <cuda_runtime.h>, <cuda_runtime_api.h>, <cuda_bf16.h>, <cuda_fp16.h> and
+// "cuda/prefill/ptx.cuh"; it must come first on the include path. From the repository root:
+//   E=src/cuda/prefill/emu
+//   # quick cases against the fp64 reference (after a normal build in build/)
+//   g++ -O1 -g -std=c++20 -I$E/shim -Isrc -Iinclude -Itests $E/emu_cases.cpp tests/support.cpp \
+//       build/libkda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread -o /tmp/emu_cases
+//   # tests/test_gpu_prefill.cpp on the emulated backend (kda::cuda::prefill -> emulation)
+//   g++ -O2 -g -std=c++20 -DKDA_WITH_CUDA -I$E/shim -Isrc -Iinclude -Itests src/api.cpp \
+//       src/core/validate.cpp src/cpu/parallel.cpp src/cpu/reference.cpp src/cpu/prefill_chunked.cpp \
+//       src/cpu/decode_fast.cpp tests/support.cpp tests/test_gpu_prefill.cpp $E/emu_backend.cpp \
+//       -lgtest -lgtest_main -lpthread -o /tmp/emu_tests
+//   /tmp/emu_tests --gtest_filter='-*CaseA*:*ErrorFlat*'   # ~1.5 min; the accuracy cases ~10 min
+#pragma once
+#include <ucontext.h>
+#include <cstdio>
+#include <cstdlib>
+#include <memory>
+#include <vector>
+#include <string>
+#include "cuda/prefill/host.h"
+#include "cuda/prefill/prepare.cuh"
+#include "cuda/prefill/recurrence.cuh"
+
+namespace emu {
+dim3 threadIdx_, blockIdx_, blockDim_;
+uint8_t* smem_base; size_t smem_size;
+WarpCtx* warp_ctx; int lane_id;
+struct Fiber { ucontext_t ctx; std::vector<char> stack; bool done = false; };
+static ucontext_t sched_ctx;
+static std::vector<Fiber>* fibers;
+static int cur = -1;
+static std::vector<WarpCtx>* warps;
+static int block_arrived = 0; static long block_gen = 0; static int nthreads = 0;
+static void yield() { swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
+void warp_sync() {
+  WarpCtx* w = warp_ctx; const long g = w->gen;
+  if (++w->arrived == 32) { w->arrived = 0; ++w->gen; return; }
+  while (w->gen == g) yield();
+}
+void block_sync() {
+  const long g = block_gen;
+  if (++block_arrived == nthreads) { block_arrived = 0; ++block_gen; return; }
+  while (block_gen == g) yield();
+}
+static void (*entry_fn)(void*); static void* entry_arg;
+static void trampoline() { entry_fn(entry_arg); (*fibers)[cur].done = true; swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
+}  // namespace emu
+namespace kda::cuda::pf { alignas(128) uint8_t emu_smem_alias[240000]; }
+
+namespace emu_run {
+using namespace kda; using namespace kda::cuda::pf;
+
+template <typename K>
+static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const Params& p) {
+  emu::smem_base = emu_smem_alias; emu::smem_size = smem_bytes;
+  if (smem_bytes > (int)sizeof(emu_smem_alias)) { std::fprintf(stderr, "smem too big\n"); std::abort(); }
+  struct Arg { K kernel; const Params* p; } arg{kernel, &p};
+  emu::entry_fn = [](void* a) { auto* x = static_cast<Arg*>(a); x->kernel(*x->p); };
+  emu::entry_arg = &arg;
+  for (int64_t b = 0; b < blocks; ++b) {
+    std::memset(emu_smem_alias, 0xff, smem_bytes);  // uninitialized shared memory reads as NaN
+    std::vector<emu::Fiber> fib(threads);
+    std::vector<emu::WarpCtx> wc((threads + 31) / 32);
+    emu::fibers = &fib; emu::warps = &wc; emu::nthreads = threads; emu::block_arrived = 0;
+    for (int t = 0; t < threads; ++t) {
+      fib[t].stack.resize(1 << 18);
+      getcontext(&fib[t].ctx);
+      fib[t].ctx.uc_stack.ss_sp = fib[t].stack.data(); fib[t].ctx.uc_stack.ss_size = fib[t].stack.size();
+      fib[t].ctx.uc_link = nullptr;
+      makecontext(&fib[t].ctx, emu::trampoline, 0);
+    }
+    bool any = true;
+    while (any) {
+      any = false;
+      for (int t = 0; t < threads; ++t) {
+        if (fib[t].done) continue;
+        any = true;
+        emu::cur = t; emu::threadIdx_.x = t; emu::blockIdx_.x = (unsigned)b; emu::blockDim_.x = threads;
+        emu::warp_ctx = &wc[t / 32]; emu::lane_id = t % 32;
+        swapcontext(&emu::sched_ctx, &fib[t].ctx);
+      }
+    }
+  }
+}
+
+// Runs the emulated CUDA prefill on host tensors (params: CPU views). vs_override: 0 = heuristic.
+static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
+  Params p; int64_t pb = 0, rb = 0;
+  Status s = make_params(pr, wsp, 132, &p, &pb, &rb);
+  if (!s.ok()) return s;
+  if (vs_override) { p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices; }
+  if (pr.q.dtype == DType::kFloat16) {
+    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    launch(recurrence_kernel<true>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+  } else {
+    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    launch(recurrence_kernel<false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+  }
+  return Status::Ok();
+}
+static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) {
+  detail::PrefillProblem pr;
+  Status s = detail::validate_prefill(prm, &pr);
+  if (!s.ok()) return s;
+  s = check_supported(pr);
+  if (!s.ok()) return s;
+  const size_t need = workspace_bytes(pr);
+  std::vector<uint8_t> ws(need + 256, 0xff);
+  Params p; int64_t pb = 0, rb = 0;
+  s = make_params(pr, need ? ws.data() : nullptr, 132, &p, &pb, &rb);
+  if (!s.ok()) return s;
+  if (vs_override) { p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices; }
+  if (fp16) {
+    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    launch(recurrence_kernel<true>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+  } else {
+    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    launch(recurrence_kernel<false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+  }
+  return Status::Ok();
+}
+
+}  // namespace emu_run
