@@ -43,7 +43,8 @@ struct GpuDecodeCase {
   bool state_strided = false;   // pool with padded (unaligned) strides: no 16-byte vectors
   bool drop_token_slot = false; // [N, T] indices: one row's last write slot is -1 (skipped)
   bool baseline = false;        // run the baseline kernel (KDA_CUDA_DECODE_KERNEL=baseline)
-  bool tile = false;            // run the tile kernel where the persistent one would run (=tile)
+  bool tile = false;            // run the tile kernel where the staged one would run (=tile)
+  bool staged = false;          // force the staged tile kernel (=staged; where eligible)
   int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -63,6 +64,7 @@ struct GpuDecodeCase {
     if (drop_token_slot) s += "_dropslot";
     if (baseline) s += "_baseline";
     if (tile) s += "_tile";
+    if (staged) s += "_staged";
     if (grid > 0) s += "_grid" + std::to_string(grid);
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
@@ -140,6 +142,7 @@ class KernelChoice {
  public:
   explicit KernelChoice(const GpuDecodeCase& gc) {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
+    if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
     if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
       setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
       setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
@@ -636,6 +639,53 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.tile = true;  // the tile kernel on the shape the persistent one takes
     v.push_back(g);
   }
+  // The staged tile kernel (the default for V-first K = 128 with an aligned pool, so every such
+  // case above runs it) forced on its harder shapes, and the tile kernel forced on the same ones:
+  // varlen with an empty sequence (its final state is the initial one), [N, T] write slots with
+  // num_accepted, per-v beta, bf16 state, no initial state, separate final state, a pool with
+  // aligned non-contiguous rows; an unaligned pool falls back to the tile kernel.
+  {
+    std::vector<GpuDecodeCase> hard;
+    GpuDecodeCase g = base(128);
+    g.c.seqlens = {3, 1, 0, 4, 2};
+    g.c.indices = 2;
+    g.c.num_accepted = true;
+    g.c.padding = true;
+    g.c.beta_per_v = true;
+    hard.push_back(g);
+    g = base(128);
+    g.c.seqlens = {2, 0, 5, 1};
+    g.c.final_state_separate = true;
+    g.c.state_dtype = DType::kBFloat16;
+    hard.push_back(g);
+    g = base(128);
+    g.c.N = 9;
+    g.c.T = 5;
+    g.c.intermediate = true;
+    g.c.padding = true;
+    g.c.state_dtype = DType::kBFloat16;
+    g.c.use_initial_state = false;
+    hard.push_back(g);
+    g = base(128);
+    g.c.N = 7;
+    g.c.T = 3;
+    g.c.final_state_separate = true;
+    g.state_aligned_pad = true;
+    g.pad_every = 2;
+    g.c.padding = true;
+    hard.push_back(g);
+    g = base(128);
+    g.c.T = 2;
+    g.state_strided = true;  // unaligned pool: "staged" runs the tile kernel
+    hard.push_back(g);
+    for (GpuDecodeCase h : hard) {
+      h.staged = true;
+      v.push_back(h);
+      h.staged = false;
+      h.tile = true;
+      v.push_back(h);
+    }
+  }
   // The baseline kernel on the harder cases.
   {
     GpuDecodeCase g = base(64);
@@ -835,6 +885,54 @@ TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
     expect_close("out (persistent vs tile)", pers.out, tile.out, tol);
     expect_close("state (persistent vs tile)", pers.state, tile.state, tol);
     expect_close("inter (persistent vs tile)", pers.inter, tile.inter, tol);
+  }
+}
+
+// Bitwise equal, or within tol (the staged and tile kernels run the same arithmetic in the same
+// order, so they are expected to agree bitwise).
+void expect_same_or_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
+  if (bitwise_equal(got, ref)) return;
+  expect_close(what, got, ref, tol);
+}
+
+// The staged tile kernel (default for V-first K = 128) and the tile kernel agree: fp32 and bf16
+// state, padding rows, T = 1..4, per-token states.
+TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (DType st : {DType::kFloat32, DType::kBFloat16}) {
+    for (int64_t T = 1; T <= 4; ++T) {
+      SCOPED_TRACE(std::string(dtype_name(st)) + " T = " + std::to_string(T));
+      GpuDecodeCase gc = base(128);
+      gc.c.N = 12;
+      gc.c.H = 4;
+      gc.c.HV = 8;
+      gc.c.T = T;
+      gc.c.state_dtype = st;
+      gc.c.padding = true;
+      gc.pad_every = 3;
+      gc.c.intermediate = true;
+      gc.c.out_dtype = DType::kFloat32;
+      const DecodeData d = make_data(gc);
+      gc.tile = true;
+      const DecodeData tile = run_gpu(d, gc);
+      gc.tile = false;
+      gc.staged = true;
+      const DecodeData staged = run_gpu(d, gc);
+      expect_same_or_close("out (staged vs tile)", staged.out, tile.out, 1e-6);
+      expect_same_or_close("state (staged vs tile)", staged.state, tile.state, 1e-6);
+      expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, 1e-6);
+      // In-place final state (no per-token states) as well.
+      gc.c.intermediate = false;
+      const DecodeData d2 = make_data(gc);
+      gc.staged = false;
+      gc.tile = true;
+      const DecodeData tile2 = run_gpu(d2, gc);
+      gc.tile = false;
+      gc.staged = true;
+      const DecodeData staged2 = run_gpu(d2, gc);
+      expect_same_or_close("out (staged vs tile, in place)", staged2.out, tile2.out, 1e-6);
+      expect_same_or_close("state (staged vs tile, in place)", staged2.state, tile2.state, 1e-6);
+    }
   }
 }
 

@@ -290,4 +290,18 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       : "memory");
 }
 
+// ---------------------------------------------------------------------------------------------
+// Ampere-style asynchronous copies (the staged tile kernel): 16-byte cp.async global -> shared,
+// bypassing L1 (.cg). Both addresses must be 16-byte aligned. A thread's copies complete for that
+// thread at cp_async_wait_all (the data is visible to other threads only after a barrier).
+// ---------------------------------------------------------------------------------------------
+
+__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
 }  // namespace kda::cuda::dec

@@ -22,6 +22,19 @@
 // rounded back to bf16 after every token, exactly as the reference does; the output of a token
 // reads the state before that rounding (as the reference does).
 //
+// Staged tile kernel ("v3", the default for the hot shape: V-first, K = V = 128, fp32 or bf16
+// pool with 16-byte aligned rows; any T, dense or varlen, every index / output mode). The tile
+// kernel's block and thread map, but the tile is staged through shared memory with 16-byte
+// cp.async (each thread copies exactly the units it reads, so cp.async.wait_all + the token
+// barrier is all the synchronization) and the recurrence streams it from shared memory in two
+// passes, so 48 registers (no spills) and 19.5 KB (fp32) / 11.5 KB (bf16) of shared memory per
+// block: 10 blocks (160 KB of state loads) in flight per SM instead of 6 (96 KB). Warp 0
+// preprocesses each token once per block (as the persistent kernel's producer: bitwise the same
+// as stage_token); token 0's input loads of a dense row are issued before the index loads are
+// consumed. Bitwise the same results as the tile kernel (same per-lane k order). See
+// "The staged tile kernel" below and docs/perf_decode.md (v3). Unaligned pools, K-first and
+// K != 128 run the tile kernel.
+//
 // Persistent kernel (the hot shape: V-first, K = V = 128, fp32 or bf16 pool with 16-byte
 // aligned rows, dense tokens, T <= 8; see "The persistent kernel" below). The tile kernel above
 // is latency bound: a block's life is index load -> state load -> token staging -> compute ->
@@ -58,12 +71,13 @@
 // (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
 // T = 8). No kernel spills.
 //
-// Kernels: decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK, StateT,
+// Kernels: decode_staged_kernel<StateT> (2 instantiations; the default where it applies),
+// decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK, StateT,
 // kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked lanes; 12
 // instantiations; every shape the persistent kernel does not take), and decode_baseline_kernel,
 // a plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic (the tile kernel; KDA_CUDA_DECODE_KERNEL = baseline | persistent overrides
-// it), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook: many items per block).
+// the one heuristic (staged where it applies, else the tile kernel; KDA_CUDA_DECODE_KERNEL =
+// baseline | tile | staged | persistent overrides it), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook: many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
@@ -855,6 +869,249 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
 }
 
 // ---------------------------------------------------------------------------------------------
+// The staged tile kernel ("v3"; V-first, K = V = 128, fp32 or bf16 pool with 16-byte aligned rows)
+// ---------------------------------------------------------------------------------------------
+//
+// The tile kernel's block (n, hv, 32 value rows; 128 threads; TileMap<128, StateT, false>: the
+// same thread <-> element map, so the same per-lane k order and bitwise the same arithmetic), but
+// the state tile goes global -> shared memory with 16-byte cp.async instead of into registers.
+// Every thread copies exactly the 16-byte units it later reads (unit u of thread i at
+// tile_sh[u * 128 + i]: a warp's accesses are 512 contiguous bytes, no bank conflicts), so its
+// own cp.async.wait_all is the only wait its state reads need. The compute streams the tile from
+// shared memory in two passes per token (pass 1: S^T k of the decayed state; pass 2: s' = s *
+// decay + k u, S'^T q, then s' to global memory with 16-byte streaming stores and, if another
+// token follows, back to shared memory), so only a few values per thread are live: ~40 registers
+// instead of 79, 10 blocks (160 KB of state loads) resident per SM instead of 6 (96 KB).
+// Token preprocessing is done once per block by warp 0 (load_raw_token / prep_token, as the
+// persistent kernel: bitwise the same as stage_token) into one of two PersistToken slots
+// (alternating by token parity, so one block barrier per token suffices). Token 0's input loads
+// of a dense row are issued before the index loads are consumed, and preprocessed while the
+// state copies are in flight.
+constexpr int kStagedK = 128;
+constexpr int kStagedThreads = 128;
+constexpr int kStagedMinBlocks = 10;  // registers <= 48: 10 x 128 x 48 = 61440 <= 64 K
+
+// 16 bytes of state (StateT) <-> fp32 (the StateVec<StateT>::load / store element order).
+template <typename StateT>
+__device__ __forceinline__ void unpack_unit(const uint4& x, float* dst) {
+  if constexpr (sizeof(StateT) == 4) {
+    dst[0] = __uint_as_float(x.x), dst[1] = __uint_as_float(x.y), dst[2] = __uint_as_float(x.z), dst[3] = __uint_as_float(x.w);
+  } else {
+    const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      dst[2 * j] = __uint_as_float(w[j] << 16);
+      dst[2 * j + 1] = __uint_as_float(w[j] & 0xffff0000u);
+    }
+  }
+}
+
+template <typename StateT>
+__device__ __forceinline__ uint4 pack_unit(const float* src) {
+  if constexpr (sizeof(StateT) == 4) {
+    return make_uint4(__float_as_uint(src[0]), __float_as_uint(src[1]), __float_as_uint(src[2]), __float_as_uint(src[3]));
+  } else {
+    uint32_t w[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      w[j] = static_cast<uint32_t>(dec::float_to_bf16_bits(src[2 * j])) |
+             (static_cast<uint32_t>(dec::float_to_bf16_bits(src[2 * j + 1])) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
+}
+
+// Where a state tile goes in global memory: row `r` of tensor `t`, head hv (data == nullptr: nowhere).
+template <typename StateT>
+struct TileDst {
+  StateT* data = nullptr;
+  int64_t s2 = 0;
+  bool vec = false;
+  __device__ __forceinline__ void set(const Tensor4& t, int64_t r, int hv) {
+    data = static_cast<StateT*>(t.data) + r * t.s0 + hv * t.s1;
+    s2 = t.s2;
+    vec = t.vec;
+  }
+};
+
+template <typename StateT>
+__global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
+    decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
+  using Map = TileMap<kStagedK, StateT, false>;
+  using Vec = dec::StateVec<StateT>;
+  constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
+  constexpr int kUnits = kVt * kRuns;  // 16-byte units per thread: 8 (fp32), 4 (bf16)
+  constexpr bool kBf16State = sizeof(StateT) == 2;
+  // Runs unrolled per step of the compute passes: the most that ptxas 13.0 fits in 48 registers
+  // without spilling (fp32: 2 of 4 runs; bf16: 1 of 2, each run holds 8 elements).
+  constexpr int kUnrollR = kBf16State ? 1 : 2;
+  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "staged map");
+
+  // ---- Block -> (sequence n, value head hv, tile of 32 value rows), as the tile kernel
+  const unsigned vtiles = static_cast<unsigned>(a.V) / Map::kTileV;
+  const unsigned head_blk = blockIdx.x / vtiles;
+  const int tile = static_cast<int>(blockIdx.x - head_blk * vtiles);
+  const int hv = static_cast<int>(head_blk % static_cast<unsigned>(a.HV));
+  const int64_t n = head_blk / static_cast<unsigned>(a.HV);
+  const int h = hv / a.groups;
+  const int tile_v0 = tile * Map::kTileV;
+  const Map m(threadIdx.x, tile_v0);
+  const bool out_lane = m.lane_k == 0;
+  const bool prep_warp = threadIdx.x < 32;  // warp 0 preprocesses the tokens for the block
+
+  __shared__ uint4 tile_sh[kUnits * kStagedThreads];  // 16 KB (fp32) / 8 KB (bf16)
+  __shared__ PersistToken tok_sh[2];                  // 2 x 1792 B, by token parity
+  uint4* mine = tile_sh + threadIdx.x;                // this thread's unit u: mine[u * 128]
+
+  // ---- Token 0's raw inputs of a dense row (b = n, bos = 0, len = T: known without index
+  //      loads) are issued first, so they overlap the index loads of resolve_row.
+  RawToken raw;
+  if (prep_warp && !a.varlen && a.T > 0) load_raw_token(a, n, 0, h, hv, tile_v0, dec::lane_id(), raw);
+
+  // ---- Sequence span and read slot (padding rows: zero output, no state access)
+  const SeqRow row = resolve_row(a, n);
+  if (row.slot < 0) {  // uniform over the block: no barrier is skipped by part of it
+    for (int64_t t = 0; t < row.len; ++t) {
+      const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
+      if (out_lane) {
+#pragma unroll
+        for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
+      }
+    }
+    return;
+  }
+
+  // ---- State tile -> shared memory: kUnits 16-byte cp.async per thread, all in flight at once
+  if (a.use_initial_state) {
+    const StateT* base = static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 + hv * a.state.s1;
+#pragma unroll
+    for (int vt = 0; vt < kVt; ++vt) {
+      const StateT* p = base + static_cast<int64_t>(m.v_of(vt)) * a.state.s2;
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) dec::cp_async_16(&mine[(vt * kRuns + r) * kStagedThreads], p + m.k_of_run(r));
+    }
+    dec::cp_async_commit();
+  } else {
+#pragma unroll
+    for (int u = 0; u < kUnits; ++u) mine[u * kStagedThreads] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
+  }
+  if (prep_warp && row.len > 0) {
+    if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, dec::lane_id(), raw);
+    prep_token(a, raw, dec::lane_id(), tok_sh[0]);
+  }
+  prefetch_later_tokens(a, row, h, hv);
+  dec::cp_async_wait_all();  // this thread's copies: the only units it reads
+  __syncthreads();           // token 0's stage
+
+#pragma unroll 1
+  for (int64_t t = 0; t < row.len; ++t) {
+    const int64_t tok = row.bos + t;
+    if (t > 0) {
+      // Slot t & 1 was last read at token t - 2, before every thread passed token t - 1's barrier.
+      if (prep_warp) {
+        RawToken r2;
+        load_raw_token(a, row.b, tok, h, hv, tile_v0, dec::lane_id(), r2);
+        prep_token(a, r2, dec::lane_id(), tok_sh[t & 1]);
+      }
+      __syncthreads();
+    }
+    const PersistToken& tk = tok_sh[t & 1];
+
+    // ---- Where this token's state goes in global memory (at most one place per token)
+    TileDst<StateT> dst;
+    if (a.store_final_state) {
+      if (a.has_intermediate) {
+        dst.set(a.inter, row.b * a.T + tok, hv);
+      } else if (a.indices_2d) {
+        const int64_t ws = token_slot(a, n, t);
+        if (ws >= 0) dst.set(a.state, ws, hv);
+      } else if (t + 1 == row.len) {
+        if (a.has_final_state) dst.set(a.final_state, n, hv);
+        else dst.set(a.state, row.slot, hv);
+      }
+    }
+    const bool keep = t + 1 < row.len;  // another token follows: s' back to shared memory
+
+    // ---- Pass 1: sk = (diag(decay) S)^T k over the row's lanes (the tile kernel's k order)
+    // (Loops over vt are not unrolled: unrolled, the compiler hoists every shared-memory load of
+    // the tile and runs out of the 48-register budget.)
+    static_assert(kVt == 2, "two rows per thread");
+    float u0 = 0.f, u1 = 0.f;
+#pragma unroll 1
+    for (int vt = 0; vt < kVt; ++vt) {
+      float sk = 0.f;
+#pragma unroll(kUnrollR)
+      for (int r = 0; r < kRuns; ++r) {
+        float s[kVec];
+        unpack_unit<StateT>(mine[(vt * kRuns + r) * kStagedThreads], s);
+#pragma unroll
+        for (int e4 = 0; e4 < kVec; e4 += 4) {
+          const int kx = m.k_of_run(r) + e4;
+          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
+          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
+          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) sk = fmaf(s[e4 + e] * d[e], kv[e], sk);
+        }
+      }
+      const int vr = m.v_of(vt) - tile_v0;
+      const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
+      if (vt == 0) u0 = uv;
+      else u1 = uv;
+    }
+
+    // ---- Pass 2: s' = s * decay + k u (rounded to bf16 for a bf16 state), o = S'^T q (before
+    //      the rounding); s' to global memory and, if needed, back to shared memory
+    const int64_t o_off = a.out.offset(row.b, tok, hv);
+#pragma unroll 1
+    for (int vt = 0; vt < kVt; ++vt) {
+      const float uv = vt == 0 ? u0 : u1;
+      float acc = 0.f;
+#pragma unroll(kUnrollR)
+      for (int r = 0; r < kRuns; ++r) {
+        uint4& unit = mine[(vt * kRuns + r) * kStagedThreads];
+        float s[kVec];
+        unpack_unit<StateT>(unit, s);
+#pragma unroll
+        for (int e4 = 0; e4 < kVec; e4 += 4) {
+          const int kx = m.k_of_run(r) + e4;
+          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
+          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
+          const float4 q4 = *reinterpret_cast<const float4*>(&tk.q[kx]);
+          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+          const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
+            acc = fmaf(x, qv[e], acc);
+            if (kBf16State) x = dec::round_bf16(x);
+            s[e4 + e] = x;
+          }
+        }
+        if (dst.data != nullptr)
+          Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
+        if (keep) unit = pack_unit<StateT>(s);
+      }
+      const float o = dec::lane_group_sum<Map::kKLanes>(acc);
+      if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
+    }
+  }
+
+  // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
+  if (row.len == 0 && a.store_final_state && !a.has_intermediate && !a.indices_2d) {
+    TileDst<StateT> dst;
+    if (a.has_final_state) dst.set(a.final_state, n, hv);
+    else dst.set(a.state, row.slot, hv);
+#pragma unroll
+    for (int vt = 0; vt < kVt; ++vt)
+#pragma unroll
+      for (int r = 0; r < kRuns; ++r) {
+        float s[kVec];
+        unpack_unit<StateT>(mine[(vt * kRuns + r) * kStagedThreads], s);
+        Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
+      }
+  }
+}
+// ---------------------------------------------------------------------------------------------
 // The baseline kernel: the reference loop nest, one block per (sequence, value head), thread v
 // owns value column v (its K state elements in local memory). Any K, layout, state dtype.
 // ---------------------------------------------------------------------------------------------
@@ -1086,7 +1343,7 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 
 // ---- Kernel choice
 
-enum class DecodeKernel { kBaseline, kTile, kPersistent };
+enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1094,6 +1351,7 @@ struct DeviceInfo {
   int smem_per_sm = 0;         // bytes of shared memory per SM
   int smem_reserved = 0;       // bytes the runtime reserves per resident block
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
+  std::atomic<bool> staged_configured[2] = {false, false};   // staged kernel carveout set (fp32, bf16 state)
 };
 
 Status device_info(DeviceInfo** out) {
@@ -1128,23 +1386,42 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
   return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
 }
 
-// The one kernel heuristic (pure). The persistent kernel takes the hot shape: V-first, K = V =
-// 128, a 16-byte-aligned pool (its tiles are bulk copies), dense tokens with T <= 8 (a fixed
-// number of tokens per work item, so the token stage has a fixed size), at least 2 ring stages.
-// Its grid covers at most kPersistBlocksPerSM blocks per SM, so it wins from B = 1 (one item per
-// block: the shortest dependency chain, index and token loads issued together) to B = 1024 (many
-// items per block, S tiles in flight per block). Everything else (K-first, other K, varlen,
-// T > 8, unaligned pools) runs the tile kernel; the baseline kernel only on request.
-// KDA_CUDA_DECODE_KERNEL = baseline | tile | persistent overrides (persistent only where eligible).
+// The one kernel heuristic (pure host function). The staged tile kernel ("v3") is the default
+// where it applies: V-first, K = V = 128, a pool with 16-byte aligned rows (its tile is copied
+// with 16-byte cp.async; unaligned pools fall back to the tile kernel), any token count, dense or
+// varlen, every index / state-output mode. Everything else (K-first, K != 128, unaligned pools)
+// runs the tile kernel. The persistent kernel takes V-first K = V = 128, an aligned pool, dense
+// tokens, T <= 8, >= 2 ring stages, and runs only when asked for: measured on the H200
+// (docs/perf_decode.md) it was slower than the tile kernel (B = 256: 398 us vs 363 us; B = 1024:
+// 2087 vs 1550; T = 4: 1273 vs 816). The baseline kernel runs only on request.
+// KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | persistent overrides (staged and persistent
+// only where eligible; otherwise the default choice).
 DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, const char* env) {
-  if (env != nullptr && std::strcmp(env, "baseline") == 0) return DecodeKernel::kBaseline;
-  const bool eligible = pr.layout == StateLayout::kVFirst && pr.d.K == kPersistK && pr.d.V == kPersistK &&
-                        rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
-  // The tile kernel is the default: measured on the H200 (docs/perf_notes.md, Decode) the
-  // persistent kernel was slower (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4:
-  // 1273 vs 816), so it runs only when asked for (KDA_CUDA_DECODE_KERNEL=persistent).
-  const bool want_persistent = env != nullptr && std::strcmp(env, "persistent") == 0;
-  return eligible && want_persistent ? DecodeKernel::kPersistent : DecodeKernel::kTile;
+  auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
+  if (is("baseline")) return DecodeKernel::kBaseline;
+  if (is("tile")) return DecodeKernel::kTile;
+  const bool staged_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kStagedK && pr.d.V == kStagedK &&
+                         rows_aligned16(pr.state);
+  const bool persistent_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kPersistK && pr.d.V == kPersistK &&
+                             rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
+  if (is("persistent") && persistent_ok) return DecodeKernel::kPersistent;
+  return staged_ok ? DecodeKernel::kStaged : DecodeKernel::kTile;  // "staged" and the default
+}
+
+template <typename StateT>
+Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStream_t stream) {
+  auto* kernel = decode_staged_kernel<StateT>;
+  const int which = sizeof(StateT) == 2 ? 1 : 0;
+  if (!d.staged_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
+    // All of the unified L1 / shared memory as shared memory: 10 blocks x ~20 KB per SM.
+    KDA_CUDA_RETURN_IF_ERROR(
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
+        "cudaFuncSetAttribute(decode_staged_kernel)");
+    d.staged_configured[which].store(true, std::memory_order_release);
+  }
+  kernel<<<static_cast<unsigned>(blocks), kStagedThreads, 0, stream>>>(a);
+  KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_staged_kernel");
+  return Status::Ok();
 }
 
 template <typename StateT>
@@ -1217,6 +1494,8 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
                                           " blocks exceed the grid limit; split the batch"};
+  if (kernel == DecodeKernel::kStaged)
+    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, stream) : launch_staged<float>(a, *info, blocks, stream);
   if (bf16_state) return dispatch_fast<__nv_bfloat16>(a, k_first, blocks, stream);
   return dispatch_fast<float>(a, k_first, blocks, stream);
 }
