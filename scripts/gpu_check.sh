@@ -85,7 +85,7 @@ if has python; then
 fi
 
 if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
-  for c in P1 P5; do
+  for c in ${PROFILE_CASES:-P1}; do
     timeout 120 ncu --clock-control none --section SpeedOfLight --launch-skip 2 --launch-count 2 \
       ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/ncu_$c.log" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Registers|Block Size|Grid Size" "$OUT/ncu_$c.log" | head -24
