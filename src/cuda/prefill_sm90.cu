@@ -79,7 +79,10 @@ template <typename Kernel>
 cudaError_t allow_smem(Kernel kernel, int bytes, int device, uint32_t bit) {
   const bool cached = device >= 0 && device < kMaxDevices;
   if (cached && (g_smem_ready[device].load(std::memory_order_acquire) & bit)) return cudaSuccess;
-  const cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+  // All of the unified L1/shared array as shared memory: two prepare blocks per SM need 2 x 109 KB.
+  if (e == cudaSuccess)
+    e = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared);
   if (e == cudaSuccess && cached) g_smem_ready[device].fetch_or(bit, std::memory_order_acq_rel);
   return e;
 }

@@ -250,15 +250,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int i = 0; i < 8; ++i) bias[i] = p.dt_bias ? p.dt_bias[hv * p.dt_bias_s + 8 * ch + i] : 0.f;
     uint4 qv[4], kv[4];
-    float gv[4][8];
+    float gv[4][8], braw[4];
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {  // every load in flight before the first use
       const int row = 16 * pass + rr;
+      braw[pass] = 0.f;
       if (row < L) {
         const int64_t tok = t0 + row;
         qv[pass] = load8_b16(p.q, p.q.offset(b, tok, h) + 8 * ch);
         kv[pass] = load8_b16(p.k, p.k.offset(b, tok, h) + 8 * ch);
         load8_gate<kFp16>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gv[pass]);
+        if (ch == 0) braw[pass] = load_any(p.beta.data, p.beta.dtype, p.beta.offset(b, tok, hv));
       } else {
         qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -296,12 +298,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         const float eps = static_cast<float>(detail::kL2NormEps);
         invq[row] = p.l2norm ? p.scale / sqrtf(ssq + eps) : p.scale;
         invk[row] = p.l2norm ? 1.f / sqrtf(ssk + eps) : 1.f;
-        float bt = 0.f;
-        if (valid) {
-          const float braw = load_any(p.beta.data, p.beta.dtype, p.beta.offset(b, t0 + row, hv));
-          bt = detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw);
-        }
-        bet[row] = bt;
+        bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw[pass]) : 0.f;
       }
     }
   }
@@ -310,15 +307,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   // ---- G = cumulative log decay over the chunk (padded tokens have a = 0: G_t = G_{L-1}).
   {
     const int cc = tid & 127, half = tid >> 7;
-    float run = 0.f;
-    for (int r = 32 * half; r < 32 * half + 32; ++r) {
-      run += G[r * kGPitch + cc];
-      G[r * kGPitch + cc] = run;
-    }
+    float x[32];  // 32 independent loads, then the scan in registers
+#pragma unroll
+    for (int r = 0; r < 32; ++r) x[r] = G[(32 * half + r) * kGPitch + cc];
+#pragma unroll
+    for (int r = 1; r < 32; ++r) x[r] += x[r - 1];
+#pragma unroll
+    for (int r = 0; r < 32; ++r) G[(32 * half + r) * kGPitch + cc] = x[r];
     __syncthreads();
     if (half == 1) {
       const float base = G[31 * kGPitch + cc];
-      for (int r = 32; r < 64; ++r) G[r * kGPitch + cc] += base;
+#pragma unroll
+      for (int r = 0; r < 32; ++r) G[(32 + r) * kGPitch + cc] = x[r] + base;
     }
   }
   __syncthreads();
@@ -338,7 +338,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
     if (span <= 45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
-      akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, 2, g, c);
+      akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, 2, g, c);
     } else {
       akk_aqk_diag_pairwise<kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, lane);
     }
@@ -375,20 +375,25 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     for (int d = 1; d < 4; ++d) {
       for (int j = 0; j + d < 4; ++j) {
         const int i = j + d;
-        float acc = 0.f;
+        float acc0 = 0.f, acc1 = 0.f;  // two chains for latency
         for (int k = j; k < i; ++k)
 #pragma unroll
-          for (int m = 0; m < 16; ++m)
-            acc = fmaf(M[(16 * i + er) * kMPitch + 16 * k + m], X[(16 * k + m) * kMPitch + 16 * j + ec], acc);
-        P[j * 256 + er * 16 + ec] = acc;
+          for (int m = 0; m < 16; m += 2) {
+            acc0 = fmaf(M[(16 * i + er) * kMPitch + 16 * k + m], X[(16 * k + m) * kMPitch + 16 * j + ec], acc0);
+            acc1 = fmaf(M[(16 * i + er) * kMPitch + 16 * k + m + 1], X[(16 * k + m + 1) * kMPitch + 16 * j + ec], acc1);
+          }
+        P[j * 256 + er * 16 + ec] = acc0 + acc1;
       }
       __syncthreads();
       for (int j = 0; j + d < 4; ++j) {
         const int i = j + d;
-        float acc = 0.f;
+        float acc0 = 0.f, acc1 = 0.f;
 #pragma unroll
-        for (int m = 0; m < 16; ++m) acc = fmaf(X[(16 * i + er) * kMPitch + 16 * i + m], P[j * 256 + m * 16 + ec], acc);
-        X[(16 * i + er) * kMPitch + 16 * j + ec] = -acc;
+        for (int m = 0; m < 16; m += 2) {
+          acc0 = fmaf(X[(16 * i + er) * kMPitch + 16 * i + m], P[j * 256 + m * 16 + ec], acc0);
+          acc1 = fmaf(X[(16 * i + er) * kMPitch + 16 * i + m + 1], P[j * 256 + (m + 1) * 16 + ec], acc1);
+        }
+        X[(16 * i + er) * kMPitch + 16 * j + ec] = -(acc0 + acc1);
       }
       __syncthreads();
     }

@@ -9,11 +9,10 @@
 
 namespace kda::cuda::pf {
 
-__device__ __forceinline__ uint32_t f32_to_tf32(float x) {
-  uint32_t r;
-  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(x));
-  return r;
-}
+// fp32 -> tf32, round to nearest (ties away from zero) on the 13 dropped bits: what
+// cvt.rna.tf32.f32 computes, in two full-rate integer operations (the conversion instruction is
+// not full rate). Finite inputs only (the kernels never feed it inf/NaN).
+__device__ __forceinline__ uint32_t f32_to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(f32_to_tf32(x)); }
 
 // 2^x (MUFU.EX2, ~2 ulp; flushes denormal results to zero: 2^x < 2^-126 reads as 0).
@@ -31,9 +30,10 @@ __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
 }
 
-// D = A B + D, bf16 inputs, fp32 accumulate.
+// D = A B + D, bf16 inputs, fp32 accumulate. Not volatile: a pure register operation that the
+// compiler may schedule freely (interleaving independent accumulators).
 __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
@@ -42,7 +42,7 @@ __device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], 
 
 // D = A B + D, tf32 inputs (32-bit registers holding tf32 values), fp32 accumulate.
 __device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
+  asm(
       "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])

@@ -213,14 +213,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       ua[sj][3] = f32_to_tf32(accU[sj][3]);
     }
 
-    // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal).
+    // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal). s-step outer, t-tile
+    // inner: consecutive mma go to different accumulators (no back-to-back dependency).
     {
       const float* aqk = reinterpret_cast<const float*>(sb + kOffAqk);
 #pragma unroll
-      for (int j = 0; j < 8; ++j)
+      for (int sj = 0; sj < 8; ++sj)
 #pragma unroll
-        for (int sj = 0; sj < 8; ++sj) {
-          if (sj <= j) {
+        for (int j = 0; j < 8; ++j) {
+          if (j >= sj) {
             const float2 b = *reinterpret_cast<const float2*>(aqk + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
             mma_tf32(accO[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
           }
@@ -237,8 +238,12 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         accS[j][1] *= d.y;
         accS[j][2] *= d.x;
         accS[j][3] *= d.y;
+      }
+      // s-step outer, key tile inner: 16 independent accumulators between dependent mma.
 #pragma unroll
-        for (int sj = 0; sj < 8; ++sj) {
+      for (int sj = 0; sj < 8; ++sj) {
+#pragma unroll
+        for (int j = 0; j < 16; ++j) {
           if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
             const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
             const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + swizzle_b16_64(8 * j + g, 8 * sj + 2 * c));
