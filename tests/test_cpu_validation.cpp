@@ -149,6 +149,75 @@ TEST_P(DecodeBadInput, ReturnsErrorNamingArgumentAndWritesNothing) {
 INSTANTIATE_TEST_SUITE_P(Cpu, DecodeBadInput, ::testing::ValuesIn(bad_decode_inputs()),
                          [](const auto& info) { return info.param.name; });
 
+// The Python test that crashed on the device (test_compat.py, test_decode_errors_use_mate_names):
+// beta passed as the strided view b[..., :2] of a [N, 1, HV] array. Validation must reject it
+// with a message that spells both shapes, and nothing may be written.
+TEST(DecodeBadInputExact, NarrowedStridedBetaViewIsRejectedWithBothShapes) {
+  DecodeCase c;
+  c.N = 3;
+  c.T = 1;
+  c.dtype = c.out_dtype = DType::kFloat32;
+  DecodeData d = make_decode(c);
+  DecodeParams p = d.params();
+  ASSERT_EQ(p.beta.ndim, 3);
+  p.beta.shape[2] = 2;  // same data and strides [HV, HV, 1]: a non-contiguous [3, 1, 2] view
+  ASSERT_EQ(p.beta.strides[1], c.HV);
+  const HostTensor out = d.out, st = d.state;
+  for (Backend be : {Backend::kAuto, Backend::kCpu, Backend::kCpuReference}) {
+    p.exec.backend = be;
+    const Status s = decode(p);
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_EQ(s.message(), "argument 'beta': expected shape [B, T, HV] or [B, T, HV, V] = "
+                           "[3, 1, 4, 32], got shape [3, 1, 2]");
+    EXPECT_EQ(validate(p).message(), s.message());
+  }
+  EXPECT_TRUE(bitwise_equal(d.out, out));
+  EXPECT_TRUE(bitwise_equal(d.state, st));
+}
+
+// Some messages describe a view before its structural check (num_accepted_tokens without [N, T]
+// indices, states in pool mode): a rank beyond kMaxDims must be reported, never read past the
+// view's shape array.
+TEST(DecodeBadInputExact, OutOfRangeRankIsReportedWithoutReadingPastTheShape) {
+  DecodeData d = make_decode(DecodeCase{});
+  DecodeParams p = d.params();
+  p.exec.backend = Backend::kCpu;
+  p.num_accepted_tokens = d.idx.view();
+  p.num_accepted_tokens.ndim = 64;
+  Status s = decode(p);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("argument 'num_accepted_tokens'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("got rank 64"), std::string::npos) << s.message();
+
+  PrefillData pd = make_prefill(base_prefill());
+  PrefillParams pp = pd.params();
+  pp.state_pool = pp.final_state;
+  pp.state_indices = pd.cu.view();
+  pp.final_state = TensorView{};
+  pp.initial_state = pp.state_pool;
+  pp.initial_state.ndim = 1000;
+  s = validate(pp);
+  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
+  EXPECT_NE(s.message().find("argument 'initial_state'"), std::string::npos) << s.message();
+  EXPECT_NE(s.message().find("got rank 1000"), std::string::npos) << s.message();
+}
+
+// Every shape in a message is formatted the same way (no stream state involved).
+TEST(DecodeBadInputExact, ShapeMessagesFormatAllRanks) {
+  DecodeData d = make_decode(DecodeCase{});
+  DecodeParams p = d.params();
+  p.exec.backend = Backend::kCpu;
+  p.state.shape[1] = 1;
+  const Status s = decode(p);
+  EXPECT_NE(s.message().find("got shape [" + std::to_string(d.P) + ", 1, 32, 32]"),
+            std::string::npos)
+      << s.message();
+  p = d.params();
+  p.q.ndim = 1;
+  p.q.shape[0] = -3;
+  EXPECT_NE(decode(p).message().find("got shape [-3]"), std::string::npos) << decode(p).message();
+}
+
 TEST(ValidationSmoke, ValidInputsPass) {
   PrefillData d = make_prefill(base_prefill());
   EXPECT_TRUE(validate(d.params()).ok()) << validate(d.params()).to_string();

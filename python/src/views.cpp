@@ -80,9 +80,14 @@ TensorView fill_view(const char* name, const Array& a) {
     value_error(name, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " +
                           std::to_string(a.ndim()));
   t.ndim = static_cast<int32_t>(a.ndim());
-  for (int i = 0; i < t.ndim; ++i) {
-    t.shape[i] = static_cast<int64_t>(a.shape(i));
-    t.strides[i] = a.stride(i);  // DLPack strides count elements
+  const int64_t* shape = a.shape_ptr();
+  const int64_t* strides = a.stride_ptr();
+  if (shape == nullptr) value_error(name, "expected an array with a shape, got none (DLPack)");
+  int64_t compact = 1;  // DLPack allows strides == NULL for a compact row-major array
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    t.shape[i] = shape[i];
+    t.strides[i] = strides != nullptr ? strides[i] : compact;  // DLPack strides count elements
+    compact *= shape[i];
   }
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
   return t;
@@ -123,8 +128,9 @@ void to_workspace(const char* name, nb::handle obj, ArrayKeeper* keep, void** da
   if (!nb::try_cast(obj, a, /*convert=*/false))
     type_error(name, "expected a writable array or None, got " + py_type_name(obj));
   int64_t expect = 1;
-  for (int i = static_cast<int>(a.ndim()) - 1; i >= 0; --i) {
-    if (a.shape(i) != 1 && a.stride(i) != expect) value_error(name, "expected a contiguous array");
+  const int64_t* strides = a.stride_ptr();  // NULL: compact row-major (DLPack)
+  for (int i = static_cast<int>(a.ndim()) - 1; strides != nullptr && i >= 0; --i) {
+    if (a.shape(i) != 1 && strides[i] != expect) value_error(name, "expected a contiguous array");
     expect *= static_cast<int64_t>(a.shape(i));
   }
   *data = a.data();
@@ -134,8 +140,10 @@ void to_workspace(const char* name, nb::handle obj, ArrayKeeper* keep, void** da
 
 nb::handle Kwargs::get(const char* name) {
   used_.emplace_back(name);
-  if (!kw_.contains(name)) return nb::none();
-  return kw_[name];
+  // A borrowed reference: the kwargs dict keeps the value alive for the whole call (no temporary
+  // object whose reference count the returned handle would outlive).
+  PyObject* value = PyDict_GetItemString(kw_.ptr(), name);
+  return value != nullptr ? nb::handle(value) : nb::none();
 }
 
 bool Kwargs::flag(const char* name, bool def) {

@@ -4,7 +4,6 @@
 // tensor data except, for host tensors, the values of cu_seqlens and checkpoint_offsets.
 #include <algorithm>
 #include <cmath>
-#include <sstream>
 #include <string>
 
 #include "core/problem.h"
@@ -12,22 +11,27 @@
 namespace kda::detail {
 namespace {
 
+// Shapes are formatted with std::to_string, not iostreams: the error path then needs no locale or
+// stream state of the C++ runtime (it runs inside host processes such as Python with torch and the
+// CUDA driver loaded), and a view whose rank is out of range is never read past kMaxDims.
+std::string dims_str(const int64_t* dims, int n) {
+  std::string s = "[";
+  for (int i = 0; i < n; ++i) {
+    if (i) s += ", ";
+    s += std::to_string(dims[i]);
+  }
+  s += "]";
+  return s;
+}
+
 std::string shape_str(const TensorView& t) {
   if (!t.present()) return "absent";
-  std::ostringstream s;
-  s << "[";
-  for (int i = 0; i < t.ndim; ++i) s << (i ? ", " : "") << t.shape[i];
-  s << "]";
-  return s.str();
+  if (t.ndim > kMaxDims) return "rank " + std::to_string(t.ndim);
+  return dims_str(t.shape, t.ndim);
 }
 
 std::string dims_str(std::initializer_list<int64_t> dims) {
-  std::ostringstream s;
-  s << "[";
-  int i = 0;
-  for (int64_t d : dims) s << (i++ ? ", " : "") << d;
-  s << "]";
-  return s.str();
+  return dims_str(dims.begin(), static_cast<int>(dims.size()));
 }
 
 Status Err(const char* arg, const std::string& expected, const std::string& got) {

@@ -1,7 +1,10 @@
 """Every error path of the Python API: the exception type, the argument named in the message, and
 nothing written to any output or state when a call fails."""
 
+import os
 import re
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -309,3 +312,62 @@ def test_helper_errors():
         kda.checkpoint_offsets([0, 10], "64")
     with pytest.raises(TypeError, match="argument 'cu_seqlens'"):
         kda.checkpoint_offsets({"a": 1}, 64)
+
+
+# --- error paths in a process that also holds torch and the CUDA driver ------------------------
+
+def test_decode_strided_beta_view_message_spells_both_shapes():
+    """beta as the strided view b[..., :2] (HV 2 instead of 4): the C++ validation rejects it and
+    the message gives the expected and the given shape (no iostreams on this path)."""
+    call = decode_call()
+    call["beta"] = call["beta"][..., :2]
+    assert not call["beta"].flags.c_contiguous
+    expect(ValueError, "beta", kda.decode, call)
+    with pytest.raises(ValueError, match=re.escape("[3, 1, 4, 32], got shape [3, 1, 2]")):
+        kda.decode(**call)
+
+
+_ERROR_PATHS_CHILD = r"""
+import faulthandler, sys
+faulthandler.enable()
+import numpy as np
+import kda                      # imported first, as in the pytest run (test_compat.py)
+try:                            # then torch and the CUDA driver, as test_torch.py's collection does
+    import torch
+    torch.cuda.is_available()
+except ImportError:
+    pass
+kda.cuda_available()
+rng = np.random.default_rng(0)
+N, H, HV, K = 3, 2, 4, 32
+q, k = (rng.standard_normal((N, 1, H, K)).astype(np.float32) for _ in range(2))
+v, g = (rng.standard_normal((N, 1, HV, K)).astype(np.float32) for _ in range(2))
+b = rng.standard_normal((N, 1, HV)).astype(np.float32)
+pool = rng.standard_normal((N, HV, K, K)).astype(np.float32)
+kda.gated_delta_rule_decode(q, k, v, pool, None, g, None, None, None, b, use_gate_in_kernel=False,
+                            store_final_state=True, inplace_final_state=True)
+for name, kw in (("a", dict(a=g.astype(np.float64))), ("b", dict(b=b[..., :2])),
+                 ("output", dict(output=np.zeros((N, 1, HV, 16), np.float32)))):
+    args = dict(a=g, b=b)
+    args.update(kw)
+    try:
+        kda.gated_delta_rule_decode(q, k, v, pool, None, args.pop("a"), None, None, None,
+                                    args.pop("b"), use_gate_in_kernel=False, store_final_state=True,
+                                    inplace_final_state=True, **args)
+    except ValueError as e:
+        assert f"argument '{name}'" in str(e), str(e)
+    else:
+        raise AssertionError(f"no ValueError for {name}")
+print("error paths ok")
+"""
+
+
+def test_error_paths_in_a_process_with_torch_and_cuda():
+    """The failing-validation calls of test_compat.py::test_decode_errors_use_mate_names, in a
+    child process that loads torch and initialises the CUDA driver after kda (as the full pytest
+    run does): a crash there fails this test instead of killing the whole run."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", _ERROR_PATHS_CHILD], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "error paths ok" in r.stdout, (
+        f"child exited with {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr[-4000:]}")
