@@ -11,10 +11,10 @@
 //
 // Pipeline: two stages, each = the chunk's workspace record (one bulk copy, mbarrier) + the v tile
 // [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in flight
-// while chunk c computes. The output tile goes through the stage's W area (free once every warp
-// has passed the first product) with stmatrix, then out with 16-byte coalesced stores.
-// Shared memory: 2 x (record + 128 vs) + 16 bytes (197,648 at vs = 128 with the bf16 kbT record):
-// one block per SM.
+// while chunk c computes; one block barrier per chunk. Each warp stages its output columns in its
+// own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
+// Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
+// record): one block per SM.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -22,7 +22,14 @@
 namespace kda::cuda::pf {
 
 __host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return kRecordBytes + kChunk * vs * 2; }
-__host__ __device__ constexpr int recurrence_smem_bytes(int vs) { return 2 * recurrence_stage_bytes(vs) + 16; }
+// Two stages, then one output tile [64 t][16 v] (2 KB) per warp, then two mbarriers.
+__host__ __device__ constexpr int recurrence_smem_bytes(int vs) {
+  return 2 * recurrence_stage_bytes(vs) + (vs / 16) * kChunk * 32 + 16;
+}
+
+// Byte offset of 16-byte chunk `chunk` (0, 1) of row t in a warp's output tile [64][16] (32-byte
+// rows; the chunk is swapped every 4 rows so that 8 consecutive rows hit 8 bank groups).
+__device__ __forceinline__ int out_tile_offset(int t, int chunk) { return t * 32 + ((chunk ^ ((t >> 2) & 1)) << 4); }
 
 // Element offset of state element (value row v, key column kk) of head hv in row `row`.
 __device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst, int64_t row, int hv, int v, int kk) {
@@ -64,7 +71,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int vw = vcol0 + 16 * warp;    // first value row of S^T owned by this warp
   const int sbytes = recurrence_stage_bytes(vs);
   const uint32_t smem0 = smem_u32(smem);
-  const uint32_t bar0 = smem0 + 2 * sbytes;  // two mbarriers (8 bytes each)
+  uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
+  const uint32_t bar0 = smem0 + 2 * sbytes + (vs / 16) * kChunk * 32;  // two mbarriers (8 bytes each)
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[16][4];
@@ -257,29 +265,26 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       }
     }
 
-    // ---- Output: O^T tile -> shared [t][vs] (stmatrix.trans into the stage's W area) -> out.
-    __syncthreads();  // every warp is past its reads of W
+    // ---- Output: O^T -> this warp's tile [t][16] (stmatrix.trans) -> out, 32 bytes per token row.
     {
-      const uint32_t o_base = smem_u32(sb + kOffW);
+      __syncwarp();  // the previous chunk's copy-out of this tile is done
+      const uint32_t o_base = smem_u32(otile);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
         const int row = 16 * jj + ((lane >> 4) << 3) + (lane & 7);
-        const int chunk = 2 * warp + ((lane >> 3) & 1);
-        stmatrix_x4_trans(o_base + swizzle_vtile(row, chunk, vs), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
+        stmatrix_x4_trans(o_base + out_tile_offset(row, (lane >> 3) & 1), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
                           pack_out<kFp16>(accO[2 * jj][2], accO[2 * jj][3]),
                           pack_out<kFp16>(accO[2 * jj + 1][0], accO[2 * jj + 1][1]),
                           pack_out<kFp16>(accO[2 * jj + 1][2], accO[2 * jj + 1][3]));
       }
-    }
-    __syncthreads();
-    {
-      const int cpr = vs >> 3;
+      __syncwarp();
       uint16_t* obase = static_cast<uint16_t*>(const_cast<void*>(p.out.data));
-      for (int task = tid; task < kChunk * cpr; task += nthreads) {
-        const int r = task / cpr, ch = task % cpr;
+#pragma unroll
+      for (int pass = 0; pass < 4; ++pass) {
+        const int r = 16 * pass + (lane >> 1), ch = lane & 1;
         if (r < L) {
-          const uint4 x = *reinterpret_cast<const uint4*>(sb + kOffW + swizzle_vtile(r, ch, vs));
-          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vcol0 + 8 * ch;
+          const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
+          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
             *reinterpret_cast<uint4*>(obase + goff) = x;
           } else {
