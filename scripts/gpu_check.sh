@@ -80,7 +80,7 @@ if has python; then
     grep -E "FAILED|Error|error|Fatal|File \"|passed|failed" "$OUT/python.log" | grep -v "^  " | head -25
     note "python tests rc=$rc: $(grep -E 'passed|failed' "$OUT/python.log" | tail -1)"
     if [ $rc -ge 128 ] && command -v cuda-gdb >/dev/null; then  # a crash: native backtrace
-      PYTHONPATH= timeout 240 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args \
+      PYTHONPATH= timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args \
         python3 -m pytest tests/python -x -q -p no:cacheprovider >"$OUT/python_gdb.log" 2>&1
       grep -E "^#[0-9]+|signal|SIGSEGV" "$OUT/python_gdb.log" | head -30
     fi
