@@ -2,6 +2,7 @@
 #include "support.h"
 
 #include <algorithm>
+#include <cctype>
 #include <cmath>
 #include <cstring>
 #include <numeric>
@@ -105,6 +106,12 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
   for (int64_t i = 0; i < a.numel(); ++i)
     if (std::memcmp(a.storage.data() + a.offset(i) * es, b.storage.data() + b.offset(i) * es, es) != 0) return false;
   return true;
+}
+
+std::string test_name(std::string s) {
+  for (char& ch : s)
+    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+  return s;
 }
 
 Compare compare(const HostTensor& got, const HostTensor& ref, double tol) {

@@ -127,4 +127,7 @@ double tolerance_for(DType dtype);
 
 bool bitwise_equal(const HostTensor& a, const HostTensor& b);
 
+// A parameterized-test instance name from a case name: every non-alphanumeric character -> '_'.
+std::string test_name(std::string s);
+
 }  // namespace kda::test

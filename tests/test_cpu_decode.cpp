@@ -11,12 +11,6 @@
 namespace kda::test {
 namespace {
 
-std::string sanitize(std::string s) {
-  for (char& ch : s)
-    if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
-}
-
 // Slots that some row of `d` reads or writes (by the spec's rules), from the host index data.
 std::set<int64_t> touched_slots(const DecodeData& d) {
   std::set<int64_t> s;
@@ -116,7 +110,7 @@ std::vector<DecodeCase> decode_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, DecodeSweep, ::testing::ValuesIn(decode_cases()),
-                         [](const auto& info) { return sanitize(info.param.name()); });
+                         [](const auto& info) { return test_name(info.param.name()); });
 
 TEST(DecodeSmoke, PaddingRowsHaveZeroOutputAndNoStateAccess) {
   DecodeCase c;

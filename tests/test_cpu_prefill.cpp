@@ -30,12 +30,6 @@ void expect_close(const char* what, const HostTensor& got, const HostTensor& ref
   EXPECT_LE(c.rel_l2, tol) << what << " rel_l2 " << c.rel_l2 << ":" << c.first_mismatches;
 }
 
-std::string sanitize(std::string s) {
-  for (char& ch : s)
-    if (!isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
-}
-
 class PrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 
 TEST_P(PrefillSweep, FastMatchesReference) {
@@ -109,7 +103,7 @@ std::vector<PrefillCase> sweep_cases() {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cpu, PrefillSweep, ::testing::ValuesIn(sweep_cases()),
-                         [](const auto& info) { return sanitize(info.param.name()); });
+                         [](const auto& info) { return test_name(info.param.name()); });
 
 TEST(PrefillSmoke, ReferenceBackendMatchesItselfWidened) {
   // The reference on bf16 storage equals the reference on the fp32 widening up to output rounding.

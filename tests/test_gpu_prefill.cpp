@@ -175,12 +175,6 @@ PrefillData make_data(const PrefillCase& c) {
   return d;
 }
 
-std::string sanitize(std::string s) {
-  for (char& ch : s)
-    if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
-  return s;
-}
-
 // ---------------------------------------------------------------------------------------------
 // Parameterized sweep
 // ---------------------------------------------------------------------------------------------
@@ -280,7 +274,7 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<PrefillCase>& info) {
-                           return sanitize(info.param.name());
+                           return test_name(info.param.name());
                          });
 
 // ---------------------------------------------------------------------------------------------
