@@ -11,7 +11,7 @@
 //
 // shim/ replaces <cuda_runtime.h>, <cuda_runtime_api.h>, <cuda_bf16.h>, <cuda_fp16.h> and
 // "cuda/prefill/ptx.cuh"; it must come first on the include path. From the repository root:
-//   E=src/cuda/prefill/emu
+//   E=dev/prefill_emu
 //   # quick cases against the fp64 reference (after a normal build in build/)
 //   g++ -O1 -g -std=c++20 -I$E/shim -Isrc -Iinclude -Itests $E/emu_cases.cpp tests/support.cpp \
 //       build/libkda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread -o /tmp/emu_cases
