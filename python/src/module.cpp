@@ -92,47 +92,46 @@ DecodeParams decode_params(const nb::kwargs& kwargs, const char* fn, ArrayKeeper
   return p;
 }
 
-void run_prefill(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  const PrefillParams p = prefill_params(kwargs, "prefill", &keep);
+// Runs op(params) with the GIL released; a failed Status becomes a Python exception.
+template <typename Params, typename Op>
+void run_released(const Params& p, Op&& op) {
   Status s;
   {
     nb::gil_scoped_release release;
-    s = kda::prefill(p);
+    s = op(p);
   }
   if (!s.ok()) raise_status(s);
 }
 
+void check(const Status& s) {
+  if (!s.ok()) raise_status(s);
+}
+
+void run_prefill(const nb::kwargs& kwargs) {
+  ArrayKeeper keep;
+  run_released(prefill_params(kwargs, "prefill", &keep), [](const PrefillParams& p) { return kda::prefill(p); });
+}
+
 size_t prefill_workspace_size(const nb::kwargs& kwargs) {
   ArrayKeeper keep;
-  const PrefillParams p = prefill_params(kwargs, "prefill_workspace_size", &keep);
   size_t bytes = 0;
-  const Status s = kda::prefill_workspace_size(p, &bytes);
-  if (!s.ok()) raise_status(s);
+  check(kda::prefill_workspace_size(prefill_params(kwargs, "prefill_workspace_size", &keep), &bytes));
   return bytes;
 }
 
 void validate_prefill(const nb::kwargs& kwargs) {
   ArrayKeeper keep;
-  const Status s = kda::validate(prefill_params(kwargs, "validate_prefill", &keep));
-  if (!s.ok()) raise_status(s);
+  check(kda::validate(prefill_params(kwargs, "validate_prefill", &keep)));
 }
 
 void run_decode(const nb::kwargs& kwargs) {
   ArrayKeeper keep;
-  const DecodeParams p = decode_params(kwargs, "decode", &keep);
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = kda::decode(p);
-  }
-  if (!s.ok()) raise_status(s);
+  run_released(decode_params(kwargs, "decode", &keep), [](const DecodeParams& p) { return kda::decode(p); });
 }
 
 void validate_decode(const nb::kwargs& kwargs) {
   ArrayKeeper keep;
-  const Status s = kda::validate(decode_params(kwargs, "validate_decode", &keep));
-  if (!s.ok()) raise_status(s);
+  check(kda::validate(decode_params(kwargs, "validate_decode", &keep)));
 }
 
 nb::dict info() {
