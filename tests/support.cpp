@@ -274,17 +274,27 @@ PrefillData widen(const PrefillData& src) {
   return d;
 }
 
+// Fields PrefillParams and DecodeParams share: the per-token inputs, gate parameters, output.
+template <typename Params, typename Data>
+void set_token_fields(Params& p, const Data& d) {
+  p.q = d.q.view();
+  p.k = d.k.view();
+  p.v = d.v.view();
+  p.g = d.g.view();
+  p.beta = d.beta.view();
+  p.A_log = d.A_log.view();
+  p.dt_bias = d.dt_bias.view();
+  p.cu_seqlens = d.cu.view();
+  p.out = d.out.view();
+  p.state_layout = d.c.layout;
+  p.gate.gate_form = d.c.gate;
+  p.gate.beta_form = d.c.beta;
+  p.gate.allow_neg_eigval = d.c.allow_neg_eigval;
+}
+
 PrefillParams PrefillData::params() const {
   PrefillParams p;
-  p.q = q.view();
-  p.k = k.view();
-  p.v = v.view();
-  p.g = g.view();
-  p.beta = beta.view();
-  p.A_log = A_log.view();
-  p.dt_bias = dt_bias.view();
-  p.cu_seqlens = cu.view();
-  p.out = out.view();
+  set_token_fields(p, *this);
   p.initial_state = h0.view();
   p.final_state = ht.view();
   p.state_pool = pool.view();
@@ -292,12 +302,8 @@ PrefillParams PrefillData::params() const {
   p.checkpoint_every = c.checkpoint_every;
   p.checkpoints = ckpt.view();
   p.checkpoint_offsets = ckpt_off.view();
-  p.state_layout = c.layout;
   p.gate.use_qk_l2norm = c.l2norm;
-  p.gate.gate_form = c.gate;
   p.gate.lower_bound = static_cast<float>(c.lower_bound);
-  p.gate.beta_form = c.beta;
-  p.gate.allow_neg_eigval = c.allow_neg_eigval;
   return p;
 }
 
@@ -417,15 +423,7 @@ DecodeData make_decode(const DecodeCase& c) {
 
 DecodeParams DecodeData::params() const {
   DecodeParams p;
-  p.q = q.view();
-  p.k = k.view();
-  p.v = v.view();
-  p.g = g.view();
-  p.beta = beta.view();
-  p.A_log = A_log.view();
-  p.dt_bias = dt_bias.view();
-  p.cu_seqlens = cu.view();
-  p.out = out.view();
+  set_token_fields(p, *this);
   p.state = state.view();
   p.state_indices = idx.view();
   p.num_accepted_tokens = nat.view();
@@ -433,10 +431,6 @@ DecodeParams DecodeData::params() const {
   p.intermediate_states = inter.view();
   p.use_initial_state = c.use_initial_state;
   p.store_final_state = c.store_final_state;
-  p.state_layout = c.layout;
-  p.gate.gate_form = c.gate;
-  p.gate.beta_form = c.beta;
-  p.gate.allow_neg_eigval = c.allow_neg_eigval;
   return p;
 }
 
