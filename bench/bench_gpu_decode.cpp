@@ -393,6 +393,35 @@ int main(int argc, char** argv) {
                 r.us_min, r.tbps, pr.sets);
     results.push_back(r);
   }
+  // Ceiling for the state stream: a device-to-device copy of the B = 256 fp32 pool (same bytes
+  // read and written as one decode call at B = 256).
+  if (o.filter.empty() || std::string("copy").find(o.filter) != std::string::npos) {
+    const size_t n = size_t{256} * kHV * kK * kV * sizeof(float);
+    void *a = nullptr, *b = nullptr;
+    BENCH_CUDA(cudaMalloc(&a, n));
+    BENCH_CUDA(cudaMalloc(&b, n));
+    BENCH_CUDA(cudaMemsetAsync(a, 0, n, stream));
+    cudaEvent_t e0, e1;
+    BENCH_CUDA(cudaEventCreate(&e0));
+    BENCH_CUDA(cudaEventCreate(&e1));
+    std::vector<double> us;
+    for (int i = 0; i < 25; ++i) {
+      BENCH_CUDA(cudaEventRecord(e0, stream));
+      BENCH_CUDA(cudaMemcpyAsync(b, a, n, cudaMemcpyDeviceToDevice, stream));
+      BENCH_CUDA(cudaEventRecord(e1, stream));
+      BENCH_CUDA(cudaEventSynchronize(e1));
+      float ms = 0;
+      BENCH_CUDA(cudaEventElapsedTime(&ms, e0, e1));
+      if (i >= 5) us.push_back(1e3 * ms);
+    }
+    const double m = median(us);
+    std::printf("  ceiling: D2D copy of the B256 fp32 pool (%.0f MB): %.2f us, %.3f TB/s read + write\n", n / 1e6, m,
+                2.0 * n / (m * 1e-6) / 1e12);
+    BENCH_CUDA(cudaEventDestroy(e0));
+    BENCH_CUDA(cudaEventDestroy(e1));
+    BENCH_CUDA(cudaFree(a));
+    BENCH_CUDA(cudaFree(b));
+  }
   BENCH_CUDA(cudaStreamDestroy(stream));
 
   std::printf("\n%-22s %6s %3s %6s %6s %11s %11s %9s %20s %7s %6s\n", "case", "B", "T", "state", "graph", "median_us",

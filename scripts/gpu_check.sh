@@ -90,10 +90,18 @@ if has python; then
 fi
 
 if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
-  for c in ${PROFILE_CASES:-P1}; do
-    timeout 120 ncu --clock-control none --section SpeedOfLight --launch-skip 2 --launch-count 2 \
+  # PROFILE_CASES: prefill cases (P1..P7); PROFILE_DECODE: decode bench filters (e.g. T1_B256);
+  # PROFILE_SECTIONS: ncu sections (default SpeedOfLight; add WarpStateStats Occupancy ... for stalls).
+  secs=(); for s in ${PROFILE_SECTIONS:-SpeedOfLight}; do secs+=(--section "$s"); done
+  for c in ${PROFILE_CASES-P1}; do
+    timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 2 --launch-count 2 \
       ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/ncu_$c.log" 2>&1
-    grep -E "^  [a-z_]+.*\(|Duration|Memory Throughput|Compute \(SM\) Throughput|DRAM Throughput|Registers|Block Size|Grid Size" "$OUT/ncu_$c.log" | head -24
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_$c.log" | head -24
+  done
+  for c in ${PROFILE_DECODE-}; do
+    timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 5 --launch-count 1 \
+      ./$B/bench/bench_gpu_decode --filter $c --no-check --iters 10 --warmup 2 >"$OUT/ncu_dec_$c.log" 2>&1
+    grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_dec_$c.log" | head -12
   done
 fi
 
