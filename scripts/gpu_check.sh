@@ -93,6 +93,7 @@ if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
   # PROFILE_CASES: prefill cases (P1..P7); PROFILE_DECODE: decode bench filters (e.g. T1_B256);
   # PROFILE_SECTIONS: ncu sections (default SpeedOfLight; add WarpStateStats Occupancy ... for stalls).
   secs=(); for s in ${PROFILE_SECTIONS:-SpeedOfLight}; do secs+=(--section "$s"); done
+  [ -n "${PROFILE_DETAILS:-}" ] && secs+=(--print-details all)  # stall-reason breakdown etc.
   for c in ${PROFILE_CASES-P1}; do
     timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 2 --launch-count 2 \
       ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/ncu_$c.log" 2>&1
