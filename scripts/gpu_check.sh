@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
-# Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench fla python
+# Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
 # profile (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,11 @@ if has bench; then
       note "bench $b rc=$?"
     fi
   done
+fi
+
+if has mempattern && [ -x ./$B/bench/bench_gpu_mempattern ]; then
+  timeout 120 ./$B/bench/bench_gpu_mempattern >"$OUT/mempattern.log" 2>&1
+  note "mempattern rc=$?"; cat "$OUT/mempattern.log"
 fi
 
 if has fla; then

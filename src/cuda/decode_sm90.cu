@@ -93,6 +93,7 @@
 #include "core/problem.h"
 #include "cuda/cuda_backend.h"
 #include "cuda/decode_common.cuh"
+#include "cuda/launch.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -435,6 +436,7 @@ __device__ __forceinline__ void recurrence_token(const Map& m, float (&s)[Map::k
 template <int kMaxK, typename StateT, bool kKFirst>
 __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, TileMap<kMaxK, StateT, kKFirst>::kMinBlocks)
     decode_sm90_kernel(const __grid_constant__ DecodeArgs a) {
+  pdl_prologue();
   using Map = TileMap<kMaxK, StateT, kKFirst>;
   constexpr int kVt = Map::kVt, kKt = Map::kKt;
   constexpr bool kBf16State = sizeof(StateT) == 2;
@@ -676,6 +678,7 @@ __device__ __forceinline__ PersistItem persist_item(const DecodeArgs& a, int64_t
 template <typename StateT>
 __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
     decode_persistent_kernel(const __grid_constant__ DecodeArgs a, int64_t items, int stages, int stage_bytes) {
+  pdl_prologue();
   using Map = TileMap<kPersistK, StateT, false>;
   static_assert(Map::kThreads == kPersistConsumers && Map::kTileV == kPersistTileV, "consumer map");
   constexpr int kVt = Map::kVt, kVec = Map::kVec;
@@ -936,6 +939,7 @@ struct TileDst {
 template <typename StateT>
 __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
+  pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
   using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
@@ -1121,6 +1125,7 @@ __device__ __forceinline__ int64_t state_elem(const Tensor4& st, bool k_first, i
 }
 
 __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_constant__ DecodeArgs a, bool k_first) {
+  pdl_prologue();
   __shared__ float sh_q[256], sh_k[256], sh_decay[256], sh_norm[2];
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.HV));
   const int64_t n = blockIdx.x / static_cast<unsigned>(a.HV);
@@ -1327,8 +1332,9 @@ Status check_index_values(const detail::DecodeProblem& pr, cudaStream_t stream) 
 template <int kMaxK, typename StateT, bool kKFirst>
 Status launch_fast(const DecodeArgs& a, int64_t blocks, cudaStream_t stream) {
   using Map = TileMap<kMaxK, StateT, kKFirst>;
-  decode_sm90_kernel<kMaxK, StateT, kKFirst><<<static_cast<unsigned>(blocks), Map::kThreads, 0, stream>>>(a);
-  KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_sm90_kernel");
+  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(decode_sm90_kernel<kMaxK, StateT, kKFirst>, dim3(static_cast<unsigned>(blocks)),
+                                         dim3(Map::kThreads), 0, stream, a),
+                           "launch of decode_sm90_kernel");
   return Status::Ok();
 }
 
@@ -1419,8 +1425,9 @@ Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStr
         "cudaFuncSetAttribute(decode_staged_kernel)");
     d.staged_configured[which].store(true, std::memory_order_release);
   }
-  kernel<<<static_cast<unsigned>(blocks), kStagedThreads, 0, stream>>>(a);
-  KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_staged_kernel");
+  KDA_CUDA_RETURN_IF_ERROR(
+      launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0, stream, a),
+      "launch of decode_staged_kernel");
   return Status::Ok();
 }
 
@@ -1443,8 +1450,9 @@ Status launch_persistent(const DecodeArgs& a, DeviceInfo& d, int stages, cudaStr
     if (g > 0) grid = g;
   }
   if (grid > items) grid = items;
-  kernel<<<static_cast<unsigned>(grid), kPersistThreads, smem, stream>>>(a, items, stages, stage_bytes);
-  KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_persistent_kernel");
+  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kPersistThreads),
+                                         static_cast<size_t>(smem), stream, a, items, stages, stage_bytes),
+                           "launch of decode_persistent_kernel");
   return Status::Ok();
 }
 
@@ -1484,8 +1492,9 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
       return {StatusCode::kUnsupported, "argument 'q': N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
-    decode_baseline_kernel<<<static_cast<unsigned>(blocks), a.V, 0, stream>>>(a, k_first);
-    KDA_CUDA_RETURN_IF_ERROR(cudaGetLastError(), "launch of decode_baseline_kernel");
+    KDA_CUDA_RETURN_IF_ERROR(launch_kernel(decode_baseline_kernel, dim3(static_cast<unsigned>(blocks)),
+                                           dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first),
+                             "launch of decode_baseline_kernel");
     return Status::Ok();
   }
   if (kernel == DecodeKernel::kPersistent)

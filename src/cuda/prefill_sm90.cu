@@ -14,6 +14,7 @@
 
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/common.cuh"
+#include "cuda/launch.cuh"
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
@@ -92,14 +93,14 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int devi
   const uint32_t bit = kFp16 ? 1u : 4u;
   if (prep_blocks > 0) {
     KDA_PF_CUDA(allow_smem(pf::prepare_kernel<kFp16>, pf::kPrepareSmemBytes, device, bit));
-    pf::prepare_kernel<kFp16><<<static_cast<unsigned>(prep_blocks), pf::kPrepareThreads, pf::kPrepareSmemBytes, stream>>>(p);
-    KDA_PF_CUDA(cudaGetLastError());
+    KDA_PF_CUDA(launch_kernel(pf::prepare_kernel<kFp16>, dim3(static_cast<unsigned>(prep_blocks)),
+                              dim3(pf::kPrepareThreads), pf::kPrepareSmemBytes, stream, p));
   }
   if (rec_blocks > 0) {
     // The limit is raised to the largest configuration (vs = 128) once; smaller vs use less.
     KDA_PF_CUDA(allow_smem(pf::recurrence_kernel<kFp16>, pf::recurrence_smem_bytes(pf::kHeadDim), device, bit << 1));
-    pf::recurrence_kernel<kFp16><<<static_cast<unsigned>(rec_blocks), 2 * p.vs, pf::recurrence_smem_bytes(p.vs), stream>>>(p);
-    KDA_PF_CUDA(cudaGetLastError());
+    KDA_PF_CUDA(launch_kernel(pf::recurrence_kernel<kFp16>, dim3(static_cast<unsigned>(rec_blocks)),
+                              dim3(static_cast<unsigned>(2 * p.vs)), pf::recurrence_smem_bytes(p.vs), stream, p));
   }
   return Status::Ok();
 }

@@ -198,6 +198,7 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const 
 
 template <bool kFp16>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   uint16_t* qr = reinterpret_cast<uint16_t*>(smem + kSmQr);
   uint16_t* kr = reinterpret_cast<uint16_t*>(smem + kSmKr);

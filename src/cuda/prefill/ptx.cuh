@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "cuda/launch.cuh"
+
 namespace kda::cuda::pf {
 
 // fp32 -> tf32, round to nearest (ties away from zero) on the 13 dropped bits: what

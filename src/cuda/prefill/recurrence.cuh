@@ -57,6 +57,7 @@ __device__ __forceinline__ void store_state(const float (&acc)[16][4], const Sta
 
 template <bool kFp16>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int nthreads = blockDim.x;  // 2 vs

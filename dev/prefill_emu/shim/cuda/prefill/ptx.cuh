@@ -81,6 +81,11 @@ inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
   uint8_t* d = sptr(dst, 16); std::memset(d, 0, 16); if (src_bytes) std::memcpy(d, src, src_bytes);
 }
 inline void cp_async_commit() {}
+}  // namespace kda::cuda::pf
+namespace kda::cuda {
+inline void pdl_prologue() {}  // no dependent grids on the CPU
+}  // namespace kda::cuda
+namespace kda::cuda::pf {
 template <int kPending> inline void cp_async_wait() {}
 inline void mbar_init(uint32_t bar, uint32_t) { sptr(bar, 8); }
 inline void fence_barrier_init() {}

@@ -1,0 +1,246 @@
+// bench_gpu_mempattern — ceilings of the decode state stream on this GPU (a development tool).
+//
+// Decode reads and writes, in place, one [V, K] fp32 state per (sequence, value head). This
+// program times the bare memory pattern with no arithmetic, over the B = 256, HV = 32, K = V =
+// 128 pool (537 MB), in several ways, so the decode kernel can be compared with what the
+// pattern itself allows: registers vs cp.async vs bulk copies, tile sizes, a dependent index
+// load, in place vs out of place, persistent grids. Prints TB/s counting bytes read + written.
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#define CK(x)                                                                                   \
+  do {                                                                                          \
+    cudaError_t e_ = (x);                                                                       \
+    if (e_ != cudaSuccess) {                                                                    \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      return 1;                                                                                 \
+    }                                                                                           \
+  } while (0)
+
+namespace {
+
+constexpr int kTileBytes = 16384;  // 32 rows x 128 fp32
+constexpr int kUnits = kTileBytes / 16;
+
+__device__ __forceinline__ uint4 ld_nc(const uint4* p) {
+  uint4 r;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0,%1,%2,%3}, [%4];"
+               : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
+               : "l"(p));
+  return r;
+}
+__device__ __forceinline__ void st_cs(uint4* p, uint4 v) {
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+               : "memory");
+}
+__device__ __forceinline__ uint4 bump(uint4 v) {
+  v.x += 1u;
+  return v;
+}
+
+// Tile t of the pool: head (t / 4) through an index (identity or a permutation of heads).
+__device__ __forceinline__ int64_t tile_base(const int* idx, int64_t t) {
+  if (idx == nullptr) return t * kUnits;
+  const int64_t head = t >> 2;
+  return (static_cast<int64_t>(__ldg(idx + head)) * 4 + (t & 3)) * kUnits;
+}
+
+// Registers: kThreads threads, each holds kPer 16-byte units of a tile of kThreads*kPer units.
+template <int kThreads, int kPer>
+__global__ void __launch_bounds__(kThreads) reg_kernel(uint4* dst, const uint4* src, const int* idx) {
+  constexpr int kTileUnits = kThreads * kPer;
+  const int64_t t = blockIdx.x;
+  int64_t base;
+  if (idx == nullptr) {
+    base = t * kTileUnits;
+  } else {  // one index per 64 KB head
+    const int64_t per_head = 4096 / kTileUnits;
+    base = (static_cast<int64_t>(__ldg(idx + t / per_head)) * per_head + t % per_head) * kTileUnits;
+  }
+  uint4 r[kPer];
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) r[i] = ld_nc(src + base + i * kThreads + threadIdx.x);
+#pragma unroll
+  for (int i = 0; i < kPer; ++i) st_cs(dst + base + i * kThreads + threadIdx.x, bump(r[i]));
+}
+
+// cp.async 16 B into shared memory, then stores from shared memory (the v3 decode pattern).
+__global__ void __launch_bounds__(128) cpasync_kernel(uint4* dst, const uint4* src, const int* idx) {
+  __shared__ uint4 sh[kUnits];
+  const int64_t base = tile_base(idx, blockIdx.x);
+#pragma unroll
+  for (int i = 0; i < kUnits / 128; ++i) {
+    const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(&sh[i * 128 + threadIdx.x]));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src + base + i * 128 + threadIdx.x)
+                 : "memory");
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < kUnits / 128; ++i) st_cs(dst + base + i * 128 + threadIdx.x, bump(sh[i * 128 + threadIdx.x]));
+}
+
+// One bulk copy in, one bulk copy out (TMA, 1-D), kBytes per block.
+template <int kBytes>
+__global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src, const int* idx) {
+  extern __shared__ __align__(128) unsigned char smem[];
+  __shared__ __align__(8) unsigned long long bar;
+  const int64_t base = static_cast<int64_t>(blockIdx.x) * (kBytes / 16);
+  (void)idx;
+  const unsigned bar_s = static_cast<unsigned>(__cvta_generic_to_shared(&bar));
+  const unsigned sm_s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  if (threadIdx.x == 0) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(kBytes) : "memory");
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                     sm_s),
+                 "l"(src + base), "r"(kBytes), "r"(bar_s)
+                 : "memory");
+  }
+  __syncthreads();
+  unsigned done = 0;
+  while (!done) {
+    asm volatile(
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        : "=r"(done)
+        : "r"(bar_s)
+        : "memory");
+  }
+  uint4* sh = reinterpret_cast<uint4*>(smem);
+  for (int i = threadIdx.x; i < kBytes / 16; i += 128) sh[i] = bump(sh[i]);
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + base), "r"(sm_s),
+                 "r"(kBytes)
+                 : "memory");
+    asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+    asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+  }
+}
+
+// Persistent grid, registers, next tile's loads issued before this tile's stores.
+template <int kPer>
+__global__ void __launch_bounds__(128) persist_kernel(uint4* dst, const uint4* src, int64_t tiles) {
+  constexpr int kTileUnits = 128 * kPer;
+  int64_t t = blockIdx.x;
+  uint4 r[kPer];
+  if (t < tiles) {
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) r[i] = ld_nc(src + t * kTileUnits + i * 128 + threadIdx.x);
+  }
+  for (; t < tiles; t += gridDim.x) {
+    uint4 n[kPer];
+    const int64_t tn = t + gridDim.x;
+    if (tn < tiles) {
+#pragma unroll
+      for (int i = 0; i < kPer; ++i) n[i] = ld_nc(src + tn * kTileUnits + i * 128 + threadIdx.x);
+    }
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) st_cs(dst + t * kTileUnits + i * 128 + threadIdx.x, bump(r[i]));
+#pragma unroll
+    for (int i = 0; i < kPer; ++i) r[i] = n[i];
+  }
+}
+
+template <class F>
+double time_it(F launch, cudaStream_t s) {
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  std::vector<double> us;
+  for (int i = 0; i < 23; ++i) {
+    cudaEventRecord(a, s);
+    launch();
+    cudaEventRecord(b, s);
+    cudaEventSynchronize(b);
+    float ms = 0;
+    cudaEventElapsedTime(&ms, a, b);
+    if (i >= 3) us.push_back(1e3 * ms);
+  }
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
+}
+
+}  // namespace
+
+int main() {
+  int dev_count = 0;
+  if (cudaGetDeviceCount(&dev_count) != cudaSuccess || dev_count == 0) {
+    std::printf("bench_gpu_mempattern: no CUDA device; nothing to measure\n");
+    return 0;
+  }
+  cudaDeviceProp prop;
+  CK(cudaGetDeviceProperties(&prop, 0));
+  if (prop.major < 9) {
+    std::printf("bench_gpu_mempattern: needs sm_90 (%s)\n", prop.name);
+    return 0;
+  }
+  const int64_t heads = 256 * 32;
+  const int64_t bytes = heads * 65536;
+  const int64_t tiles = bytes / kTileBytes;
+  uint4 *a = nullptr, *b = nullptr;
+  int* idx = nullptr;
+  CK(cudaMalloc(&a, bytes));
+  CK(cudaMalloc(&b, bytes));
+  CK(cudaMalloc(&idx, heads * sizeof(int)));
+  std::vector<int> perm(heads);
+  std::iota(perm.begin(), perm.end(), 0);
+  std::shuffle(perm.begin(), perm.end(), std::mt19937(7));
+  CK(cudaMemcpy(idx, perm.data(), heads * sizeof(int), cudaMemcpyHostToDevice));
+  CK(cudaMemset(a, 0, bytes));
+  CK(cudaMemset(b, 0, bytes));
+  cudaStream_t s;
+  CK(cudaStreamCreate(&s));
+  const int sms = prop.multiProcessorCount;
+  auto report = [&](const char* name, double us) {
+    std::printf("  %-44s %9.2f us  %.3f TB/s\n", name, us, 2.0 * bytes / (us * 1e-6) / 1e12);
+  };
+  std::printf("pool %.0f MB, %lld tiles of 16 KB, %d SMs\n", bytes / 1e6, static_cast<long long>(tiles), sms);
+  report("cudaMemcpy D2D (out of place)",
+         time_it([&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s); }, s));
+  report("reg 128 thr x 8 units (16 KB), in place",
+         time_it([&] { reg_kernel<128, 8><<<tiles, 128, 0, s>>>(a, a, nullptr); }, s));
+  report("reg 128 thr x 8 units, out of place",
+         time_it([&] { reg_kernel<128, 8><<<tiles, 128, 0, s>>>(b, a, nullptr); }, s));
+  report("reg 128 thr x 8 units, in place, index load",
+         time_it([&] { reg_kernel<128, 8><<<tiles, 128, 0, s>>>(a, a, idx); }, s));
+  report("reg 256 thr x 8 units (32 KB), in place, index",
+         time_it([&] { reg_kernel<256, 8><<<tiles / 2, 256, 0, s>>>(a, a, idx); }, s));
+  report("reg 128 thr x 4 units (8 KB), in place, index",
+         time_it([&] { reg_kernel<128, 4><<<tiles * 2, 128, 0, s>>>(a, a, idx); }, s));
+  report("reg 64 thr x 8 units (8 KB), in place, index",
+         time_it([&] { reg_kernel<64, 8><<<tiles * 2, 64, 0, s>>>(a, a, idx); }, s));
+  report("reg 128 thr x 16 units (32 KB), in place, index",
+         time_it([&] { reg_kernel<128, 16><<<tiles / 2, 128, 0, s>>>(a, a, idx); }, s));
+  report("cp.async 16 KB -> smem -> st, in place",
+         time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, nullptr); }, s));
+  report("cp.async 16 KB -> smem -> st, in place, index",
+         time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, idx); }, s));
+  CK(cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  CK(cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
+  report("bulk 16 KB in, bulk out, in place",
+         time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
+  report("bulk 32 KB in, bulk out, in place",
+         time_it([&] { bulk_kernel<32768><<<tiles / 2, 128, 32768, s>>>(a, a, nullptr); }, s));
+  for (int per_sm : {4, 8, 12}) {
+    char name[64];
+    std::snprintf(name, sizeof name, "persistent reg x 8, %d blocks/SM, in place", per_sm);
+    report(name, time_it([&] { persist_kernel<8><<<sms * per_sm, 128, 0, s>>>(a, a, tiles); }, s));
+  }
+  CK(cudaGetLastError());
+  CK(cudaStreamSynchronize(s));
+  cudaFree(a);
+  cudaFree(b);
+  cudaFree(idx);
+  return 0;
+}
