@@ -639,8 +639,8 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.tile = true;  // the tile kernel on the shape the persistent one takes
     v.push_back(g);
   }
-  // The staged tile kernel (the default for V-first K = 128 with an aligned pool, so every such
-  // case above runs it) forced on its harder shapes, and the tile kernel forced on the same ones:
+  // The bulk kernel (the default for V-first K = 128 with aligned state rows, so every such case
+  // above runs it), the staged tile kernel and the tile kernel on the harder shapes:
   // varlen with an empty sequence (its final state is the initial one), [N, T] write slots with
   // num_accepted, per-v beta, bf16 state, no initial state, separate final state, a pool with
   // aligned non-contiguous rows; an unaligned pool falls back to the tile kernel.
@@ -679,6 +679,7 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.state_strided = true;  // unaligned pool: "staged" runs the tile kernel
     hard.push_back(g);
     for (GpuDecodeCase h : hard) {
+      v.push_back(h);  // the default: the bulk kernel where eligible
       h.staged = true;
       v.push_back(h);
       h.staged = false;
@@ -895,8 +896,8 @@ void expect_same_or_close(const char* what, const HostTensor& got, const HostTen
   expect_close(what, got, ref, tol);
 }
 
-// The staged tile kernel (default for V-first K = 128) and the tile kernel agree: fp32 and bf16
-// state, padding rows, T = 1..4, per-token states.
+// The bulk kernel (default for V-first K = 128), the staged tile kernel and the tile kernel
+// agree: fp32 and bf16 state, padding rows, T = 1..4, per-token states.
 TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
   KDA_SKIP_WITHOUT_SM90();
   for (DType st : {DType::kFloat32, DType::kBFloat16}) {
@@ -921,6 +922,11 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
       expect_same_or_close("out (staged vs tile)", staged.out, tile.out, 1e-6);
       expect_same_or_close("state (staged vs tile)", staged.state, tile.state, 1e-6);
       expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, 1e-6);
+      gc.staged = false;  // the default: the bulk kernel
+      const DecodeData bulk = run_gpu(d, gc);
+      expect_same_or_close("out (bulk vs tile)", bulk.out, tile.out, 1e-6);
+      expect_same_or_close("state (bulk vs tile)", bulk.state, tile.state, 1e-6);
+      expect_same_or_close("inter (bulk vs tile)", bulk.inter, tile.inter, 1e-6);
       // In-place final state (no per-token states) as well.
       gc.c.intermediate = false;
       const DecodeData d2 = make_data(gc);
@@ -932,6 +938,10 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
       const DecodeData staged2 = run_gpu(d2, gc);
       expect_same_or_close("out (staged vs tile, in place)", staged2.out, tile2.out, 1e-6);
       expect_same_or_close("state (staged vs tile, in place)", staged2.state, tile2.state, 1e-6);
+      gc.staged = false;
+      const DecodeData bulk2 = run_gpu(d2, gc);
+      expect_same_or_close("out (bulk vs tile, in place)", bulk2.out, tile2.out, 1e-6);
+      expect_same_or_close("state (bulk vs tile, in place)", bulk2.state, tile2.state, 1e-6);
     }
   }
 }

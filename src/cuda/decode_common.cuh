@@ -290,6 +290,29 @@ __device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32
       : "memory");
 }
 
+// Plain bulk copy global -> shared (no cache hint), completing `bytes` transactions on `bar`.
+__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
+                   smem_addr(dst)),
+               "l"(src), "r"(bytes), "r"(smem_addr(bar))
+               : "memory");
+}
+
+// Bulk copy shared -> global (a multiple of 16 bytes, 16-byte aligned), in the calling thread's
+// bulk async-group. Every thread that wrote the shared source with generic stores must have run
+// fence_proxy_async_smem() before the barrier that precedes this call.
+__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
+               "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until the calling thread's committed bulk stores have finished reading shared memory
+// (the source may be overwritten; the global writes complete before the grid does).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
 // ---------------------------------------------------------------------------------------------
 // Ampere-style asynchronous copies (the staged tile kernel): 16-byte cp.async global -> shared,
 // bypassing L1 (.cg). Both addresses must be 16-byte aligned. A thread's copies complete for that
