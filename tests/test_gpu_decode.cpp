@@ -45,6 +45,7 @@ struct GpuDecodeCase {
   bool baseline = false;        // run the baseline kernel (KDA_CUDA_DECODE_KERNEL=baseline)
   bool tile = false;            // run the tile kernel where the staged one would run (=tile)
   bool staged = false;          // force the staged tile kernel (=staged; where eligible)
+  bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
   int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -65,6 +66,7 @@ struct GpuDecodeCase {
     if (baseline) s += "_baseline";
     if (tile) s += "_tile";
     if (staged) s += "_staged";
+    if (bulk) s += "_bulk";
     if (grid > 0) s += "_grid" + std::to_string(grid);
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
@@ -143,6 +145,7 @@ class KernelChoice {
   explicit KernelChoice(const GpuDecodeCase& gc) {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
     if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
+    if (gc.bulk) setenv("KDA_CUDA_DECODE_KERNEL", "bulk", 1);
     if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
       setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
       setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
@@ -639,8 +642,9 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.tile = true;  // the tile kernel on the shape the persistent one takes
     v.push_back(g);
   }
-  // The bulk kernel (the default for V-first K = 128 with aligned state rows, so every such case
-  // above runs it), the staged tile kernel and the tile kernel on the harder shapes:
+  // The bulk kernel (the default for large fp32 batches), the staged tile kernel (the default for
+  // V-first K = 128 with an aligned pool otherwise, so most cases above run it) and the tile
+  // kernel, forced on the harder shapes:
   // varlen with an empty sequence (its final state is the initial one), [N, T] write slots with
   // num_accepted, per-v beta, bf16 state, no initial state, separate final state, a pool with
   // aligned non-contiguous rows; an unaligned pool falls back to the tile kernel.
@@ -679,7 +683,9 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.state_strided = true;  // unaligned pool: "staged" runs the tile kernel
     hard.push_back(g);
     for (GpuDecodeCase h : hard) {
-      v.push_back(h);  // the default: the bulk kernel where eligible
+      h.bulk = true;
+      v.push_back(h);
+      h.bulk = false;
       h.staged = true;
       v.push_back(h);
       h.staged = false;
@@ -889,18 +895,21 @@ TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
   }
 }
 
-// Bitwise equal, or within tol (the staged and tile kernels run the same arithmetic in the same
-// order, so they are expected to agree bitwise).
+// Bitwise equal, or within tol.
 void expect_same_or_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
   if (bitwise_equal(got, ref)) return;
   expect_close(what, got, ref, tol);
 }
 
-// The bulk kernel (default for V-first K = 128), the staged tile kernel and the tile kernel
-// agree: fp32 and bf16 state, padding rows, T = 1..4, per-token states.
+// The bulk kernel (default for V-first K = 128), the staged tile kernel and the tile kernel agree:
+// fp32 and bf16 state, padding rows, T = 1..4, per-token states. Bulk and staged run the same
+// arithmetic in the same order (bitwise equal expected); the tile kernel sums the k products in
+// one chain instead of four partial sums, so it agrees within reassociation: ~1e-7 for fp32, and
+// for a bf16 state an occasional one-ulp (2^-8) flip of the per-token rounding.
 TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
   KDA_SKIP_WITHOUT_SM90();
   for (DType st : {DType::kFloat32, DType::kBFloat16}) {
+    const double tol = st == DType::kFloat32 ? 1e-5 : 3e-3;
     for (int64_t T = 1; T <= 4; ++T) {
       SCOPED_TRACE(std::string(dtype_name(st)) + " T = " + std::to_string(T));
       GpuDecodeCase gc = base(128);
@@ -919,14 +928,16 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
       gc.tile = false;
       gc.staged = true;
       const DecodeData staged = run_gpu(d, gc);
-      expect_same_or_close("out (staged vs tile)", staged.out, tile.out, 1e-6);
-      expect_same_or_close("state (staged vs tile)", staged.state, tile.state, 1e-6);
-      expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, 1e-6);
-      gc.staged = false;  // the default: the bulk kernel
+      expect_same_or_close("out (staged vs tile)", staged.out, tile.out, tol);
+      expect_same_or_close("state (staged vs tile)", staged.state, tile.state, tol);
+      expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, tol);
+      gc.staged = false;
+      gc.bulk = true;
       const DecodeData bulk = run_gpu(d, gc);
-      expect_same_or_close("out (bulk vs tile)", bulk.out, tile.out, 1e-6);
-      expect_same_or_close("state (bulk vs tile)", bulk.state, tile.state, 1e-6);
-      expect_same_or_close("inter (bulk vs tile)", bulk.inter, tile.inter, 1e-6);
+      gc.bulk = false;
+      EXPECT_TRUE(bitwise_equal(bulk.out, staged.out)) << "out (bulk vs staged)";
+      EXPECT_TRUE(bitwise_equal(bulk.state, staged.state)) << "state (bulk vs staged)";
+      EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
       // In-place final state (no per-token states) as well.
       gc.c.intermediate = false;
       const DecodeData d2 = make_data(gc);
@@ -936,12 +947,14 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
       gc.tile = false;
       gc.staged = true;
       const DecodeData staged2 = run_gpu(d2, gc);
-      expect_same_or_close("out (staged vs tile, in place)", staged2.out, tile2.out, 1e-6);
-      expect_same_or_close("state (staged vs tile, in place)", staged2.state, tile2.state, 1e-6);
+      expect_same_or_close("out (staged vs tile, in place)", staged2.out, tile2.out, tol);
+      expect_same_or_close("state (staged vs tile, in place)", staged2.state, tile2.state, tol);
       gc.staged = false;
+      gc.bulk = true;
       const DecodeData bulk2 = run_gpu(d2, gc);
-      expect_same_or_close("out (bulk vs tile, in place)", bulk2.out, tile2.out, 1e-6);
-      expect_same_or_close("state (bulk vs tile, in place)", bulk2.state, tile2.state, 1e-6);
+      gc.bulk = false;
+      EXPECT_TRUE(bitwise_equal(bulk2.out, staged2.out)) << "out (bulk vs staged, in place)";
+      EXPECT_TRUE(bitwise_equal(bulk2.state, staged2.state)) << "state (bulk vs staged, in place)";
     }
   }
 }

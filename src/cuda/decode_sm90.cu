@@ -1042,7 +1042,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
     float u0 = 0.f, u1 = 0.f;
 #pragma unroll 1
     for (int vt = 0; vt < kVt; ++vt) {
-      float sk = 0.f;
+      float sk4[4] = {0.f, 0.f, 0.f, 0.f};  // four partial sums (k mod 4): short dependency chains
 #pragma unroll(kUnrollR)
       for (int r = 0; r < kRuns; ++r) {
         float s[kVec];
@@ -1054,10 +1054,11 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
           const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
           const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sk = fmaf(s[e4 + e] * d[e], kv[e], sk);
+          for (int e = 0; e < 4; ++e) sk4[e] = fmaf(s[e4 + e] * d[e], kv[e], sk4[e]);
         }
       }
       const int vr = m.v_of(vt) - tile_v0;
+      const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
       const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
       if (vt == 0) u0 = uv;
       else u1 = uv;
@@ -1069,7 +1070,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
 #pragma unroll 1
     for (int vt = 0; vt < kVt; ++vt) {
       const float uv = vt == 0 ? u0 : u1;
-      float acc = 0.f;
+      float acc4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll(kUnrollR)
       for (int r = 0; r < kRuns; ++r) {
         uint4& unit = mine[(vt * kRuns + r) * kStagedThreads];
@@ -1086,7 +1087,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
-            acc = fmaf(x, qv[e], acc);
+            acc4[e] = fmaf(x, qv[e], acc4[e]);
             if (kBf16State) x = dec::round_bf16(x);
             s[e4 + e] = x;
           }
@@ -1095,7 +1096,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
           Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
         if (keep) unit = pack_unit<StateT>(s);
       }
-      const float o = dec::lane_group_sum<Map::kKLanes>(acc);
+      const float o = dec::lane_group_sum<Map::kKLanes>((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]));
       if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
     }
   }
@@ -1257,7 +1258,7 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
     float u0 = 0.f, u1 = 0.f;
 #pragma unroll 1
     for (int vt = 0; vt < kVt; ++vt) {
-      float sk = 0.f;
+      float sk4[4] = {0.f, 0.f, 0.f, 0.f};  // four partial sums (k mod 4): short dependency chains
 #pragma unroll(kUnrollR)
       for (int r = 0; r < kRuns; ++r) {
         float s[kVec];
@@ -1269,10 +1270,11 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
           const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
           const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) sk = fmaf(s[e4 + e] * d[e], kv[e], sk);
+          for (int e = 0; e < 4; ++e) sk4[e] = fmaf(s[e4 + e] * d[e], kv[e], sk4[e]);
         }
       }
       const int vr = m.v_of(vt) - tile_v0;
+      const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
       const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
       if (vt == 0) u0 = uv;
       else u1 = uv;
@@ -1283,7 +1285,7 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
 #pragma unroll 1
     for (int vt = 0; vt < kVt; ++vt) {
       const float uv = vt == 0 ? u0 : u1;
-      float acc = 0.f;
+      float acc4[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll(kUnrollR)
       for (int r = 0; r < kRuns; ++r) {
         uint4& un = unit(vt, r);
@@ -1300,14 +1302,14 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
-            acc = fmaf(x, qv[e], acc);
+            acc4[e] = fmaf(x, qv[e], acc4[e]);
             if (kBf16State) x = dec::round_bf16(x);
             s[e4 + e] = x;
           }
         }
         if (write_back) un = pack_unit<StateT>(s);
       }
-      const float o = dec::lane_group_sum<Map::kKLanes>(acc);
+      const float o = dec::lane_group_sum<Map::kKLanes>((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]));
       if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
     }
     if (dst.data != nullptr) {
@@ -1616,7 +1618,7 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
 // 2087 vs 1550; T = 4: 1273 vs 816). The baseline kernel runs only on request.
 // KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | persistent overrides (staged and persistent
 // only where eligible; otherwise the default choice).
-DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, const char* env) {
+DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
   auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
   if (is("baseline")) return DecodeKernel::kBaseline;
   if (is("tile")) return DecodeKernel::kTile;
@@ -1631,7 +1633,14 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, const ch
   // 16-byte aligned rows (the pool was checked above).
   const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
                        (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
-  return bulk_ok ? DecodeKernel::kBulk : DecodeKernel::kStaged;
+  if (is("bulk")) return bulk_ok ? DecodeKernel::kBulk : DecodeKernel::kStaged;
+  // Measured on the H200 (docs/perf_decode.md, v4): the bulk kernel streams faster once there
+  // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
+  // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
+  // 32: 53.5 vs 52.2 us) and the bf16 state's 8 KB tiles were slower (310 vs 268 us at B = 256).
+  const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
+  const bool many_waves = blocks >= int64_t{64} * sms;
+  return bulk_ok && many_waves && pr.state.dtype == DType::kFloat32 ? DecodeKernel::kBulk : DecodeKernel::kStaged;
 }
 
 template <typename StateT>
@@ -1723,7 +1732,7 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
     if (!s.ok()) return s;
   }
   const int stages = persist_stages(*info, bf16_state ? 2 : 4, pr.d.T);
-  const DecodeKernel kernel = choose_kernel(pr, stages, std::getenv("KDA_CUDA_DECODE_KERNEL"));
+  const DecodeKernel kernel = choose_kernel(pr, stages, info->sms, std::getenv("KDA_CUDA_DECODE_KERNEL"));
   if (kernel == DecodeKernel::kBaseline) {
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
