@@ -150,6 +150,48 @@ __global__ void __launch_bounds__(128) persist_kernel(uint4* dst, const uint4* s
   }
 }
 
+// B = 1 latency floor: an empty kernel, and the bare decode chain (index load -> 16 KB state tile
+// into registers -> store back), 128 blocks; PDL prologue as the library's kernels.
+__global__ void empty_kernel() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__global__ void __launch_bounds__(128) chain_kernel(uint4* pool, const int* idx) {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  const int64_t slot = __ldg(idx) & 255;  // one of the 256 sequence slots (128 tiles each)
+  const int64_t base = (slot * 128 + blockIdx.x) * kUnits;
+  uint4 r[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i) r[i] = ld_nc(pool + base + i * 128 + threadIdx.x);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) st_cs(pool + base + i * 128 + threadIdx.x, bump(r[i]));
+}
+
+// Per-launch time of a CUDA graph of `calls` launches (each with or without the PDL attribute).
+template <class... A>
+double graph_us(void (*k)(A...), int blocks, bool pdl, int calls, cudaStream_t s, A... args) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(blocks);
+  cfg.blockDim = dim3(128);
+  cfg.stream = s;
+  cudaLaunchAttribute at[1];
+  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  at[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = at;
+  cfg.numAttrs = pdl ? 1 : 0;
+  cudaGraph_t g;
+  cudaGraphExec_t e;
+  cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+  for (int i = 0; i < calls; ++i) cudaLaunchKernelEx(&cfg, k, args...);
+  cudaStreamEndCapture(s, &g);
+  cudaGraphInstantiate(&e, g, 0);
+  const double us = time_it([&] { cudaGraphLaunch(e, s); }, s);
+  cudaGraphExecDestroy(e);
+  cudaGraphDestroy(g);
+  return us / calls;
+}
+
 template <class F>
 double time_it(F launch, cudaStream_t s) {
   cudaEvent_t a, b;
@@ -236,6 +278,11 @@ int main() {
     char name[64];
     std::snprintf(name, sizeof name, "persistent reg x 8, %d blocks/SM, in place", per_sm);
     report(name, time_it([&] { persist_kernel<8><<<sms * per_sm, 128, 0, s>>>(a, a, tiles); }, s));
+  }
+  for (bool pdl : {false, true}) {
+    std::printf("  graph of 20, %s: empty kernel %.2f us per launch; B = 1 chain (index -> 16 KB tile -> store, 128 blocks) %.2f us\n",
+                pdl ? "PDL" : "no PDL", graph_us(empty_kernel, 128, pdl, 20, s),
+                graph_us(chain_kernel, 128, pdl, 20, s, a, static_cast<const int*>(idx)));
   }
   CK(cudaGetLastError());
   CK(cudaStreamSynchronize(s));

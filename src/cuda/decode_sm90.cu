@@ -1131,14 +1131,16 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
 // ---------------------------------------------------------------------------------------------
 constexpr int kBulkMinBlocks = 10;  // 48 registers; smem 16 KB + 3.5 KB (fp32) per block
 
-template <typename StateT>
-__global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
+// kSlots: token stages (2 alternate by token parity; 1 for dense single-token calls, which frees
+// 1.75 KB of shared memory per block: 12 blocks per SM instead of 10).
+template <typename StateT, int kSlots>
+__global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlocks)
     decode_bulk_kernel(const __grid_constant__ DecodeArgs a) {
   pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
-  constexpr int kUnrollR = kBf16State ? 1 : 2;
+  constexpr int kUnrollR = kBf16State || kSlots == 1 ? 1 : 2;  // what fits the register bound
   constexpr uint32_t kRowBytes = kStagedK * sizeof(StateT);
   constexpr uint32_t kTileBytes = Map::kTileV * kRowBytes;
   static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "bulk map");
@@ -1158,7 +1160,7 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
   const int lane = dec::lane_id();
 
   __shared__ __align__(128) uint8_t tile_sh[kTileBytes];  // rows of the tile, as in global memory
-  __shared__ PersistToken tok_sh[2];                      // by token parity
+  __shared__ PersistToken tok_sh[kSlots];                 // by token parity
   __shared__ uint64_t full_bar;                           // the tile's bulk load
   // This thread's unit (vt, r): row v_of(vt) - tile_v0 = tid / 8 + 16 vt, bytes 16 (8 r + lane_k).
   static_assert(Map::kThreads / Map::kKLanes == 16, "rows vt = 0, 1 are 16 apart");
@@ -1187,7 +1189,8 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
     dec::fence_mbar_init();
   }
 
-  const SeqRow row = resolve_row(a, n);
+  SeqRow row = resolve_row(a, n);
+  if constexpr (kSlots == 1) row.len = 1;  // launched for dense calls with T = 1 only
   if (row.slot < 0) {  // padding row: zero output, no state access (uniform over the block)
     for (int64_t t = 0; t < row.len; ++t) {
       const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
@@ -1221,7 +1224,7 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
     if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, lane, raw);
     prep_token(a, raw, lane, tok_sh[0]);
   }
-  prefetch_later_tokens(a, row, h, hv);
+  if constexpr (kSlots > 1) prefetch_later_tokens(a, row, h, hv);
   __syncthreads();  // token 0's stage; the barrier's initialization
   if (a.use_initial_state) dec::mbar_wait(&full_bar, 0);
 
@@ -1234,11 +1237,11 @@ __global__ void __launch_bounds__(kStagedThreads, kBulkMinBlocks)
       if (prep_warp) {
         RawToken r2;
         load_raw_token(a, row.b, tok, h, hv, tile_v0, lane, r2);
-        prep_token(a, r2, lane, tok_sh[t & 1]);
+        prep_token(a, r2, lane, tok_sh[(kSlots - 1) & t]);
       }
       __syncthreads();
     }
-    const PersistToken& tk = tok_sh[t & 1];
+    const PersistToken& tk = tok_sh[(kSlots - 1) & t];
 
     TileDst<StateT> dst;  // where this token's state goes (at most one place; uniform)
     if (a.store_final_state) {
@@ -1573,7 +1576,7 @@ struct DeviceInfo {
   int smem_reserved = 0;       // bytes the runtime reserves per resident block
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
   std::atomic<bool> staged_configured[2] = {false, false};   // staged kernel carveout set (fp32, bf16 state)
-  std::atomic<bool> bulk_configured[2] = {false, false};     // bulk kernel carveout set (fp32, bf16 state)
+  std::atomic<bool> bulk_configured[4] = {};                 // bulk kernel carveout set (state dtype x slots)
 };
 
 Status device_info(DeviceInfo** out) {
@@ -1662,8 +1665,9 @@ Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStr
 
 template <typename StateT>
 Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStream_t stream) {
-  auto* kernel = decode_bulk_kernel<StateT>;
-  const int which = sizeof(StateT) == 2 ? 1 : 0;
+  const bool one_token = !a.varlen && a.T == 1;
+  auto* kernel = one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>;
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0);
   if (!d.bulk_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
     KDA_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
