@@ -936,8 +936,11 @@ struct TileDst {
   }
 };
 
-template <typename StateT>
-__global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
+// kLatency: the variant for grids of at most a couple of blocks per SM (B = 1, 2 at HV = 32),
+// where a call's time is its critical path (index -> state -> compute -> store), not the bytes in
+// flight: no register bound (the compiler keeps every load in flight and unrolls the passes).
+template <typename StateT, bool kLatency>
+__global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlocks)
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
   pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
@@ -947,7 +950,8 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
   constexpr bool kBf16State = sizeof(StateT) == 2;
   // Runs unrolled per step of the compute passes: the most that ptxas 13.0 fits in 48 registers
   // without spilling (fp32: 2 of 4 runs; bf16: 1 of 2, each run holds 8 elements).
-  constexpr int kUnrollR = kBf16State ? 1 : 2;
+  constexpr int kUnrollR = kLatency ? kRuns : (kBf16State ? 1 : 2);
+  constexpr int kUnrollVt = kLatency ? kVt : 1;
   static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "staged map");
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows), as the tile kernel
@@ -1040,7 +1044,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
     // the tile and runs out of the 48-register budget.)
     static_assert(kVt == 2, "two rows per thread");
     float u0 = 0.f, u1 = 0.f;
-#pragma unroll 1
+#pragma unroll(kUnrollVt)
     for (int vt = 0; vt < kVt; ++vt) {
       float sk4[4] = {0.f, 0.f, 0.f, 0.f};  // four partial sums (k mod 4): short dependency chains
 #pragma unroll(kUnrollR)
@@ -1067,7 +1071,7 @@ __global__ void __launch_bounds__(kStagedThreads, kStagedMinBlocks)
     // ---- Pass 2: s' = s * decay + k u (rounded to bf16 for a bf16 state), o = S'^T q (before
     //      the rounding); s' to global memory and, if needed, back to shared memory
     const int64_t o_off = a.out.offset(row.b, tok, hv);
-#pragma unroll 1
+#pragma unroll(kUnrollVt)
     for (int vt = 0; vt < kVt; ++vt) {
       const float uv = vt == 0 ? u0 : u1;
       float acc4[4] = {0.f, 0.f, 0.f, 0.f};
@@ -1575,7 +1579,7 @@ struct DeviceInfo {
   int smem_per_sm = 0;         // bytes of shared memory per SM
   int smem_reserved = 0;       // bytes the runtime reserves per resident block
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
-  std::atomic<bool> staged_configured[2] = {false, false};   // staged kernel carveout set (fp32, bf16 state)
+  std::atomic<bool> staged_configured[4] = {};               // staged kernel carveout set (state dtype x variant)
   std::atomic<bool> bulk_configured[4] = {};                 // bulk kernel carveout set (state dtype x slots)
 };
 
@@ -1647,9 +1651,9 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
 }
 
 template <typename StateT>
-Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStream_t stream) {
-  auto* kernel = decode_staged_kernel<StateT>;
-  const int which = sizeof(StateT) == 2 ? 1 : 0;
+Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
+  auto* kernel = latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>;
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0);
   if (!d.staged_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
     // All of the unified L1 / shared memory as shared memory: 10 blocks x ~20 KB per SM.
     KDA_CUDA_RETURN_IF_ERROR(
@@ -1754,8 +1758,13 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                                           " blocks exceed the grid limit; split the batch"};
   if (kernel == DecodeKernel::kBulk)
     return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, stream) : launch_bulk<float>(a, *info, blocks, stream);
-  if (kernel == DecodeKernel::kStaged)
-    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, stream) : launch_staged<float>(a, *info, blocks, stream);
+  if (kernel == DecodeKernel::kStaged) {
+    // Few blocks (B = 1, 2 at HV = 32): the latency variant, unless the throughput one is forced.
+    const char* env = std::getenv("KDA_CUDA_DECODE_KERNEL");
+    const bool latency = blocks <= int64_t{2} * info->sms && !(env != nullptr && std::strcmp(env, "staged") == 0);
+    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, stream)
+                      : launch_staged<float>(a, *info, blocks, latency, stream);
+  }
   if (bf16_state) return dispatch_fast<__nv_bfloat16>(a, k_first, blocks, stream);
   return dispatch_fast<float>(a, k_first, blocks, stream);
 }
