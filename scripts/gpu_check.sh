@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# profile (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# profile (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -69,7 +69,7 @@ fi
 if has fla; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    for b in decode prefill; do
+    for b in ${FLA_BENCHES:-decode prefill}; do  # FLA's prefill on P1-P7 takes minutes
       [ -f scripts/fla_${b}_bench.py ] && timeout 200 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
       note "fla $b rc=$?"
     done
