@@ -23,17 +23,28 @@
 // reads the state before that rounding (as the reference does).
 //
 // Staged tile kernel ("v3", the default for the hot shape: V-first, K = V = 128, fp32 or bf16
-// pool with 16-byte aligned rows; any T, dense or varlen, every index / output mode). The tile
-// kernel's block and thread map, but the tile is staged through shared memory with 16-byte
-// cp.async (each thread copies exactly the units it reads, so cp.async.wait_all + the token
-// barrier is all the synchronization) and the recurrence streams it from shared memory in two
-// passes, so 48 registers (no spills) and 19.5 KB (fp32) / 11.5 KB (bf16) of shared memory per
-// block: 10 blocks (160 KB of state loads) in flight per SM instead of 6 (96 KB). Warp 0
-// preprocesses each token once per block (as the persistent kernel's producer: bitwise the same
-// as stage_token); token 0's input loads of a dense row are issued before the index loads are
-// consumed. Bitwise the same results as the tile kernel (same per-lane k order). See
-// "The staged tile kernel" below and docs/perf_decode.md (v3). Unaligned pools, K-first and
-// K != 128 run the tile kernel.
+// pool with 16-byte aligned rows; any T, dense or varlen, every index / output mode, except the
+// large fp32 batches the bulk kernel takes). The tile kernel's block and thread map, but the tile
+// is staged through shared memory with 16-byte cp.async (each thread copies exactly the units it
+// reads, so cp.async.wait_all + the token barrier is all the synchronization) and the recurrence
+// streams it from shared memory in two passes, so 48 registers (no spills) and 19.5 KB (fp32) /
+// 11.5 KB (bf16) of shared memory per block: 10 blocks (160 KB of state loads) in flight per SM
+// instead of 6 (96 KB). Warp 0 preprocesses each token once per block (as the persistent
+// kernel's producer: bitwise the same as stage_token); token 0's input loads of a dense row are
+// issued before the index loads are consumed. The k products are summed in four partial sums
+// (k mod 4) to shorten the dependency chains, so results match the tile kernel up to
+// reassociation. A latency variant (no register bound, unrolled passes) runs grids of at most
+// two blocks per SM (B = 1, 2 at HV = 32). See "The staged tile kernel" below and
+// docs/perf_decode.md (v3, v4). Unaligned pools, K-first and K != 128 run the tile kernel.
+//
+// Bulk kernel ("v4", the default for fp32 pools when the grid has >= 64 blocks per SM, e.g. B >=
+// 66 at HV = 32): the staged kernel's arithmetic (bitwise the same), but the copy engine moves the
+// tile: one cp.async.bulk in (per row when rows are padded), s' written back in place in shared
+// memory, one bulk copy out. Dense single-token calls use a one-slot token stage: 18.3 KB of
+// shared memory and 40 registers, 12 blocks per SM. See "The bulk kernel" below.
+//
+// Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
+// (cuda/launch.cuh): the next kernel's launch overlaps this one's tail.
 //
 // Persistent kernel (the hot shape: V-first, K = V = 128, fp32 or bf16 pool with 16-byte
 // aligned rows, dense tokens, T <= 8; see "The persistent kernel" below). The tile kernel above
@@ -71,13 +82,15 @@
 // (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
 // T = 8). No kernel spills.
 //
-// Kernels: decode_staged_kernel<StateT> (2 instantiations; the default where it applies),
-// decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK, StateT,
-// kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked lanes; 12
-// instantiations; every shape the persistent kernel does not take), and decode_baseline_kernel,
-// a plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic (staged where it applies, else the tile kernel; KDA_CUDA_DECODE_KERNEL =
-// baseline | tile | staged | persistent overrides it), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook: many items per block).
+// Kernels: decode_bulk_kernel<StateT, kSlots> (4 instantiations; the default for large fp32
+// batches), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
+// it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
+// StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
+// lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
+// plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
+// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | persistent
+// overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
+// many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
@@ -876,7 +889,7 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
 // ---------------------------------------------------------------------------------------------
 //
 // The tile kernel's block (n, hv, 32 value rows; 128 threads; TileMap<128, StateT, false>: the
-// same thread <-> element map, so the same per-lane k order and bitwise the same arithmetic), but
+// same thread <-> element map; the k products go to four partial sums instead of one chain), but
 // the state tile goes global -> shared memory with 16-byte cp.async instead of into registers.
 // Every thread copies exactly the 16-byte units it later reads (unit u of thread i at
 // tile_sh[u * 128 + i]: a warp's accesses are 512 contiguous bytes, no bank conflicts), so its
