@@ -949,6 +949,74 @@ struct TileDst {
   }
 };
 
+// One token over this thread's two rows of a tile in shared memory (the staged and bulk kernels):
+//   pass 1: u = beta (v - (diag(decay) S)^T k) per row, over the row's kKLanes lanes;
+//   pass 2: s' = s * decay + k u (rounded to bf16 for a bf16 state), o = S'^T q (before the
+//           rounding).
+// The k products go to four partial sums (k mod 4): 16-deep FMA chains per row instead of 64.
+// unit(vt, r) is the thread's 16-byte unit of row vt, run r; sink(vt, r, unit, s) receives s' of
+// each unit (kVec fp32 values); emit(vt, o) the row's output (every lane of the row holds it).
+template <class Map, typename StateT, int kUnrollR, int kUnrollVt, class Unit, class Sink, class Emit>
+__device__ __forceinline__ void smem_tile_token(const Map& m, int tile_v0, const PersistToken& tk, Unit unit, Sink sink,
+                                                Emit emit) {
+  constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
+  constexpr bool kBf16State = sizeof(StateT) == 2;
+  static_assert(kVt == 2, "two rows per thread");
+  float u0 = 0.f, u1 = 0.f;
+#pragma unroll(kUnrollVt)
+  for (int vt = 0; vt < kVt; ++vt) {
+    float sk4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll(kUnrollR)
+    for (int r = 0; r < kRuns; ++r) {
+      float s[kVec];
+      unpack_unit<StateT>(unit(vt, r), s);
+#pragma unroll
+      for (int e4 = 0; e4 < kVec; e4 += 4) {
+        const int kx = m.k_of_run(r) + e4;
+        const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
+        const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
+        const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) sk4[e] = fmaf(s[e4 + e] * d[e], kv[e], sk4[e]);
+      }
+    }
+    const int vr = m.v_of(vt) - tile_v0;
+    const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
+    const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
+    if (vt == 0) u0 = uv;
+    else u1 = uv;
+  }
+#pragma unroll(kUnrollVt)
+  for (int vt = 0; vt < kVt; ++vt) {
+    const float uv = vt == 0 ? u0 : u1;
+    float acc4[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll(kUnrollR)
+    for (int r = 0; r < kRuns; ++r) {
+      uint4& un = unit(vt, r);
+      float s[kVec];
+      unpack_unit<StateT>(un, s);
+#pragma unroll
+      for (int e4 = 0; e4 < kVec; e4 += 4) {
+        const int kx = m.k_of_run(r) + e4;
+        const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
+        const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
+        const float4 q4 = *reinterpret_cast<const float4*>(&tk.q[kx]);
+        const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
+        const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
+          acc4[e] = fmaf(x, qv[e], acc4[e]);
+          if (kBf16State) x = dec::round_bf16(x);
+          s[e4 + e] = x;
+        }
+      }
+      sink(vt, r, un, s);
+    }
+    emit(vt, dec::lane_group_sum<Map::kKLanes>((acc4[0] + acc4[1]) + (acc4[2] + acc4[3])));
+  }
+}
+
 // kLatency: the variant for grids of at most a couple of blocks per SM (B = 1, 2 at HV = 32),
 // where a call's time is its critical path (index -> state -> compute -> store), not the bytes in
 // flight: no register bound (the compiler keeps every load in flight and unrolls the passes).
@@ -1052,70 +1120,20 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     }
     const bool keep = t + 1 < row.len;  // another token follows: s' back to shared memory
 
-    // ---- Pass 1: sk = (diag(decay) S)^T k over the row's lanes (the tile kernel's k order)
-    // (Loops over vt are not unrolled: unrolled, the compiler hoists every shared-memory load of
-    // the tile and runs out of the 48-register budget.)
-    static_assert(kVt == 2, "two rows per thread");
-    float u0 = 0.f, u1 = 0.f;
-#pragma unroll(kUnrollVt)
-    for (int vt = 0; vt < kVt; ++vt) {
-      float sk4[4] = {0.f, 0.f, 0.f, 0.f};  // four partial sums (k mod 4): short dependency chains
-#pragma unroll(kUnrollR)
-      for (int r = 0; r < kRuns; ++r) {
-        float s[kVec];
-        unpack_unit<StateT>(mine[(vt * kRuns + r) * kStagedThreads], s);
-#pragma unroll
-        for (int e4 = 0; e4 < kVec; e4 += 4) {
-          const int kx = m.k_of_run(r) + e4;
-          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
-          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
-          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sk4[e] = fmaf(s[e4 + e] * d[e], kv[e], sk4[e]);
-        }
-      }
-      const int vr = m.v_of(vt) - tile_v0;
-      const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
-      const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
-      if (vt == 0) u0 = uv;
-      else u1 = uv;
-    }
-
-    // ---- Pass 2: s' = s * decay + k u (rounded to bf16 for a bf16 state), o = S'^T q (before
-    //      the rounding); s' to global memory and, if needed, back to shared memory
+    // ---- The two passes; s' to global memory and, if another token follows, back to shared
+    //      memory. (Loops over vt stay rolled in the throughput variant: unrolled, the compiler
+    //      hoists every shared-memory load of the tile and runs out of the 48-register budget.)
     const int64_t o_off = a.out.offset(row.b, tok, hv);
-#pragma unroll(kUnrollVt)
-    for (int vt = 0; vt < kVt; ++vt) {
-      const float uv = vt == 0 ? u0 : u1;
-      float acc4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll(kUnrollR)
-      for (int r = 0; r < kRuns; ++r) {
-        uint4& unit = mine[(vt * kRuns + r) * kStagedThreads];
-        float s[kVec];
-        unpack_unit<StateT>(unit, s);
-#pragma unroll
-        for (int e4 = 0; e4 < kVec; e4 += 4) {
-          const int kx = m.k_of_run(r) + e4;
-          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
-          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
-          const float4 q4 = *reinterpret_cast<const float4*>(&tk.q[kx]);
-          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-          const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
-            acc4[e] = fmaf(x, qv[e], acc4[e]);
-            if (kBf16State) x = dec::round_bf16(x);
-            s[e4 + e] = x;
-          }
-        }
-        if (dst.data != nullptr)
-          Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
-        if (keep) unit = pack_unit<StateT>(s);
-      }
-      const float o = dec::lane_group_sum<Map::kKLanes>((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]));
-      if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-    }
+    smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
+        m, tile_v0, tk, [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kStagedThreads]; },
+        [&](int vt, int r, uint4& un, const float* sv) {
+          if (dst.data != nullptr)
+            Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, sv);
+          if (keep) un = pack_unit<StateT>(sv);
+        },
+        [&](int vt, float o) {
+          if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
+        });
   }
 
   // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
@@ -1274,64 +1292,16 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     }
     const bool write_back = dst.data != nullptr || t + 1 < row.len;
 
-    // ---- Pass 1: sk = (diag(decay) S)^T k over the row's lanes
-    float u0 = 0.f, u1 = 0.f;
-#pragma unroll 1
-    for (int vt = 0; vt < kVt; ++vt) {
-      float sk4[4] = {0.f, 0.f, 0.f, 0.f};  // four partial sums (k mod 4): short dependency chains
-#pragma unroll(kUnrollR)
-      for (int r = 0; r < kRuns; ++r) {
-        float s[kVec];
-        unpack_unit<StateT>(unit(vt, r), s);
-#pragma unroll
-        for (int e4 = 0; e4 < kVec; e4 += 4) {
-          const int kx = m.k_of_run(r) + e4;
-          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
-          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
-          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) sk4[e] = fmaf(s[e4 + e] * d[e], kv[e], sk4[e]);
-        }
-      }
-      const int vr = m.v_of(vt) - tile_v0;
-      const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
-      const float uv = tk.beta[vr] * (tk.v[vr] - dec::lane_group_sum<Map::kKLanes>(sk));
-      if (vt == 0) u0 = uv;
-      else u1 = uv;
-    }
-
-    // ---- Pass 2: s' = s * decay + k u (bf16-rounded for a bf16 state) back in place; o = S'^T q
+    // ---- The two passes; s' back in place in shared memory (for the bulk store or the next token)
     const int64_t o_off = a.out.offset(row.b, tok, hv);
-#pragma unroll 1
-    for (int vt = 0; vt < kVt; ++vt) {
-      const float uv = vt == 0 ? u0 : u1;
-      float acc4[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll(kUnrollR)
-      for (int r = 0; r < kRuns; ++r) {
-        uint4& un = unit(vt, r);
-        float s[kVec];
-        unpack_unit<StateT>(un, s);
-#pragma unroll
-        for (int e4 = 0; e4 < kVec; e4 += 4) {
-          const int kx = m.k_of_run(r) + e4;
-          const float4 d4 = *reinterpret_cast<const float4*>(&tk.decay[kx]);
-          const float4 kv4 = *reinterpret_cast<const float4*>(&tk.k[kx]);
-          const float4 q4 = *reinterpret_cast<const float4*>(&tk.q[kx]);
-          const float d[4] = {d4.x, d4.y, d4.z, d4.w}, kv[4] = {kv4.x, kv4.y, kv4.z, kv4.w};
-          const float qv[4] = {q4.x, q4.y, q4.z, q4.w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            float x = fmaf(kv[e], uv, s[e4 + e] * d[e]);
-            acc4[e] = fmaf(x, qv[e], acc4[e]);
-            if (kBf16State) x = dec::round_bf16(x);
-            s[e4 + e] = x;
-          }
-        }
-        if (write_back) un = pack_unit<StateT>(s);
-      }
-      const float o = dec::lane_group_sum<Map::kKLanes>((acc4[0] + acc4[1]) + (acc4[2] + acc4[3]));
-      if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-    }
+    smem_tile_token<Map, StateT, kUnrollR, 1>(
+        m, tile_v0, tk, unit,
+        [&](int, int, uint4& un, const float* sv) {
+          if (write_back) un = pack_unit<StateT>(sv);
+        },
+        [&](int vt, float o) {
+          if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
+        });
     if (dst.data != nullptr) {
       dec::fence_proxy_async_smem();
       __syncthreads();
