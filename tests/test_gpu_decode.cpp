@@ -922,39 +922,27 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
       gc.pad_every = 3;
       gc.c.intermediate = true;
       gc.c.out_dtype = DType::kFloat32;
-      const DecodeData d = make_data(gc);
-      gc.tile = true;
-      const DecodeData tile = run_gpu(d, gc);
-      gc.tile = false;
-      gc.staged = true;
-      const DecodeData staged = run_gpu(d, gc);
-      expect_same_or_close("out (staged vs tile)", staged.out, tile.out, tol);
-      expect_same_or_close("state (staged vs tile)", staged.state, tile.state, tol);
-      expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, tol);
-      gc.staged = false;
-      gc.bulk = true;
-      const DecodeData bulk = run_gpu(d, gc);
-      gc.bulk = false;
-      EXPECT_TRUE(bitwise_equal(bulk.out, staged.out)) << "out (bulk vs staged)";
-      EXPECT_TRUE(bitwise_equal(bulk.state, staged.state)) << "state (bulk vs staged)";
-      EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
-      // In-place final state (no per-token states) as well.
-      gc.c.intermediate = false;
-      const DecodeData d2 = make_data(gc);
-      gc.staged = false;
-      gc.tile = true;
-      const DecodeData tile2 = run_gpu(d2, gc);
-      gc.tile = false;
-      gc.staged = true;
-      const DecodeData staged2 = run_gpu(d2, gc);
-      expect_same_or_close("out (staged vs tile, in place)", staged2.out, tile2.out, tol);
-      expect_same_or_close("state (staged vs tile, in place)", staged2.state, tile2.state, tol);
-      gc.staged = false;
-      gc.bulk = true;
-      const DecodeData bulk2 = run_gpu(d2, gc);
-      gc.bulk = false;
-      EXPECT_TRUE(bitwise_equal(bulk2.out, staged2.out)) << "out (bulk vs staged, in place)";
-      EXPECT_TRUE(bitwise_equal(bulk2.state, staged2.state)) << "state (bulk vs staged, in place)";
+      // Per-token states, then the in-place final state only.
+      for (bool inter : {true, false}) {
+        SCOPED_TRACE(inter ? "intermediate states" : "in-place final state");
+        gc.c.intermediate = inter;
+        const DecodeData d = make_data(gc);
+        GpuDecodeCase k = gc;
+        k.tile = true;
+        const DecodeData tile = run_gpu(d, k);
+        k.tile = false;
+        k.staged = true;
+        const DecodeData staged = run_gpu(d, k);
+        k.staged = false;
+        k.bulk = true;
+        const DecodeData bulk = run_gpu(d, k);
+        expect_same_or_close("out (staged vs tile)", staged.out, tile.out, tol);
+        expect_same_or_close("state (staged vs tile)", staged.state, tile.state, tol);
+        expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, tol);
+        EXPECT_TRUE(bitwise_equal(bulk.out, staged.out)) << "out (bulk vs staged)";
+        EXPECT_TRUE(bitwise_equal(bulk.state, staged.state)) << "state (bulk vs staged)";
+        EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
+      }
     }
   }
 }

@@ -949,6 +949,39 @@ struct TileDst {
   }
 };
 
+// Where the state after token t of row n goes (at most one place; data == nullptr: nowhere):
+// per-token states, [N, Tmax] write slots, or after the last token the final state / read slot.
+template <typename StateT>
+__device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const SeqRow& row, int64_t n, int hv, int64_t t) {
+  TileDst<StateT> dst;
+  if (!a.store_final_state) return dst;
+  if (a.has_intermediate) {
+    dst.set(a.inter, row.b * a.T + row.bos + t, hv);
+  } else if (a.indices_2d) {
+    const int64_t ws = token_slot(a, n, t);
+    if (ws >= 0) dst.set(a.state, ws, hv);
+  } else if (t + 1 == row.len) {
+    if (a.has_final_state) dst.set(a.final_state, n, hv);
+    else dst.set(a.state, row.slot, hv);
+  }
+  return dst;
+}
+
+// Block -> (sequence n, value head hv, first value row tile_v0 of its tile of kTileV rows), for a
+// grid of N x HV x V / kTileV blocks.
+struct TileBlock {
+  int64_t n;
+  int hv, h, tile_v0;
+  __device__ __forceinline__ TileBlock(const DecodeArgs& a, int tile_rows) {
+    const unsigned vtiles = static_cast<unsigned>(a.V) / tile_rows;
+    const unsigned head_blk = blockIdx.x / vtiles;
+    tile_v0 = static_cast<int>(blockIdx.x - head_blk * vtiles) * tile_rows;
+    hv = static_cast<int>(head_blk % static_cast<unsigned>(a.HV));
+    n = head_blk / static_cast<unsigned>(a.HV);
+    h = hv / a.groups;
+  }
+};
+
 // One token over this thread's two rows of a tile in shared memory (the staged and bulk kernels):
 //   pass 1: u = beta (v - (diag(decay) S)^T k) per row, over the row's kKLanes lanes;
 //   pass 2: s' = s * decay + k u (rounded to bf16 for a bf16 state), o = S'^T q (before the
@@ -1036,13 +1069,9 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "staged map");
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows), as the tile kernel
-  const unsigned vtiles = static_cast<unsigned>(a.V) / Map::kTileV;
-  const unsigned head_blk = blockIdx.x / vtiles;
-  const int tile = static_cast<int>(blockIdx.x - head_blk * vtiles);
-  const int hv = static_cast<int>(head_blk % static_cast<unsigned>(a.HV));
-  const int64_t n = head_blk / static_cast<unsigned>(a.HV);
-  const int h = hv / a.groups;
-  const int tile_v0 = tile * Map::kTileV;
+  const TileBlock blk(a, Map::kTileV);
+  const int64_t n = blk.n;
+  const int hv = blk.hv, h = blk.h, tile_v0 = blk.tile_v0;
   const Map m(threadIdx.x, tile_v0);
   const bool out_lane = m.lane_k == 0;
   const bool prep_warp = threadIdx.x < 32;  // warp 0 preprocesses the tokens for the block
@@ -1106,18 +1135,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     const PersistToken& tk = tok_sh[t & 1];
 
     // ---- Where this token's state goes in global memory (at most one place per token)
-    TileDst<StateT> dst;
-    if (a.store_final_state) {
-      if (a.has_intermediate) {
-        dst.set(a.inter, row.b * a.T + tok, hv);
-      } else if (a.indices_2d) {
-        const int64_t ws = token_slot(a, n, t);
-        if (ws >= 0) dst.set(a.state, ws, hv);
-      } else if (t + 1 == row.len) {
-        if (a.has_final_state) dst.set(a.final_state, n, hv);
-        else dst.set(a.state, row.slot, hv);
-      }
-    }
+    const TileDst<StateT> dst = token_dst<StateT>(a, row, n, hv, t);
     const bool keep = t + 1 < row.len;  // another token follows: s' back to shared memory
 
     // ---- The two passes; s' to global memory and, if another token follows, back to shared
@@ -1181,13 +1199,9 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
   static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "bulk map");
   static_assert(kVt == 2, "two rows per thread");
 
-  const unsigned vtiles = static_cast<unsigned>(a.V) / Map::kTileV;
-  const unsigned head_blk = blockIdx.x / vtiles;
-  const int tile = static_cast<int>(blockIdx.x - head_blk * vtiles);
-  const int hv = static_cast<int>(head_blk % static_cast<unsigned>(a.HV));
-  const int64_t n = head_blk / static_cast<unsigned>(a.HV);
-  const int h = hv / a.groups;
-  const int tile_v0 = tile * Map::kTileV;
+  const TileBlock blk(a, Map::kTileV);
+  const int64_t n = blk.n;
+  const int hv = blk.hv, h = blk.h, tile_v0 = blk.tile_v0;
   const Map m(threadIdx.x, tile_v0);
   const bool out_lane = m.lane_k == 0;
   const bool prep_warp = threadIdx.x < 32;               // warp 0: token preprocessing
@@ -1278,18 +1292,7 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     }
     const PersistToken& tk = tok_sh[(kSlots - 1) & t];
 
-    TileDst<StateT> dst;  // where this token's state goes (at most one place; uniform)
-    if (a.store_final_state) {
-      if (a.has_intermediate) {
-        dst.set(a.inter, row.b * a.T + tok, hv);
-      } else if (a.indices_2d) {
-        const int64_t ws = token_slot(a, n, t);
-        if (ws >= 0) dst.set(a.state, ws, hv);
-      } else if (t + 1 == row.len) {
-        if (a.has_final_state) dst.set(a.final_state, n, hv);
-        else dst.set(a.state, row.slot, hv);
-      }
-    }
+    const TileDst<StateT> dst = token_dst<StateT>(a, row, n, hv, t);  // uniform over the block
     const bool write_back = dst.data != nullptr || t + 1 < row.len;
 
     // ---- The two passes; s' back in place in shared memory (for the bulk store or the next token)
@@ -1633,38 +1636,34 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   return bulk_ok && many_waves && pr.state.dtype == DType::kFloat32 ? DecodeKernel::kBulk : DecodeKernel::kStaged;
 }
 
-template <typename StateT>
-Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
-  auto* kernel = latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>;
-  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0);
-  if (!d.staged_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
-    // All of the unified L1 / shared memory as shared memory: 10 blocks x ~20 KB per SM.
+// Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
+// shared array as shared memory (set once per kernel and device; racing callers set the same value).
+Status launch_max_shared(void (*kernel)(DecodeArgs), std::atomic<bool>& configured, int64_t blocks,
+                         cudaStream_t stream, const DecodeArgs& a, const char* name) {
+  if (!configured.load(std::memory_order_acquire)) {
     KDA_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-        "cudaFuncSetAttribute(decode_staged_kernel)");
-    d.staged_configured[which].store(true, std::memory_order_release);
+        std::string("cudaFuncSetAttribute(") + name + ")");
+    configured.store(true, std::memory_order_release);
   }
-  KDA_CUDA_RETURN_IF_ERROR(
-      launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0, stream, a),
-      "launch of decode_staged_kernel");
+  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0, stream, a),
+                           std::string("launch of ") + name);
   return Status::Ok();
+}
+
+template <typename StateT>
+Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0);
+  return launch_max_shared(latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>,
+                           d.staged_configured[which], blocks, stream, a, "decode_staged_kernel");
 }
 
 template <typename StateT>
 Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStream_t stream) {
   const bool one_token = !a.varlen && a.T == 1;
-  auto* kernel = one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>;
   const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0);
-  if (!d.bulk_configured[which].load(std::memory_order_acquire)) {  // racing callers set the same value
-    KDA_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-        "cudaFuncSetAttribute(decode_bulk_kernel)");
-    d.bulk_configured[which].store(true, std::memory_order_release);
-  }
-  KDA_CUDA_RETURN_IF_ERROR(
-      launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0, stream, a),
-      "launch of decode_bulk_kernel");
-  return Status::Ok();
+  return launch_max_shared(one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>,
+                           d.bulk_configured[which], blocks, stream, a, "decode_bulk_kernel");
 }
 
 template <typename StateT>
