@@ -240,9 +240,8 @@ std::vector<PrefillCase> sweep_cases() {
 
 class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 
-TEST_P(GpuPrefillSweep, MatchesReference) {
-  KDA_SKIP_WITHOUT_SM90();
-  const PrefillCase& c = GetParam();
+// The full check of one case against the fp64 reference.
+void check_against_reference(const PrefillCase& c) {
   const PrefillData d = make_data(c);
   const PrefillData ref = run_reference(d);
   const GpuResult r = run_cuda(d);
@@ -270,6 +269,42 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
     const int64_t rows = d.ckpt.shape[0], written = static_cast<int64_t>(d.ckpt_off.get(d.N));
     for (int64_t row = written; row < rows; ++row) EXPECT_TRUE(rows_bitwise_equal(r.ckpt, d.ckpt, row, row));
   }
+}
+
+TEST_P(GpuPrefillSweep, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  check_against_reference(GetParam());
+}
+
+// The recurrence's K split (opt-in: KDA_CUDA_PREFILL_KSPLIT=1; blocks of vs <= 32 value columns):
+// vs = 16 (2 warps) under weak decay, where the state's contribution to every chunk is large, and
+// vs = 32 (4 warps) through a pool, checkpoints, K-first states and varlen with an empty sequence.
+TEST(GpuPrefillKSplit, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  setenv("KDA_CUDA_PREFILL_KSPLIT", "1", 1);
+  PrefillCase c = base_case();
+  c.gate = GateForm::kLowerBound;
+  c.lower_bound = -0.05;
+  c.seqlens = {300};
+  {
+    SCOPED_TRACE("vs = 16, weak decay");
+    check_against_reference(c);
+  }
+  c = base_case();
+  c.H = 4;
+  c.HV = 16;  // 2 sequences x 16 value heads: vs = 32 on 132 SMs (heuristics.h)
+  c.varlen = true;
+  c.seqlens = {129, 0};
+  c.pool = true;
+  c.checkpoint_every = 64;
+  c.layout = StateLayout::kKFirst;
+  c.weak_decay = true;
+  c.gate = GateForm::kPrecomputed;
+  {
+    SCOPED_TRACE("vs = 32, pool, checkpoints, K-first, varlen");
+    check_against_reference(c);
+  }
+  unsetenv("KDA_CUDA_PREFILL_KSPLIT");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
@@ -490,6 +525,16 @@ TEST(PrefillHeuristics, ValueSplit) {
   EXPECT_EQ(recurrence_value_split(512, 132), 128);  // P6
   EXPECT_EQ(recurrence_value_split(1, 132), 16);
   EXPECT_EQ(recurrence_value_split(0, 132), 16);
+}
+
+TEST(PrefillHeuristics, KSplit) {
+  using cuda::pf::recurrence_k_split;
+  EXPECT_TRUE(recurrence_k_split(32, "1"));
+  EXPECT_TRUE(recurrence_k_split(16, "1"));
+  EXPECT_FALSE(recurrence_k_split(64, "1"));   // would not fit one block per SM
+  EXPECT_FALSE(recurrence_k_split(32, nullptr));  // opt-in
+  EXPECT_FALSE(recurrence_k_split(32, "0"));
+  EXPECT_FALSE(recurrence_k_split(32, "10"));
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {

@@ -99,13 +99,18 @@ static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_ov
   Params p; int64_t pb = 0, rb = 0;
   Status s = make_params(pr, wsp, 132, &p, &pb, &rb);
   if (!s.ok()) return s;
-  if (vs_override) { p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices; }
+  if (vs_override) {
+    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
+    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  }
   if (pr.q.dtype == DType::kFloat16) {
     launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    launch(recurrence_kernel<true>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
+    else launch(recurrence_kernel<true, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
   } else {
     launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    launch(recurrence_kernel<false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
+    else launch(recurrence_kernel<false, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
   }
   return Status::Ok();
 }
@@ -120,13 +125,18 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   Params p; int64_t pb = 0, rb = 0;
   s = make_params(pr, need ? ws.data() : nullptr, 132, &p, &pb, &rb);
   if (!s.ok()) return s;
-  if (vs_override) { p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices; }
+  if (vs_override) {
+    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
+    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  }
   if (fp16) {
     launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    launch(recurrence_kernel<true>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
+    else launch(recurrence_kernel<true, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
   } else {
     launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    launch(recurrence_kernel<false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
+    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
+    else launch(recurrence_kernel<false, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
   }
   return Status::Ok();
 }

@@ -145,6 +145,7 @@ struct Params {
   int64_t ckpt_every = 0;
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
+  bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read

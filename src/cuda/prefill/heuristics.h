@@ -22,6 +22,15 @@ inline int recurrence_value_split(int64_t pairs, int num_sms) {
   return 16;
 }
 
+// The recurrence's K split (two warps per 16 value rows, each half of the key columns; see
+// recurrence.cuh) for blocks of vs <= 32 columns (2 warps otherwise: half the SM's schedulers
+// idle), whose shared memory then still fits one block per SM. Opt-in (env = "1", from
+// KDA_CUDA_PREFILL_KSPLIT) until it is measured on the GPU: written and checked on the CPU
+// emulation of the kernels (dev/prefill_emu), not yet timed.
+inline bool recurrence_k_split(int vs, const char* env) {
+  return vs <= 32 && env != nullptr && env[0] == '1' && env[1] == '\0';
+}
+
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
 // ceil(T / 64) slots; varlen, sequence n owns slots from cu[n] / 64 + n on, which stays below
 // T / 64 + N whatever the (device-side, unread) cu_seqlens values are.

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/problem.h"
@@ -130,6 +131,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.kfirst = pr.layout == StateLayout::kKFirst;
   p.vs = recurrence_value_split(pairs, num_sms);
   p.nslices = kHeadDim / p.vs;
+  p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
 
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;

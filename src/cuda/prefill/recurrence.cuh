@@ -15,6 +15,16 @@
 // own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
 // Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
 // record): one block per SM.
+//
+// K split (kKSplit, Params::ksplit; vs <= 32, the few-head cases P5 / P7 whose blocks have only
+// 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
+// [64 kh, 64 kh + 64) of S^T (32 fp32 per thread). Per chunk each computes the partial S^T W^T
+// and S^T qg^T over its half of K, the pair adds the partner's partials through shared memory
+// (one extra block barrier; a + b in both warps, so both hold the same U^T bit for bit), both
+// add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
+// {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
+// Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
+// per warp (output tile): 214,032 bytes at vs = 32.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -22,9 +32,14 @@
 namespace kda::cuda::pf {
 
 __host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return kRecordBytes + kChunk * vs * 2; }
-// Two stages, then one output tile [64 t][16 v] (2 KB) per warp, then two mbarriers.
-__host__ __device__ constexpr int recurrence_smem_bytes(int vs) {
-  return 2 * recurrence_stage_bytes(vs) + (vs / 16) * kChunk * 32 + 16;
+__host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return (ksplit ? 2 : 1) * (vs / 16); }
+// Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
+inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
+// Two stages, then one output tile [64 t][16 v] (2 KB) per warp, then two mbarriers, then (K
+// split) the exchange area.
+__host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
+  return 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
+         (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
 
 // Byte offset of 16-byte chunk `chunk` (0, 1) of row t in a warp's output tile [64][16] (32-byte
@@ -36,32 +51,43 @@ __device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst,
   return row * s.s0 + hv * s.s1 + (kfirst ? static_cast<int64_t>(kk) * s.s2 + v : static_cast<int64_t>(v) * s.s2 + kk);
 }
 
-// This thread's S^T elements: acc[j][e] = S^T[vw + g + 8 (e >> 1)][8j + 2c + (e & 1)].
-__device__ __forceinline__ void load_state(float (&acc)[16][4], const StateView& s, bool kfirst, int64_t row,
-                                           int hv, int vw, int g, int c) {
+// This thread's S^T elements: acc[j][e] = S^T[vw + g + 8 (e >> 1)][k0 + 8j + 2c + (e & 1)].
+template <int NJ>
+__device__ __forceinline__ void load_state(float (&acc)[NJ][4], const StateView& s, bool kfirst, int64_t row,
+                                           int hv, int vw, int k0, int g, int c) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      acc[j][e] = load_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), 8 * j + 2 * c + (e & 1)));
+      acc[j][e] = load_any(s.data, s.dtype,
+                           state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)));
 }
-__device__ __forceinline__ void store_state(const float (&acc)[16][4], const StateView& s, bool kfirst, int64_t row,
-                                            int hv, int vw, int g, int c) {
+template <int NJ>
+__device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const StateView& s, bool kfirst, int64_t row,
+                                            int hv, int vw, int k0, int g, int c) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      store_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), 8 * j + 2 * c + (e & 1)),
+      store_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)),
                 acc[j][e]);
 }
 
-template <bool kFp16>
+// K split: the warp of key half kh computes the outputs of token pairs (16 tokens each) {0, 3}
+// (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
+__device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
+
+template <bool kFp16, bool kKSplit>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  const int nthreads = blockDim.x;  // 2 vs
+  const int nthreads = blockDim.x;  // 2 vs (4 vs with the K split)
   const int vs = p.vs;
+  constexpr int kNJ = kKSplit ? 8 : 16;            // 8-column key tiles of S^T held by this warp
+  const int rg = kKSplit ? warp >> 1 : warp;       // 16-row group of S^T
+  const int kh = kKSplit ? warp & 1 : 0;           // key half (K split)
+  const int k0 = kh * (kNJ * 8);                   // first key column held
   const int slice = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.nslices));
   const int64_t pair = blockIdx.x / static_cast<unsigned>(p.nslices);
   const int hv = static_cast<int>(pair % p.HV);
@@ -69,26 +95,31 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const SeqSpan sp = seq_span(p, n);
   const int64_t nchunks = (sp.len + kChunk - 1) / kChunk;
   const int vcol0 = slice * vs;        // first value column of this block
-  const int vw = vcol0 + 16 * warp;    // first value row of S^T owned by this warp
+  const int vw = vcol0 + 16 * rg;      // first value row of S^T owned by this warp
   const int sbytes = recurrence_stage_bytes(vs);
+  const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
   uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
-  const uint32_t bar0 = smem0 + 2 * sbytes + (vs / 16) * kChunk * 32;  // two mbarriers (8 bytes each)
+  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;  // two mbarriers (8 bytes each)
+  // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
+  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + warp * kXchWarpBytes);
+  const float* xch_partner =
+      reinterpret_cast<const float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + (warp ^ 1) * kXchWarpBytes);
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
-  float accS[16][4];
+  float accS[kNJ][4];
   int64_t slot = -1;
   if (p.has_pool) {
     slot = p.pool_idx.load(n);
     if (slot < 0 || slot >= p.pool.rows) slot = -1;
   }
   if (slot >= 0) {
-    load_state(accS, p.pool, p.kfirst, slot, hv, vw, g, c);
+    load_state(accS, p.pool, p.kfirst, slot, hv, vw, k0, g, c);
   } else if (!p.has_pool && p.h0.data != nullptr) {
-    load_state(accS, p.h0, p.kfirst, n, hv, vw, g, c);
+    load_state(accS, p.h0, p.kfirst, n, hv, vw, k0, g, c);
   } else {
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+    for (int j = 0; j < kNJ; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accS[j][e] = 0.f;
   }
@@ -151,7 +182,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     if (ci + 1 < nchunks) issue(ci + 1);
     const int L = static_cast<int>(sp.len - ci * kChunk < kChunk ? sp.len - ci * kChunk : kChunk);
 
-    // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators).
+    // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
+    // the K split, partial sums over this warp's key half).
     float accU[8][4], accO[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -160,7 +192,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     {
       const uint32_t w_base = smem_u32(sb + kOffW), q_base = smem_u32(sb + kOffQg);
 #pragma unroll
-      for (int kq = 0; kq < 8; ++kq) {
+      for (int kq = 0; kq < kNJ / 2; ++kq) {
         const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
                                pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
                                pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
@@ -168,7 +200,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         for (int pp = 0; pp < 4; ++pp) {
           // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
           const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
-          const int col = (2 * kq + ((lane >> 3) & 1)) * 8;
+          const int col = k0 + (2 * kq + ((lane >> 3) & 1)) * 8;
           const uint32_t off = static_cast<uint32_t>(swizzle_b16(row, col)) * 2;
           uint32_t bw[4], bq[4];
           ldmatrix_x4(bw, w_base + off);
@@ -179,6 +211,25 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
           mma_bf16(accO[2 * pp + 1], a, bq[2], bq[3]);
         }
       }
+    }
+    if constexpr (kKSplit) {
+      // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both). Both
+      // areas were last read in the previous chunk, before this chunk's first block barrier.
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
+          xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
+        }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
+          if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
+        }
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
@@ -193,7 +244,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
       for (int hh = 0; hh < 4; ++hh) {
         const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
-        const int chunk = 2 * warp + ((lane >> 3) & 1);
+        const int chunk = 2 * rg + ((lane >> 3) & 1);
         uint32_t va[4];
         ldmatrix_x4_trans(va, v_base + swizzle_vtile(row, chunk, vs));
 #pragma unroll
@@ -230,7 +281,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       for (int sj = 0; sj < 8; ++sj)
 #pragma unroll
         for (int j = 0; j < 8; ++j) {
-          if (j >= sj) {
+          if (j >= sj && (!kKSplit || owns_token_pair(j >> 1, kh))) {
             const float2 b = *reinterpret_cast<const float2*>(aqk + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
             mma_tf32(accO[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
           }
@@ -241,8 +292,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     {
       const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * c);
+      for (int j = 0; j < kNJ; ++j) {
+        const float2 d = *reinterpret_cast<const float2*>(gl + k0 + 8 * j + 2 * c);
         accS[j][0] *= d.x;
         accS[j][1] *= d.y;
         accS[j][2] *= d.x;
@@ -252,14 +303,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
       for (int sj = 0; sj < 8; ++sj) {
 #pragma unroll
-        for (int j = 0; j < 16; ++j) {
+        for (int j = 0; j < kNJ; ++j) {
           if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
             const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
-            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + swizzle_b16_64(8 * j + g, 8 * sj + 2 * c));
+            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + swizzle_b16_64(k0 + 8 * j + g, 8 * sj + 2 * c));
             mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
           } else {
             const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
-            const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
+            const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(k0 + 8 * j + g, 8 * sj + 2 * c));
             mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
           }
         }
@@ -272,6 +323,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       const uint32_t o_base = smem_u32(otile);
 #pragma unroll
       for (int jj = 0; jj < 4; ++jj) {
+        if (kKSplit && !owns_token_pair(jj, kh)) continue;
         const int row = 16 * jj + ((lane >> 4) << 3) + (lane & 7);
         stmatrix_x4_trans(o_base + out_tile_offset(row, (lane >> 3) & 1), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
                           pack_out<kFp16>(accO[2 * jj][2], accO[2 * jj][3]),
@@ -283,7 +335,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
       for (int pass = 0; pass < 4; ++pass) {
         const int r = 16 * pass + (lane >> 1), ch = lane & 1;
-        if (r < L) {
+        if (r < L && (!kKSplit || owns_token_pair(pass, kh))) {
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
           const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
@@ -306,14 +358,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       const int64_t done = (ci + 1) * kChunk;
       if (done % p.ckpt_every == 0) {
         const int64_t row = ck_lo + done / p.ckpt_every - 1;
-        if (row >= 0 && row < ck_hi) store_state(accS, p.ckpt, p.kfirst, row, hv, vw, g, c);
+        if (row >= 0 && row < ck_hi) store_state(accS, p.ckpt, p.kfirst, row, hv, vw, k0, g, c);
       }
     }
   }
 
   // ---- Final state.
-  if (!p.has_pool && p.ht.data != nullptr) store_state(accS, p.ht, p.kfirst, n, hv, vw, g, c);
-  if (slot >= 0) store_state(accS, p.pool, p.kfirst, slot, hv, vw, g, c);
+  if (!p.has_pool && p.ht.data != nullptr) store_state(accS, p.ht, p.kfirst, n, hv, vw, k0, g, c);
+  if (slot >= 0) store_state(accS, p.pool, p.kfirst, slot, hv, vw, k0, g, c);
 }
 
 }  // namespace kda::cuda::pf
