@@ -947,6 +947,29 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
   }
 }
 
+// [N, Tmax] write slots that repeat within a row: the state after the later token lands last
+// (the bulk kernel waits for its bulk store to complete before the next token's store), for
+// every kernel that takes the shape.
+TEST(GpuDecode, RepeatedWriteSlotsInARow) {
+  KDA_SKIP_WITHOUT_SM90();
+  GpuDecodeCase gc = base(128);
+  gc.c.N = 6;
+  gc.c.T = 4;
+  gc.c.indices = 2;
+  DecodeData d = make_data(gc);
+  // Row 1 writes tokens 1..3 to token 1's slot, row 4 writes tokens 0..3 to one slot.
+  for (int64_t t = 2; t < 4; ++t) d.idx.set(1 * 4 + t, static_cast<int64_t>(d.idx.get(1 * 4 + 1)));
+  for (int64_t t = 1; t < 4; ++t) d.idx.set(4 * 4 + t, static_cast<int64_t>(d.idx.get(4 * 4)));
+  for (int kernel = 0; kernel < 3; ++kernel) {
+    SCOPED_TRACE(kernel == 0 ? "bulk" : kernel == 1 ? "staged" : "tile");
+    GpuDecodeCase k = gc;
+    k.bulk = kernel == 0;
+    k.staged = kernel == 1;
+    k.tile = kernel == 2;
+    check_against_reference(d, k);
+  }
+}
+
 // The fast kernel and the baseline kernel agree (the differential test of the two CUDA paths).
 TEST(GpuDecodeSmokeBaseline, FastMatchesBaseline) {
   KDA_SKIP_WITHOUT_SM90();

@@ -313,6 +313,10 @@ __device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.comm
 // (the source may be overwritten; the global writes complete before the grid does).
 __device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
 
+// Waits until the calling thread's committed bulk stores are complete (their global writes
+// performed): a later bulk store to the same addresses is then ordered after them.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
 // ---------------------------------------------------------------------------------------------
 // Ampere-style asynchronous copies (the staged tile kernel): 16-byte cp.async global -> shared,
 // bypassing L1 (.cg). Both addresses must be 16-byte aligned. A thread's copies complete for that

@@ -80,7 +80,8 @@
 // registers (3 blocks x 5 warps x 128 x 32 = 61440 <= 64 K), dynamic shared memory 128 B of
 // barriers + S stages of 16 KB (8 KB) state + T x 1792 B tokens + 80 B descriptor, S = min(8,
 // (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
-// T = 8). No kernel spills.
+// T = 8). No kernel spills, except a few bytes in the bulk kernels (4-52 B outside the passes:
+// -DKDA_PTXAS_VERBOSE=ON shows them).
 //
 // Kernels: decode_bulk_kernel<StateT, kSlots> (4 instantiations; the default for large fp32
 // batches), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
@@ -1218,8 +1219,10 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     return *reinterpret_cast<uint4*>(tile_sh + my_units + vt * 16 * kRowBytes + r * 128);
   };
   // Bulk store of the tile in shared memory to rows tile_v0.. of `dst` (issued by the copy warp;
-  // the caller fenced and passed a block barrier). Waits until shared memory has been read.
-  auto store_tile = [&](const TileDst<StateT>& dst) {
+  // the caller fenced and passed a block barrier). Waits until shared memory has been read, or,
+  // with `complete`, until the global writes are done: [N, Tmax] write slots of one row may
+  // repeat, and the later token's state must land last.
+  auto store_tile = [&](const TileDst<StateT>& dst, bool complete) {
     if (!copy_warp) return;
     StateT* g = dst.data + static_cast<int64_t>(tile_v0) * dst.s2;
     if (dst.s2 == kStagedK) {
@@ -1228,7 +1231,8 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
       dec::bulk_store(g + lane * dst.s2, tile_sh + lane * kRowBytes, kRowBytes);
     }
     dec::bulk_commit();
-    dec::bulk_wait_read();
+    if (complete) dec::bulk_wait_all();
+    else dec::bulk_wait_read();
   };
 
   RawToken raw;
@@ -1308,7 +1312,7 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     if (dst.data != nullptr) {
       dec::fence_proxy_async_smem();
       __syncthreads();
-      store_tile(dst);
+      store_tile(dst, a.indices_2d && t + 1 < row.len);
     }
   }
 
@@ -1319,7 +1323,7 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     else dst.set(a.state, row.slot, hv);
     dec::fence_proxy_async_smem();
     __syncthreads();
-    store_tile(dst);
+    store_tile(dst, false);
   }
 }
 

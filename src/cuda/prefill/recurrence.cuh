@@ -7,11 +7,12 @@
 //   O^T  = S^T qg^T + U^T Aqk^T                  (bf16; tf32, Aqk lower triangular)
 //   S^T <- S^T diag(exp(G_L)) + U^T kb           (tf32)
 // Warp w owns 16 value rows of S^T: accumulators S^T 16x128 (64 fp32 per thread), U^T and O^T
-// 16x64 (32 each). Warps never exchange data; they share the chunk's operands in shared memory.
+// 16x64 (32 each). Warps never exchange data (except the pairs of the K split below); they share
+// the chunk's operands in shared memory.
 //
 // Pipeline: two stages, each = the chunk's workspace record (one bulk copy, mbarrier) + the v tile
 // [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in flight
-// while chunk c computes; one block barrier per chunk. Each warp stages its output columns in its
+// while chunk c computes; one block barrier per chunk (two with the K split). Each warp stages its output columns in its
 // own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
 // Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
 // record): one block per SM.
