@@ -191,13 +191,17 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   const Case& c = pr.c;
   const int64_t S = std::min<int64_t>(c.B, 3);
   const InputSet& x = pr.in[0];
+  // The pool slots of the sampled sequences, as rows 0..S-1 of a host tensor.
+  auto read_slots = [&](HostTensor& dst) {
+    for (int64_t n = 0; n < S; ++n) {
+      const int64_t slot = static_cast<int64_t>(x.idx.get(n));
+      BENCH_CUDA(cudaMemcpy(dst.storage.data() + n * pr.state_row_bytes,
+                            static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
+                            cudaMemcpyDeviceToHost));
+    }
+  };
   HostTensor st0(c.state_dtype, {S, kHV, kV, kK});
-  for (int64_t n = 0; n < S; ++n) {
-    const int64_t slot = static_cast<int64_t>(x.idx.get(n));
-    BENCH_CUDA(cudaMemcpy(st0.storage.data() + n * pr.state_row_bytes,
-                          static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
-                          cudaMemcpyDeviceToHost));
-  }
+  read_slots(st0);
   const Status s = decode(pr.params(0, stream));
   if (!s.ok()) {
     std::printf("  %s: decode failed: %s\n", c.name.c_str(), s.to_string().c_str());
@@ -207,12 +211,7 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   HostTensor out_gpu = x.out;
   BENCH_CUDA(cudaMemcpy(out_gpu.storage.data(), x.dout->p, out_gpu.storage.size(), cudaMemcpyDeviceToHost));
   HostTensor st_gpu(c.state_dtype, {S, kHV, kV, kK});
-  for (int64_t n = 0; n < S; ++n) {
-    const int64_t slot = static_cast<int64_t>(x.idx.get(n));
-    BENCH_CUDA(cudaMemcpy(st_gpu.storage.data() + n * pr.state_row_bytes,
-                          static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
-                          cudaMemcpyDeviceToHost));
-  }
+  read_slots(st_gpu);
   // The sample as a host problem: the first S sequences, their states as slots 0..S-1.
   auto first_rows = [&](const HostTensor& t) {
     std::vector<int64_t> shape = t.shape;

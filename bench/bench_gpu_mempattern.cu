@@ -44,25 +44,20 @@ __device__ __forceinline__ uint4 bump(uint4 v) {
   return v;
 }
 
-// Tile t of the pool: head (t / 4) through an index (identity or a permutation of heads).
+// First 16-byte unit of tile t (kTileUnits units) of the pool; with an index, the 64 KB head of
+// the tile goes through it (a permutation of heads), as decode's slot lookup.
+template <int kTileUnits = kUnits>
 __device__ __forceinline__ int64_t tile_base(const int* idx, int64_t t) {
-  if (idx == nullptr) return t * kUnits;
-  const int64_t head = t >> 2;
-  return (static_cast<int64_t>(__ldg(idx + head)) * 4 + (t & 3)) * kUnits;
+  if (idx == nullptr) return t * kTileUnits;
+  constexpr int64_t kPerHead = 4096 / kTileUnits;
+  return (static_cast<int64_t>(__ldg(idx + t / kPerHead)) * kPerHead + t % kPerHead) * kTileUnits;
 }
 
 // Registers: kThreads threads, each holds kPer 16-byte units of a tile of kThreads*kPer units.
 template <int kThreads, int kPer>
 __global__ void __launch_bounds__(kThreads) reg_kernel(uint4* dst, const uint4* src, const int* idx) {
   constexpr int kTileUnits = kThreads * kPer;
-  const int64_t t = blockIdx.x;
-  int64_t base;
-  if (idx == nullptr) {
-    base = t * kTileUnits;
-  } else {  // one index per 64 KB head
-    const int64_t per_head = 4096 / kTileUnits;
-    base = (static_cast<int64_t>(__ldg(idx + t / per_head)) * per_head + t % per_head) * kTileUnits;
-  }
+  const int64_t base = tile_base<kTileUnits>(idx, blockIdx.x);
   uint4 r[kPer];
 #pragma unroll
   for (int i = 0; i < kPer; ++i) r[i] = ld_nc(src + base + i * kThreads + threadIdx.x);

@@ -37,6 +37,25 @@ inline bool have_sm90() {
     if (!::kda::test::have_sm90()) GTEST_SKIP() << "no sm_90 GPU"; \
   } while (0)
 
+// Captures call() (one library call on `stream`) into a CUDA graph, replays it once and waits;
+// returns the call's status (a failed call is not replayed).
+template <class Call>
+Status capture_and_replay(cudaStream_t stream, Call call) {
+  cudaGraph_t graph;
+  KDA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+  const Status s = call();
+  KDA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  if (s.ok()) {
+    cudaGraphExec_t exec;
+    KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
+    KDA_TEST_CUDA(cudaGraphLaunch(exec, stream));
+    KDA_TEST_CUDA(cudaStreamSynchronize(stream));
+    KDA_TEST_CUDA(cudaGraphExecDestroy(exec));
+  }
+  KDA_TEST_CUDA(cudaGraphDestroy(graph));
+  return s;
+}
+
 // Device copy of a HostTensor's whole storage (same strides), freed on destruction.
 struct DeviceTensor {
   const HostTensor* host = nullptr;

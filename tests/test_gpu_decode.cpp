@@ -850,21 +850,12 @@ TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
   cudaStream_t stream;
   KDA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   dev.p.exec.stream = stream;
-  cudaGraph_t graph;
-  KDA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status s = decode(dev.p);
-  KDA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  const Status s = capture_and_replay(stream, [&] { return decode(dev.p); });
   ASSERT_TRUE(s.ok()) << s.to_string();
-  cudaGraphExec_t exec;
-  KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  KDA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
   DecodeData got = d;
   dev.download(got);
   EXPECT_TRUE(bitwise_equal(got.out, direct.out));
   EXPECT_TRUE(bitwise_equal(got.state, direct.state));
-  KDA_TEST_CUDA(cudaGraphExecDestroy(exec));
-  KDA_TEST_CUDA(cudaGraphDestroy(graph));
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
 }
 

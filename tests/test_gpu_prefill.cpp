@@ -444,22 +444,13 @@ TEST(GpuPrefill, CudaGraphCapture) {
   dd.p.exec.workspace = ws.ptr;
   dd.p.exec.workspace_bytes = bytes;
   dd.p.exec.stream = stream;
-  cudaGraph_t graph;
-  KDA_TEST_CUDA(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
-  const Status s = prefill(dd.p);
-  KDA_TEST_CUDA(cudaStreamEndCapture(stream, &graph));
+  const Status s = capture_and_replay(stream, [&] { return prefill(dd.p); });
   ASSERT_TRUE(s.ok()) << s.to_string();
-  cudaGraphExec_t exec;
-  KDA_TEST_CUDA(cudaGraphInstantiate(&exec, graph, 0));
-  KDA_TEST_CUDA(cudaGraphLaunch(exec, stream));
-  KDA_TEST_CUDA(cudaStreamSynchronize(stream));
   HostTensor out = d.out, ht = d.ht;
   dd.out->download(out);
   dd.ht->download(ht);
   EXPECT_TRUE(bitwise_equal(out, direct.out));
   EXPECT_TRUE(bitwise_equal(ht, direct.ht));
-  cudaGraphExecDestroy(exec);
-  cudaGraphDestroy(graph);
   cudaStreamDestroy(stream);
 }
 

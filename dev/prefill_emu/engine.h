@@ -94,24 +94,32 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
   }
 }
 
+// The value split forced to vs_override (0: the heuristic's), then both kernels as the host
+// launches them (K split included).
+static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr, int vs_override,
+                        bool fp16) {
+  if (vs_override) {
+    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
+    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  }
+  const int threads = 32 * recurrence_warps(p.vs, p.ksplit), smem = recurrence_smem_bytes(p.vs, p.ksplit);
+  if (fp16) {
+    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, threads, smem, p);
+    else launch(recurrence_kernel<true, false>, rb, threads, smem, p);
+  } else {
+    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, threads, smem, p);
+    else launch(recurrence_kernel<false, false>, rb, threads, smem, p);
+  }
+}
+
 // Runs the emulated CUDA prefill on host tensors (params: CPU views). vs_override: 0 = heuristic.
 static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
   Params p; int64_t pb = 0, rb = 0;
   Status s = make_params(pr, wsp, 132, &p, &pb, &rb);
   if (!s.ok()) return s;
-  if (vs_override) {
-    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
-    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
-  }
-  if (pr.q.dtype == DType::kFloat16) {
-    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
-    else launch(recurrence_kernel<true, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
-  } else {
-    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
-    else launch(recurrence_kernel<false, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
-  }
+  run_kernels(p, pb, rb, pr, vs_override, pr.q.dtype == DType::kFloat16);
   return Status::Ok();
 }
 static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) {
@@ -125,19 +133,7 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   Params p; int64_t pb = 0, rb = 0;
   s = make_params(pr, need ? ws.data() : nullptr, 132, &p, &pb, &rb);
   if (!s.ok()) return s;
-  if (vs_override) {
-    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
-    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
-  }
-  if (fp16) {
-    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
-    else launch(recurrence_kernel<true, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
-  } else {
-    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, 32 * recurrence_warps(p.vs, true), recurrence_smem_bytes(p.vs, true), p);
-    else launch(recurrence_kernel<false, false>, rb, 2 * p.vs, recurrence_smem_bytes(p.vs), p);
-  }
+  run_kernels(p, pb, rb, pr, vs_override, fp16);
   return Status::Ok();
 }
 

@@ -34,20 +34,28 @@ void read_exec(Kwargs& kw, ArrayKeeper* keep, ExecOptions* e) {
   e->num_threads = static_cast<int>(threads);
 }
 
+// The per-token tensors of both entry points: q, k, v, g, beta, the gate parameters, cu_seqlens
+// (inputs) and out (written).
+template <typename Params>
+void read_tokens(Kwargs& kw, ArrayKeeper* keep, Params* p) {
+  auto in = [&](const char* name) { return to_view(name, kw.get(name), false, keep); };
+  p->q = in("q");
+  p->k = in("k");
+  p->v = in("v");
+  p->g = in("g");
+  p->beta = in("beta");
+  p->A_log = in("A_log");
+  p->dt_bias = in("dt_bias");
+  p->cu_seqlens = in("cu_seqlens");
+  p->out = to_view("out", kw.get("out"), true, keep);
+}
+
 PrefillParams prefill_params(const nb::kwargs& kwargs, const char* fn, ArrayKeeper* keep) {
   Kwargs kw(kwargs);
   PrefillParams p;
   auto in = [&](const char* name) { return to_view(name, kw.get(name), false, keep); };
   auto out = [&](const char* name) { return to_view(name, kw.get(name), true, keep); };
-  p.q = in("q");
-  p.k = in("k");
-  p.v = in("v");
-  p.g = in("g");
-  p.beta = in("beta");
-  p.A_log = in("A_log");
-  p.dt_bias = in("dt_bias");
-  p.cu_seqlens = in("cu_seqlens");
-  p.out = out("out");
+  read_tokens(kw, keep, &p);
   p.initial_state = in("initial_state");
   p.final_state = out("final_state");
   p.state_pool = out("state_pool");
@@ -71,15 +79,7 @@ DecodeParams decode_params(const nb::kwargs& kwargs, const char* fn, ArrayKeeper
   p.use_initial_state = kw.flag("use_initial_state", true);
   p.store_final_state = kw.flag("store_final_state", true);
   p.check_indices = kw.flag("check_indices", false);
-  p.q = in("q");
-  p.k = in("k");
-  p.v = in("v");
-  p.g = in("g");
-  p.beta = in("beta");
-  p.A_log = in("A_log");
-  p.dt_bias = in("dt_bias");
-  p.cu_seqlens = in("cu_seqlens");
-  p.out = out("out");
+  read_tokens(kw, keep, &p);
   p.state = to_view("state", kw.get("state"), p.store_final_state, keep);
   p.state_indices = in("state_indices");
   p.num_accepted_tokens = in("num_accepted_tokens");

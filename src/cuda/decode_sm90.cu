@@ -470,13 +470,7 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
   // ---- Sequence span and read slot (padding rows: zero output, no state access)
   const SeqRow row = resolve_row(a, n);
   if (row.slot < 0) {
-    for (int64_t t = 0; t < row.len; ++t) {
-      const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
-      if (out_lane) {
-#pragma unroll
-        for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
-      }
-    }
+    zero_padding_outputs(a, row, hv, m);
     return;
   }
 
@@ -950,6 +944,18 @@ struct TileDst {
   }
 };
 
+// A padding row (no read slot): zero output for its tokens, no state access. The lane of each
+// row group that stores outputs writes its rows (columns) of every token.
+template <class Map>
+__device__ __forceinline__ void zero_padding_outputs(const DecodeArgs& a, const SeqRow& row, int hv, const Map& m) {
+  if (m.lane_k != 0) return;
+  for (int64_t t = 0; t < row.len; ++t) {
+    const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
+#pragma unroll
+    for (int vt = 0; vt < Map::kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
+  }
+}
+
 // Where the state after token t of row n goes (at most one place; data == nullptr: nowhere):
 // per-token states, [N, Tmax] write slots, or after the last token the final state / read slot.
 template <typename StateT>
@@ -966,6 +972,29 @@ __device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const 
     else dst.set(a.state, row.slot, hv);
   }
   return dst;
+}
+
+// A row without tokens (an empty varlen sequence, T = 0) passes its initial state through to the
+// final state or its read slot, unless states go per token (data == nullptr: nothing to store).
+template <typename StateT>
+__device__ __forceinline__ TileDst<StateT> empty_row_dst(const DecodeArgs& a, const SeqRow& row, int64_t n, int hv) {
+  TileDst<StateT> dst;
+  if (row.len != 0 || !a.store_final_state || a.has_intermediate || a.indices_2d) return dst;
+  if (a.has_final_state) dst.set(a.final_state, n, hv);
+  else dst.set(a.state, row.slot, hv);
+  return dst;
+}
+
+// Token t > 0 of a shared-memory tile kernel: warp 0 preprocesses it into `slot`, then the block
+// barrier publishes it (uniform over the block).
+__device__ __forceinline__ void stage_next_token(const DecodeArgs& a, const SeqRow& row, int64_t t, int h, int hv,
+                                                 int tile_v0, bool prep_warp, PersistToken& slot) {
+  if (prep_warp) {
+    RawToken r;
+    load_raw_token(a, row.b, row.bos + t, h, hv, tile_v0, dec::lane_id(), r);
+    prep_token(a, r, dec::lane_id(), slot);
+  }
+  __syncthreads();
 }
 
 // Block -> (sequence n, value head hv, first value row tile_v0 of its tile of kTileV rows), for a
@@ -1089,13 +1118,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   // ---- Sequence span and read slot (padding rows: zero output, no state access)
   const SeqRow row = resolve_row(a, n);
   if (row.slot < 0) {  // uniform over the block: no barrier is skipped by part of it
-    for (int64_t t = 0; t < row.len; ++t) {
-      const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
-      if (out_lane) {
-#pragma unroll
-        for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
-      }
-    }
+    zero_padding_outputs(a, row, hv, m);
     return;
   }
 
@@ -1124,15 +1147,8 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
 #pragma unroll 1
   for (int64_t t = 0; t < row.len; ++t) {
     const int64_t tok = row.bos + t;
-    if (t > 0) {
-      // Slot t & 1 was last read at token t - 2, before every thread passed token t - 1's barrier.
-      if (prep_warp) {
-        RawToken r2;
-        load_raw_token(a, row.b, tok, h, hv, tile_v0, dec::lane_id(), r2);
-        prep_token(a, r2, dec::lane_id(), tok_sh[t & 1]);
-      }
-      __syncthreads();
-    }
+    // Slot t & 1 was last read at token t - 2, before every thread passed token t - 1's barrier.
+    if (t > 0) stage_next_token(a, row, t, h, hv, tile_v0, prep_warp, tok_sh[t & 1]);
     const PersistToken& tk = tok_sh[t & 1];
 
     // ---- Where this token's state goes in global memory (at most one place per token)
@@ -1156,10 +1172,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   }
 
   // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
-  if (row.len == 0 && a.store_final_state && !a.has_intermediate && !a.indices_2d) {
-    TileDst<StateT> dst;
-    if (a.has_final_state) dst.set(a.final_state, n, hv);
-    else dst.set(a.state, row.slot, hv);
+  if (const TileDst<StateT> dst = empty_row_dst<StateT>(a, row, n, hv); dst.data != nullptr) {
 #pragma unroll
     for (int vt = 0; vt < kVt; ++vt)
 #pragma unroll
@@ -1245,13 +1258,7 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
   SeqRow row = resolve_row(a, n);
   if constexpr (kSlots == 1) row.len = 1;  // launched for dense calls with T = 1 only
   if (row.slot < 0) {  // padding row: zero output, no state access (uniform over the block)
-    for (int64_t t = 0; t < row.len; ++t) {
-      const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
-      if (out_lane) {
-#pragma unroll
-        for (int vt = 0; vt < kVt; ++vt) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
-      }
-    }
+    zero_padding_outputs(a, row, hv, m);
     return;
   }
 
@@ -1284,16 +1291,9 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
 #pragma unroll 1
   for (int64_t t = 0; t < row.len; ++t) {
     const int64_t tok = row.bos + t;
-    if (t > 0) {
-      // Slot t & 1 was last read at token t - 2; the previous token's bulk store (if any) has
-      // finished reading the tile (the copy warp waited before this barrier).
-      if (prep_warp) {
-        RawToken r2;
-        load_raw_token(a, row.b, tok, h, hv, tile_v0, lane, r2);
-        prep_token(a, r2, lane, tok_sh[(kSlots - 1) & t]);
-      }
-      __syncthreads();
-    }
+    // Slot t & 1 was last read at token t - 2; the previous token's bulk store (if any) has
+    // finished reading the tile (the copy warp waited before this barrier).
+    if (t > 0) stage_next_token(a, row, t, h, hv, tile_v0, prep_warp, tok_sh[(kSlots - 1) & t]);
     const PersistToken& tk = tok_sh[(kSlots - 1) & t];
 
     const TileDst<StateT> dst = token_dst<StateT>(a, row, n, hv, t);  // uniform over the block
@@ -1317,10 +1317,7 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
   }
 
   // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
-  if (row.len == 0 && a.store_final_state && !a.has_intermediate && !a.indices_2d) {
-    TileDst<StateT> dst;
-    if (a.has_final_state) dst.set(a.final_state, n, hv);
-    else dst.set(a.state, row.slot, hv);
+  if (const TileDst<StateT> dst = empty_row_dst<StateT>(a, row, n, hv); dst.data != nullptr) {
     dec::fence_proxy_async_smem();
     __syncthreads();
     store_tile(dst, false);
@@ -1561,7 +1558,8 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 
 // ---- Kernel choice
 
-enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kBulk };
+// kStagedLatency: the staged kernel's variant for grids of <= 2 blocks per SM.
+enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1605,16 +1603,16 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
   return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
 }
 
-// The one kernel heuristic (pure host function). The staged tile kernel ("v3") is the default
-// where it applies: V-first, K = V = 128, a pool with 16-byte aligned rows (its tile is copied
-// with 16-byte cp.async; unaligned pools fall back to the tile kernel), any token count, dense or
-// varlen, every index / state-output mode. Everything else (K-first, K != 128, unaligned pools)
-// runs the tile kernel. The persistent kernel takes V-first K = V = 128, an aligned pool, dense
-// tokens, T <= 8, >= 2 ring stages, and runs only when asked for: measured on the H200
-// (docs/perf_decode.md) it was slower than the tile kernel (B = 256: 398 us vs 363 us; B = 1024:
-// 2087 vs 1550; T = 4: 1273 vs 816). The baseline kernel runs only on request.
-// KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | persistent overrides (staged and persistent
-// only where eligible; otherwise the default choice).
+// The one kernel heuristic (pure host function). For V-first, K = V = 128 and a pool with 16-byte
+// aligned rows: the bulk kernel ("v4") for fp32 pools with >= 64 blocks per SM when every state
+// tensor it writes has aligned rows, the staged kernel's latency variant for <= 2 blocks per SM,
+// the staged kernel ("v3") otherwise (any token count, dense or varlen, every index / state-output
+// mode). Everything else (K-first, K != 128, unaligned pools) runs the tile kernel. The persistent
+// kernel takes V-first K = V = 128, an aligned pool, dense tokens, T <= 8, >= 2 ring stages, and
+// runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
+// kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
+// kernel runs only on request. KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput
+// variant) | bulk | persistent overrides (where eligible; otherwise the default choice).
 DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
   auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
   if (is("baseline")) return DecodeKernel::kBaseline;
@@ -1630,14 +1628,16 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   // 16-byte aligned rows (the pool was checked above).
   const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
                        (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
-  if (is("bulk")) return bulk_ok ? DecodeKernel::kBulk : DecodeKernel::kStaged;
+  if (is("bulk") && bulk_ok) return DecodeKernel::kBulk;
   // Measured on the H200 (docs/perf_decode.md, v4): the bulk kernel streams faster once there
   // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
   // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
   // 32: 53.5 vs 52.2 us) and the bf16 state's 8 KB tiles were slower (310 vs 268 us at B = 256).
+  // Grids of at most 2 blocks per SM (B = 1, 2 at HV = 32) run the staged kernel's latency
+  // variant: their time is the critical path, not the bytes in flight.
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
-  const bool many_waves = blocks >= int64_t{64} * sms;
-  return bulk_ok && many_waves && pr.state.dtype == DType::kFloat32 ? DecodeKernel::kBulk : DecodeKernel::kStaged;
+  if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32) return DecodeKernel::kBulk;
+  return blocks <= int64_t{2} * sms ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
 }
 
 // Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
@@ -1744,10 +1744,8 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                                           " blocks exceed the grid limit; split the batch"};
   if (kernel == DecodeKernel::kBulk)
     return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, stream) : launch_bulk<float>(a, *info, blocks, stream);
-  if (kernel == DecodeKernel::kStaged) {
-    // Few blocks (B = 1, 2 at HV = 32): the latency variant, unless the throughput one is forced.
-    const char* env = std::getenv("KDA_CUDA_DECODE_KERNEL");
-    const bool latency = blocks <= int64_t{2} * info->sms && !(env != nullptr && std::strcmp(env, "staged") == 0);
+  if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency) {
+    const bool latency = kernel == DecodeKernel::kStagedLatency;
     return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, stream)
                       : launch_staged<float>(a, *info, blocks, latency, stream);
   }
