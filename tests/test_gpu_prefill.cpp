@@ -276,33 +276,37 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
   check_against_reference(GetParam());
 }
 
-// The recurrence's K split (opt-in: KDA_CUDA_PREFILL_KSPLIT=1; blocks of vs <= 32 value columns):
-// vs = 16 (2 warps) under weak decay, where the state's contribution to every chunk is large, and
-// vs = 32 (4 warps) through a pool, checkpoints, K-first states and varlen with an empty sequence.
-TEST(GpuPrefillKSplit, MatchesReference) {
+// The recurrence with and without its K split (the default for blocks of vs <= 32 value columns;
+// KDA_CUDA_PREFILL_KSPLIT=0 turns it off): vs = 16 (2 warps) under weak decay, where the state's
+// contribution to every chunk is large, and vs = 32 (4 warps) through a pool, checkpoints, K-first
+// states and varlen with an empty sequence.
+TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
-  setenv("KDA_CUDA_PREFILL_KSPLIT", "1", 1);
-  PrefillCase c = base_case();
-  c.gate = GateForm::kLowerBound;
-  c.lower_bound = -0.05;
-  c.seqlens = {300};
-  {
-    SCOPED_TRACE("vs = 16, weak decay");
-    check_against_reference(c);
-  }
-  c = base_case();
-  c.H = 4;
-  c.HV = 16;  // 2 sequences x 16 value heads: vs = 32 on 132 SMs (heuristics.h)
-  c.varlen = true;
-  c.seqlens = {129, 0};
-  c.pool = true;
-  c.checkpoint_every = 64;
-  c.layout = StateLayout::kKFirst;
-  c.weak_decay = true;
-  c.gate = GateForm::kPrecomputed;
-  {
-    SCOPED_TRACE("vs = 32, pool, checkpoints, K-first, varlen");
-    check_against_reference(c);
+  for (const char* env : {"1", "0"}) {
+    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_KSPLIT=") + env);
+    setenv("KDA_CUDA_PREFILL_KSPLIT", env, 1);
+    PrefillCase c = base_case();
+    c.gate = GateForm::kLowerBound;
+    c.lower_bound = -0.05;
+    c.seqlens = {300};
+    {
+      SCOPED_TRACE("vs = 16, weak decay");
+      check_against_reference(c);
+    }
+    c = base_case();
+    c.H = 4;
+    c.HV = 16;  // 2 sequences x 16 value heads: vs = 32 on 132 SMs (heuristics.h)
+    c.varlen = true;
+    c.seqlens = {129, 0};
+    c.pool = true;
+    c.checkpoint_every = 64;
+    c.layout = StateLayout::kKFirst;
+    c.weak_decay = true;
+    c.gate = GateForm::kPrecomputed;
+    {
+      SCOPED_TRACE("vs = 32, pool, checkpoints, K-first, varlen");
+      check_against_reference(c);
+    }
   }
   unsetenv("KDA_CUDA_PREFILL_KSPLIT");
 }
@@ -520,12 +524,14 @@ TEST(PrefillHeuristics, ValueSplit) {
 
 TEST(PrefillHeuristics, KSplit) {
   using cuda::pf::recurrence_k_split;
+  EXPECT_TRUE(recurrence_k_split(32, nullptr));  // default for vs <= 32
+  EXPECT_TRUE(recurrence_k_split(16, nullptr));
   EXPECT_TRUE(recurrence_k_split(32, "1"));
-  EXPECT_TRUE(recurrence_k_split(16, "1"));
-  EXPECT_FALSE(recurrence_k_split(64, "1"));   // would not fit one block per SM
-  EXPECT_FALSE(recurrence_k_split(32, nullptr));  // opt-in
+  EXPECT_TRUE(recurrence_k_split(32, "10"));      // only "0" turns it off
+  EXPECT_FALSE(recurrence_k_split(64, nullptr));  // would not fit one block per SM
+  EXPECT_FALSE(recurrence_k_split(128, nullptr));
   EXPECT_FALSE(recurrence_k_split(32, "0"));
-  EXPECT_FALSE(recurrence_k_split(32, "10"));
+  EXPECT_FALSE(recurrence_k_split(16, "0"));
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {
