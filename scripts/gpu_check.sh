@@ -118,7 +118,7 @@ if has srcprofile && command -v ncu >/dev/null; then
   # info) of one launch of each kernel named in SRC_KERNELS ("bench:case:kernel-regex ...").
   for spec in ${SRC_KERNELS:-prefill:P1:prepare prefill:P1:recurrence decode:T1_B1:decode}; do
     IFS=: read -r bench c kre <<<"$spec"
-    args=(--case "$c" --no-check --iters 3 --warmup 1); [ "$bench" = decode ] && args=(--filter "$c" --no-check --iters 3 --warmup 2)
+    args=(--case "$c" --no-check --iters 20); [ "$bench" = decode ] && args=(--filter "$c" --no-check --iters 3 --warmup 2)
     timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight \
       -k "regex:$kre" --launch-skip 1 --launch-count 1 --page source --print-source cuda --csv \
       ./$B/bench/bench_gpu_$bench "${args[@]}" >"$OUT/src_${c}_${kre}.csv" 2>&1
