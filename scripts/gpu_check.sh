@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# profile srcprofile (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# profile srcprofile trace (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -110,6 +110,19 @@ if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
     timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 5 --launch-count 1 \
       ./$B/bench/bench_gpu_decode --filter $c --no-check --iters 10 --warmup 2 >"$OUT/ncu_dec_$c.log" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_dec_$c.log" | head -12
+  done
+fi
+
+if has trace; then
+  # In-kernel %globaltimer stamps of the staged decode kernel in a 20-call graph at B = 1
+  # (-DKDA_DECODE_TRACE build of the decode benchmark only; see cuda_backend.h).
+  extra=(); [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
+  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-DKDA_DECODE_TRACE \
+    -DCMAKE_CXX_FLAGS=-DKDA_DECODE_TRACE "${extra[@]}" >"$OUT/trace_build.log" 2>&1 &&
+    cmake --build build-trace --target bench_gpu_decode --parallel >>"$OUT/trace_build.log" 2>&1 || { note "trace build FAILED"; tail -20 "$OUT/trace_build.log"; }
+  for pdl in 1 0; do
+    echo "---- trace, KDA_CUDA_PDL=$pdl"
+    KDA_CUDA_PDL=$pdl timeout 60 ./build-trace/bench/bench_gpu_decode --filter T1_B1_graph20 --iters 20 --no-check 2>&1 | tee "$OUT/trace_pdl$pdl.log" | grep -E "^  (trace|call| +[0-9]|ran)" | head -14
   done
 fi
 

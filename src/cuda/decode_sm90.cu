@@ -1080,13 +1080,61 @@ __device__ __forceinline__ void smem_tile_token(const Map& m, int tile_v0, const
   }
 }
 
+#ifdef KDA_DECODE_TRACE
+// Development build only (-DKDA_DECODE_TRACE in the CUDA and C++ flags): thread 0 of each of the
+// first kTraceBlocks blocks of the staged kernel stamps %globaltimer at kTracePoints points, per
+// call (the call index advances when the last block of a call finishes, and is read by the next
+// call after its griddepcontrol.wait). decode_trace_fetch (cuda_backend.h) copies the stamps out.
+namespace trace {
+__device__ unsigned long long g_stamps[kTraceCalls][kTracePoints][kTraceBlocks];
+__device__ unsigned int g_call, g_done;
+__device__ __forceinline__ unsigned long long now() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+struct Stamps {
+  unsigned call = 0;
+  __device__ __forceinline__ void at(int point, unsigned long long t) const {
+    if (threadIdx.x == 0 && blockIdx.x < kTraceBlocks) g_stamps[call % kTraceCalls][point][blockIdx.x] = t;
+  }
+  __device__ __forceinline__ void at(int point) const { at(point, now()); }
+  // Last point; the last block of the call advances the call index.
+  __device__ __forceinline__ void finish() const {
+    at(kTracePoints - 1);
+    if (threadIdx.x == 0) {
+      __threadfence();
+      if (atomicAdd(&g_done, 1u) == gridDim.x - 1) {
+        g_done = 0;
+        g_call = call + 1;
+        __threadfence();
+      }
+    }
+  }
+};
+}  // namespace trace
+#define KDA_TRACE_BEGIN()                   \
+  const unsigned long long trace_t0 = trace::now(); \
+  pdl_prologue();                            \
+  trace::Stamps trace_s;                     \
+  trace_s.call = *static_cast<volatile unsigned*>(&trace::g_call); \
+  trace_s.at(0, trace_t0);                   \
+  trace_s.at(1)
+#define KDA_TRACE(point) trace_s.at(point)
+#define KDA_TRACE_END() trace_s.finish()
+#else
+#define KDA_TRACE_BEGIN() pdl_prologue()
+#define KDA_TRACE(point) ((void)0)
+#define KDA_TRACE_END() ((void)0)
+#endif
+
 // kLatency: the variant for grids of at most a couple of blocks per SM (B = 1, 2 at HV = 32),
 // where a call's time is its critical path (index -> state -> compute -> store), not the bytes in
 // flight: no register bound (the compiler keeps every load in flight and unrolls the passes).
 template <typename StateT, bool kLatency>
 __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlocks)
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
-  pdl_prologue();
+  KDA_TRACE_BEGIN();  // points: 0 entry, 1 after the wait
   using Map = TileMap<kStagedK, StateT, false>;
   using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
@@ -1117,8 +1165,10 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
 
   // ---- Sequence span and read slot (padding rows: zero output, no state access)
   const SeqRow row = resolve_row(a, n);
+  KDA_TRACE(2);  // read slot known
   if (row.slot < 0) {  // uniform over the block: no barrier is skipped by part of it
     zero_padding_outputs(a, row, hv, m);
+    KDA_TRACE_END();
     return;
   }
 
@@ -1140,9 +1190,11 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, dec::lane_id(), raw);
     prep_token(a, raw, dec::lane_id(), tok_sh[0]);
   }
+  KDA_TRACE(3);  // token 0 staged (thread 0 is in warp 0)
   prefetch_later_tokens(a, row, h, hv);
   dec::cp_async_wait_all();  // this thread's copies: the only units it reads
   __syncthreads();           // token 0's stage
+  KDA_TRACE(4);  // state tile and token 0 in shared memory
 
 #pragma unroll 1
   for (int64_t t = 0; t < row.len; ++t) {
@@ -1171,6 +1223,8 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
         });
   }
 
+  KDA_TRACE(5);  // every token computed, its stores issued
+
   // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
   if (const TileDst<StateT> dst = empty_row_dst<StateT>(a, row, n, hv); dst.data != nullptr) {
 #pragma unroll
@@ -1182,6 +1236,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
         Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
       }
   }
+  KDA_TRACE_END();  // point 6
 }
 // ---------------------------------------------------------------------------------------------
 // The bulk kernel ("v4", the default for the hot shape): the staged kernel's block, thread map,
@@ -1696,6 +1751,23 @@ Status launch_persistent(const DecodeArgs& a, DeviceInfo& d, int stages, cudaStr
 }
 
 }  // namespace
+
+#ifdef KDA_DECODE_TRACE
+Status decode_trace_fetch(std::vector<unsigned long long>* stamps, bool reset) {
+  stamps->assign(static_cast<size_t>(kTraceCalls) * kTracePoints * kTraceBlocks, 0ull);
+  KDA_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize(), "cudaDeviceSynchronize (trace)");
+  KDA_CUDA_RETURN_IF_ERROR(cudaMemcpyFromSymbol(stamps->data(), trace::g_stamps, stamps->size() * sizeof(unsigned long long)),
+                           "cudaMemcpyFromSymbol (trace)");
+  if (reset) {
+    const unsigned zero = 0;
+    std::vector<unsigned long long> z(stamps->size(), 0ull);
+    KDA_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(trace::g_stamps, z.data(), z.size() * sizeof(unsigned long long)), "trace reset");
+    KDA_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(trace::g_call, &zero, sizeof zero), "trace reset");
+    KDA_CUDA_RETURN_IF_ERROR(cudaMemcpyToSymbol(trace::g_done, &zero, sizeof zero), "trace reset");
+  }
+  return Status::Ok();
+}
+#endif
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices) {
   // ---- What the GPU path runs (everything else the contract allows runs on the CPU backends)
