@@ -22,6 +22,9 @@
 
 #include "core/kda_math.h"
 #include "kda/kda.h"
+#ifdef KDA_PREFILL_TRACE
+#include "cuda/cuda_backend.h"
+#endif
 #include "support.h"
 
 namespace {
@@ -363,7 +366,22 @@ int main(int argc, char** argv) {
     } else {
       seqs = std::to_string(c.lens.size()) + " x " + std::to_string(c.lens[0]);
     }
+#ifdef KDA_PREFILL_TRACE
+    std::vector<unsigned long long> clocks;
+    (void)kda::cuda::prefill_trace_fetch(&clocks, true);
+#endif
     const Result r = run_case(c, iters, check, flush, flush_bytes);
+#ifdef KDA_PREFILL_TRACE
+    if (kda::cuda::prefill_trace_fetch(&clocks, false).ok() && clocks.back() > 0) {
+      static const char* names[] = {"locate", "load", "cumsum", "Akk/Aqk", "diag inv", "offdiag inv", "Tm", "W", "qg/kbT"};
+      const double nb = static_cast<double>(clocks.back());
+      double total = 0;
+      for (size_t i = 0; i + 1 < clocks.size(); ++i) total += clocks[i] / nb;
+      std::printf("  prepare phases (SM clocks per block, thread 0): ");
+      for (size_t i = 0; i + 1 < clocks.size(); ++i) std::printf("%s %.0f (%.0f%%)  ", names[i], clocks[i] / nb, 100.0 * clocks[i] / nb / total);
+      std::printf(" total %.0f\n", total);
+    }
+#endif
     const double speedup = c.flashkda_ms / r.median_ms;
     const bool beat = r.median_ms < c.flashkda_ms && r.median_ms < c.fla_ms;
     all_ok = all_ok && r.ok;

@@ -117,12 +117,15 @@ if has trace; then
   # In-kernel %globaltimer stamps of the staged decode kernel in a 20-call graph at B = 1
   # (-DKDA_DECODE_TRACE build of the decode benchmark only; see cuda_backend.h).
   extra=(); [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
-  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS=-DKDA_DECODE_TRACE \
-    -DCMAKE_CXX_FLAGS=-DKDA_DECODE_TRACE "${extra[@]}" >"$OUT/trace_build.log" 2>&1 &&
-    cmake --build build-trace --target bench_gpu_decode --parallel >>"$OUT/trace_build.log" 2>&1 || { note "trace build FAILED"; tail -20 "$OUT/trace_build.log"; }
+  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS='-DKDA_DECODE_TRACE -DKDA_PREFILL_TRACE' \
+    -DCMAKE_CXX_FLAGS='-DKDA_DECODE_TRACE -DKDA_PREFILL_TRACE' "${extra[@]}" >"$OUT/trace_build.log" 2>&1 &&
+    cmake --build build-trace --target bench_gpu_decode bench_gpu_prefill --parallel >>"$OUT/trace_build.log" 2>&1 || { note "trace build FAILED"; tail -20 "$OUT/trace_build.log"; }
   for pdl in 1 0; do
     echo "---- trace, KDA_CUDA_PDL=$pdl"
-    KDA_CUDA_PDL=$pdl timeout 60 ./build-trace/bench/bench_gpu_decode --filter T1_B1_graph20 --iters 20 --no-check 2>&1 | tee "$OUT/trace_pdl$pdl.log" | grep -E "^  (trace|call| +[0-9]|ran)" | head -14
+    KDA_CUDA_PDL=$pdl timeout 60 ./build-trace/bench/bench_gpu_decode --filter T1_B1_graph20 --iters 20 --no-check 2>&1 | tee "$OUT/trace_pdl$pdl.log" | grep -E "^  (trace|call| +[0-9]|ran)" | head -24
+  done
+  for c in ${TRACE_CASES:-P1 P6}; do
+    timeout 60 ./build-trace/bench/bench_gpu_prefill --case $c --no-check --iters 20 2>&1 | tee "$OUT/trace_$c.log" | grep -E "^P|phases"
   done
 fi
 

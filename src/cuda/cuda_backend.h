@@ -14,6 +14,12 @@ std::vector<DeviceInfo> devices();
 // exec.stream, allocate nothing on the device and never synchronize (except check_indices).
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec);
 Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes);
+
+#ifdef KDA_PREFILL_TRACE
+// Development builds only (-DKDA_PREFILL_TRACE): SM clocks per phase of the prepare kernel summed
+// over blocks (phases 0..8 of prepare.cuh), then the number of blocks; optionally resets them.
+Status prefill_trace_fetch(std::vector<unsigned long long>* clocks, bool reset);
+#endif
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
 
 #ifdef KDA_DECODE_TRACE

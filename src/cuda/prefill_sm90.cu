@@ -142,4 +142,17 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
                                        : launch<false>(p, prep_blocks, rec_blocks, device, stream);
 }
 
+#ifdef KDA_PREFILL_TRACE
+Status prefill_trace_fetch(std::vector<unsigned long long>* clocks, bool reset) {
+  clocks->assign(pf::kPrepareTracePhases + 1, 0ull);
+  KDA_PF_CUDA(cudaDeviceSynchronize());
+  KDA_PF_CUDA(cudaMemcpyFromSymbol(clocks->data(), pf::g_prepare_phase_clocks, clocks->size() * 8));
+  if (reset) {
+    const std::vector<unsigned long long> z(clocks->size(), 0ull);
+    KDA_PF_CUDA(cudaMemcpyToSymbol(pf::g_prepare_phase_clocks, z.data(), z.size() * 8));
+  }
+  return Status::Ok();
+}
+#endif
+
 }  // namespace kda::cuda

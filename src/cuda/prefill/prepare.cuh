@@ -196,6 +196,24 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const 
   }
 }
 
+#ifdef KDA_PREFILL_TRACE
+// Development builds only (-DKDA_PREFILL_TRACE): thread 0 of every block adds the SM clocks spent
+// between consecutive phase boundaries (each after a block barrier, so a phase's time is its
+// slowest warp's) to g_prepare_phase_clocks; prefill_trace_fetch (cuda_backend.h) reads them.
+inline constexpr int kPrepareTracePhases = 9;
+__device__ unsigned long long g_prepare_phase_clocks[kPrepareTracePhases + 1];  // + 1: blocks
+#define KDA_PF_PHASE(i)                                                           \
+  do {                                                                            \
+    if (tid == 0) {                                                               \
+      const long long now_ = clock64();                                           \
+      atomicAdd(&g_prepare_phase_clocks[i], static_cast<unsigned long long>(now_ - trace_prev_)); \
+      trace_prev_ = now_;                                                         \
+    }                                                                             \
+  } while (0)
+#else
+#define KDA_PF_PHASE(i) ((void)0)
+#endif
+
 template <bool kFp16>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -212,6 +230,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   int64_t* info = reinterpret_cast<int64_t*>(smem + kSmInfo);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
+#ifdef KDA_PREFILL_TRACE
+  long long trace_prev_ = clock64();
+  if (tid == 0) atomicAdd(&g_prepare_phase_clocks[kPrepareTracePhases], 1ull);
+#endif
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
 
@@ -239,6 +261,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     L = static_cast<int>(info[1]);
   }
   if (L <= 0) return;  // an unused slot of a varlen batch
+  KDA_PF_PHASE(0);  // locate
   uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
 
@@ -304,6 +327,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
+  KDA_PF_PHASE(1);  // load, l2 norms, log decays
 
   // ---- G = cumulative log decay over the chunk (padded tokens have a = 0: G_t = G_{L-1}).
   {
@@ -323,6 +347,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
+  KDA_PF_PHASE(2);  // cumulative sum
 
   // ---- Akk (into M = b_t Akk), Aqk (into the record). Warps 0-3: diagonal block i = warp around
   // its middle token (or pairwise); warps 4-7: off-diagonal tiles of row blocks 3, 3, 2, 1 with
@@ -353,6 +378,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   }
   __syncthreads();
 
+  KDA_PF_PHASE(3);  // Akk, Aqk
+
   // ---- X = M^-1 (unit lower triangular). Diagonal 16x16 blocks: warp i, lane = column.
   if (warp < 4) {
     const int i = warp, jj = lane & 15;
@@ -370,6 +397,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
+  KDA_PF_PHASE(4);  // diagonal inverse blocks
   // Off-diagonal blocks by distance d = i - j: X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj.
   {
     const int er = tid >> 4, ec = tid & 15;
@@ -400,6 +428,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
 
+  KDA_PF_PHASE(5);  // off-diagonal inverse blocks
+
   // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into X and the record.
   {
     float* rec_tm = reinterpret_cast<float*>(rec + kOffTm);
@@ -417,6 +447,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
+
+  KDA_PF_PHASE(6);  // Tm
 
   // ---- W = Tm (exp(G) k): warp w owns channels [16w, 16w + 16); k-steps over tokens s with the
   // paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
@@ -462,6 +494,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
   }
 
+  KDA_PF_PHASE(7);  // W (thread 0's warp; no barrier)
+
   // ---- qg = exp(G) q (bf16), kbT = (exp(G_L - G) k)^T (bf16 or tf32), gL = exp(G_L).
   {
     uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
@@ -504,7 +538,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
     if (tid < kHeadDim)
       reinterpret_cast<float*>(rec + kOffGL)[tid] = exp2f(G[(kChunk - 1) * kGPitch + tid]);
-  }
+  }  KDA_PF_PHASE(8);  // qg, kbT, gL (thread 0's warp)
 }
 
 }  // namespace kda::cuda::pf
