@@ -82,6 +82,63 @@ __device__ __forceinline__ void store_elem(void* base, int dtype, int64_t off, f
   }
 }
 
+// Raw (unconverted) loads for inputs that are loaded early and used late. A load whose
+// conversion sits right behind it inside a dtype branch makes the warp wait for that load before
+// it can issue the next one (measured: a decode block's token loads ran as ~6 serial memory round
+// trips before its index load). These keep the bits in registers; the conversion runs at the
+// first use, so every load issued together is in flight together.
+// Raw4: 4 contiguous elements. fp32: w[i] = element i. 16-bit with vec: w[0] = e0 | e1 << 16,
+// w[1] = e2 | e3 << 16. 16-bit without vec: w[i] = element i (zero-extended).
+struct Raw4 {
+  uint32_t w[4];
+};
+__device__ __forceinline__ Raw4 load_raw4(const void* base, int dtype, bool vec, int64_t off) {
+  Raw4 r;
+  if (dtype == kF32) {
+    const uint32_t* p = static_cast<const uint32_t*>(base) + off;
+    if (vec) {
+      const uint4 x = *reinterpret_cast<const uint4*>(p);
+      r.w[0] = x.x, r.w[1] = x.y, r.w[2] = x.z, r.w[3] = x.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.w[i] = p[i];
+    }
+  } else {
+    const uint16_t* p = static_cast<const uint16_t*>(base) + off;
+    if (vec) {
+      const uint2 x = *reinterpret_cast<const uint2*>(p);
+      r.w[0] = x.x, r.w[1] = x.y, r.w[2] = 0u, r.w[3] = 0u;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) r.w[i] = p[i];
+    }
+  }
+  return r;
+}
+__device__ __forceinline__ float bits16_to_float(uint32_t b, int dtype) {
+  return dtype == kBF16 ? __uint_as_float(b << 16) : half_bits_to_float(static_cast<uint16_t>(b));
+}
+__device__ __forceinline__ void convert4(const Raw4& r, int dtype, bool vec, float* dst) {
+  if (dtype == kF32) {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = __uint_as_float(r.w[i]);
+  } else if (vec) {
+    dst[0] = bits16_to_float(r.w[0] & 0xffffu, dtype), dst[1] = bits16_to_float(r.w[0] >> 16, dtype);
+    dst[2] = bits16_to_float(r.w[1] & 0xffffu, dtype), dst[3] = bits16_to_float(r.w[1] >> 16, dtype);
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) dst[i] = bits16_to_float(r.w[i], dtype);
+  }
+}
+// One element's bits (fp32, or 16-bit zero-extended), converted by convert_elem.
+__device__ __forceinline__ uint32_t load_raw_elem(const void* base, int dtype, int64_t off) {
+  if (dtype == kF32) return static_cast<const uint32_t*>(base)[off];
+  return static_cast<const uint16_t*>(base)[off];
+}
+__device__ __forceinline__ float convert_elem(uint32_t bits, int dtype) {
+  return dtype == kF32 ? __uint_as_float(bits) : bits16_to_float(bits, dtype);
+}
+
 // Loads N contiguous elements at base[off ..] as fp32. `vec`: use 8/16-byte loads (the caller
 // guarantees off is a multiple of N and the row is 16-byte aligned, see Tensor4::vec).
 template <int N>

@@ -582,32 +582,27 @@ __host__ __device__ constexpr int persist_stage_bytes(int state_elem_bytes, int 
 
 // The raw inputs of one token that one producer lane needs: q, k, g at k = 4 * lane .. + 3, the
 // gate bias there and exp(A) of the head, v and beta of row 32 * tile + lane.
+// A token's inputs for one lane, as loaded (raw bits, see dec::load_raw4): converted by
+// prep_token, so that the loads of a token (and the index loads after them) are all in flight at
+// once.
 struct RawToken {
-  float q[4], k[4], g[4], bias[4];
-  float v, beta, A_log;
+  dec::Raw4 q, k, g, bias;
+  uint32_t v, beta;
+  float A_log;
 };
 
 __device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, int64_t tok, int h, int hv, int tile_v0,
                                                int lane, RawToken& r) {
   const int k0 = lane * 4;
   if (k0 < a.K) {
-    dec::load_run<4>(a.q.data, a.q.dtype, a.q.vec, a.q.offset(n, tok, h) + k0, r.q);
-    dec::load_run<4>(a.k.data, a.k.dtype, a.k.vec, a.k.offset(n, tok, h) + k0, r.k);
-    dec::load_run<4>(a.g.data, a.g.dtype, a.g.vec, a.g.offset(n, tok, hv) + k0, r.g);
-    if (a.dt_bias.data != nullptr) {
-      dec::load_run<4>(a.dt_bias.data, a.dt_bias.dtype, a.dt_bias.vec, hv * a.dt_bias.s0 + k0, r.bias);
-    } else {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) r.bias[e] = 0.f;
-    }
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) r.q[e] = 0.f, r.k[e] = 0.f, r.g[e] = 0.f, r.bias[e] = 0.f;
+    r.q = dec::load_raw4(a.q.data, a.q.dtype, a.q.vec, a.q.offset(n, tok, h) + k0);
+    r.k = dec::load_raw4(a.k.data, a.k.dtype, a.k.vec, a.k.offset(n, tok, h) + k0);
+    r.g = dec::load_raw4(a.g.data, a.g.dtype, a.g.vec, a.g.offset(n, tok, hv) + k0);
+    if (a.dt_bias.data != nullptr) r.bias = dec::load_raw4(a.dt_bias.data, a.dt_bias.dtype, a.dt_bias.vec, hv * a.dt_bias.s0 + k0);
   }
   const int v = tile_v0 + lane;
-  const int64_t vb = a.v.offset(n, tok, hv);
-  r.v = dec::load_elem(a.v.data, a.v.dtype, vb + v);
-  r.beta = dec::load_elem(a.beta.data, a.beta.dtype, a.beta.offset(n, tok, hv) + (a.beta_per_v ? v : 0));
+  r.v = dec::load_raw_elem(a.v.data, a.v.dtype, a.v.offset(n, tok, hv) + v);
+  r.beta = dec::load_raw_elem(a.beta.data, a.beta.dtype, a.beta.offset(n, tok, hv) + (a.beta_per_v ? v : 0));
   r.A_log = a.A_log != nullptr ? a.A_log[hv * a.A_log_s0] : 0.f;
 }
 
@@ -615,30 +610,32 @@ __device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, i
 __device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane, PersistToken& dst) {
   const int k0 = lane * 4;
   const float exp_A = a.A_log != nullptr ? expf(r.A_log) : 1.f;
-  float d[4];
+  float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, d[4] = {1.f, 1.f, 1.f, 1.f};
   if (k0 < a.K) {
+    float g[4], bias[4] = {0.f, 0.f, 0.f, 0.f};
+    dec::convert4(r.q, a.q.dtype, a.q.vec, q);
+    dec::convert4(r.k, a.k.dtype, a.k.vec, k);
+    dec::convert4(r.g, a.g.dtype, a.g.vec, g);
+    if (a.dt_bias.data != nullptr) dec::convert4(r.bias, a.dt_bias.dtype, a.dt_bias.vec, bias);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate_form, r.g[e], exp_A, r.bias[e], a.lower_bound));
-  } else {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = 1.f;
+    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate_form, g[e], exp_A, bias[e], a.lower_bound));
   }
   float q_norm = 1.f, k_norm = 1.f;
   if (a.l2norm) {
     float qq = 0.f, kq = 0.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) qq = fmaf(r.q[e], r.q[e], qq), kq = fmaf(r.k[e], r.k[e], kq);
+    for (int e = 0; e < 4; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(k[e], k[e], kq);
     qq = dec::lane_group_sum<32>(qq);
     kq = dec::lane_group_sum<32>(kq);
     q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
     k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
   }
-  *reinterpret_cast<float4*>(&dst.q[k0]) = make_float4((r.q[0] * q_norm) * a.scale, (r.q[1] * q_norm) * a.scale,
-                                                       (r.q[2] * q_norm) * a.scale, (r.q[3] * q_norm) * a.scale);
-  *reinterpret_cast<float4*>(&dst.k[k0]) = make_float4(r.k[0] * k_norm, r.k[1] * k_norm, r.k[2] * k_norm, r.k[3] * k_norm);
+  *reinterpret_cast<float4*>(&dst.q[k0]) = make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale,
+                                                       (q[2] * q_norm) * a.scale, (q[3] * q_norm) * a.scale);
+  *reinterpret_cast<float4*>(&dst.k[k0]) = make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm);
   *reinterpret_cast<float4*>(&dst.decay[k0]) = make_float4(d[0], d[1], d[2], d[3]);
-  dst.v[lane] = r.v;
-  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval, r.beta);
+  dst.v[lane] = dec::convert_elem(r.v, a.v.dtype);
+  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval, dec::convert_elem(r.beta, a.beta.dtype));
 }
 
 // The index loads that resolve a dense row's read slot (resolve_row without varlen), issued

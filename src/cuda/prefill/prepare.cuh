@@ -16,6 +16,8 @@
 // matrices used here. 256 threads, ~107 KB shared memory: two blocks per SM.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/prefill/common.cuh"
 
 namespace kda::cuda::pf {
@@ -67,32 +69,45 @@ __device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, 
   return lo;
 }
 
-// 8 consecutive 16-bit elements (16 bytes) of a token tensor at element offset `off`.
+// 8 consecutive 16-bit elements (16 bytes) of a token tensor at element offset `off`; kVec: the
+// caller checked t.vec (a separate instantiation, so that the scalar fallback's packing is not
+// predicated into the vector path, where it would wait for the load).
+template <bool kVec>
 __device__ __forceinline__ uint4 load8_b16(const TokenView& t, int64_t off) {
   const uint16_t* p = static_cast<const uint16_t*>(t.data) + off;
-  if (t.vec) return ld_global_16(p);
+  if constexpr (kVec) return ld_global_16(p);
   uint32_t w[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
   return make_uint4(w[0], w[1], w[2], w[3]);
 }
 
-// 8 consecutive gate inputs (q's dtype or fp32) as fp32.
-template <bool kFp16>
-__device__ __forceinline__ void load8_gate(const TokenView& t, int64_t off, float (&x)[8]) {
+// 8 consecutive gate inputs (q's dtype or fp32), as loaded: fp32 in w[0..7], 16-bit pairs in
+// w[0..3]. The conversion (gate_to_f32) runs after every load of the chunk is issued: a
+// conversion right behind its load inside the dtype branch makes the warp wait for that load
+// before issuing the next (measured: the load phase ran as several serial memory round trips).
+template <bool kVec>
+__device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, uint32_t (&w)[8]) {
   if (t.dtype == kF32) {
-    const float* p = static_cast<const float*>(t.data) + off;
-    if (t.vec) {
+    const uint32_t* p = static_cast<const uint32_t*>(t.data) + off;
+    if constexpr (kVec) {
       const uint4 a = ld_global_16(p), b = ld_global_16(p + 4);
-      x[0] = __uint_as_float(a.x); x[1] = __uint_as_float(a.y); x[2] = __uint_as_float(a.z); x[3] = __uint_as_float(a.w);
-      x[4] = __uint_as_float(b.x); x[5] = __uint_as_float(b.y); x[6] = __uint_as_float(b.z); x[7] = __uint_as_float(b.w);
+      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
     } else {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = p[i];
+      for (int i = 0; i < 8; ++i) w[i] = p[i];
     }
   } else {
-    const uint4 r = load8_b16(t, off);
-    const uint32_t w[4] = {r.x, r.y, r.z, r.w};
+    const uint4 r = load8_b16<kVec>(t, off);
+    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
+  }
+}
+template <bool kFp16>
+__device__ __forceinline__ void gate_to_f32(int dtype, const uint32_t (&w)[8], float (&x)[8]) {
+  if (dtype == kF32) {
+#pragma unroll
+    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
+  } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       x[2 * i] = lo_f32<kFp16>(w[i]);
@@ -266,31 +281,42 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
 
   // ---- Load q, k (raw), gate -> log decay a, beta. Thread: rows rr + 16 pass, channels 8ch..8ch+7.
+  // Every load is issued (raw bits, no conversion) before the first use.
   {
     const int h = hv / p.groups;
     const int ch = tid & 15, rr = tid >> 4;
-    const float exp_a = p.A_log ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+    const float a_log = p.A_log ? p.A_log[hv * p.A_log_s] : 0.f;
     float bias[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) bias[i] = p.dt_bias ? p.dt_bias[hv * p.dt_bias_s + 8 * ch + i] : 0.f;
     uint4 qv[4], kv[4];
-    float gv[4][8], braw[4];
+    uint32_t gw[4][8], bw[4];
+    auto issue_loads = [&](auto vec) {
+      constexpr bool kVec = decltype(vec)::value;
 #pragma unroll
-    for (int pass = 0; pass < 4; ++pass) {  // every load in flight before the first use
-      const int row = 16 * pass + rr;
-      braw[pass] = 0.f;
-      if (row < L) {
-        const int64_t tok = t0 + row;
-        qv[pass] = load8_b16(p.q, p.q.offset(b, tok, h) + 8 * ch);
-        kv[pass] = load8_b16(p.k, p.k.offset(b, tok, h) + 8 * ch);
-        load8_gate<kFp16>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gv[pass]);
-        if (ch == 0) braw[pass] = load_any(p.beta.data, p.beta.dtype, p.beta.offset(b, tok, hv));
-      } else {
-        qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
+      for (int pass = 0; pass < 4; ++pass) {
+        const int row = 16 * pass + rr;
+        bw[pass] = 0u;
+        if (row < L) {
+          const int64_t tok = t0 + row;
+          qv[pass] = load8_b16<kVec>(p.q, p.q.offset(b, tok, h) + 8 * ch);
+          kv[pass] = load8_b16<kVec>(p.k, p.k.offset(b, tok, h) + 8 * ch);
+          load8_gate_raw<kVec>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gw[pass]);
+          if (ch == 0) {
+            const int64_t off = p.beta.offset(b, tok, hv);
+            bw[pass] = p.beta.dtype == kF32 ? static_cast<const uint32_t*>(p.beta.data)[off]
+                                            : static_cast<uint32_t>(static_cast<const uint16_t*>(p.beta.data)[off]);
+          }
+        } else {
+          qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
 #pragma unroll
-        for (int i = 0; i < 8; ++i) gv[pass][i] = 0.f;
+          for (int i = 0; i < 8; ++i) gw[pass][i] = 0u;
+        }
       }
-    }
+    };
+    if (p.q.vec && p.k.vec && p.g.vec) issue_loads(std::true_type{});
+    else issue_loads(std::false_type{});
+    const float exp_a = p.A_log ? expf(a_log) : 1.f;
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
       const int row = 16 * pass + rr;
@@ -312,17 +338,20 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
         ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
       }
-      float a[8];
+      float gv[8], a[8];
+      gate_to_f32<kFp16>(p.g.dtype, gw[pass], gv);
 #pragma unroll
       for (int i = 0; i < 8; ++i)
-        a[i] = valid ? log2_decay(p.gate_form, gv[pass][i], exp_a, bias[i], p.lower_bound) : 0.f;
+        a[i] = valid ? log2_decay(p.gate_form, gv[i], exp_a, bias[i], p.lower_bound) : 0.f;
       *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch) = make_float4(a[0], a[1], a[2], a[3]);
       *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch + 4) = make_float4(a[4], a[5], a[6], a[7]);
       if (ch == 0) {
         const float eps = static_cast<float>(detail::kL2NormEps);
+        const float braw = p.beta.dtype == kF32 ? __uint_as_float(bw[pass])
+                                                : (p.beta.dtype == kF16 ? in_to_f32<true>(bw[pass]) : in_to_f32<false>(bw[pass]));
         invq[row] = p.l2norm ? p.scale / sqrtf(ssq + eps) : p.scale;
         invk[row] = p.l2norm ? 1.f / sqrtf(ssk + eps) : 1.f;
-        bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw[pass]) : 0.f;
+        bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw) : 0.f;
       }
     }
   }
