@@ -11,11 +11,8 @@
 // q, k, v, g, beta, out) / time. Graph cases capture 1 call (or 20 calls) in a CUDA graph and time
 // the replay (divided by the number of calls).
 //
-// Kernel: the library's choice (choose_kernel in src/cuda/decode_sm90.cu);
-// KDA_CUDA_DECODE_KERNEL=bulk|bulkp|bulkp3|staged|tile|persistent|baseline in the environment
-// times another kernel on the same cases (where it is eligible; the default choice otherwise), e.g.
-// KDA_CUDA_DECODE_KERNEL=bulkp ./build-gpu/bench/bench_gpu_decode --filter T1_B32. The persistent
-// kernels also read KDA_CUDA_DECODE_GRID (their exact grid).
+// Kernel: the library's choice (the persistent kernel on this setup); KDA_CUDA_DECODE_KERNEL=tile
+// (or =baseline) in the environment times the other kernels on the same cases.
 //
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
 #include <cuda_runtime_api.h>

@@ -47,8 +47,6 @@ struct GpuDecodeCase {
   bool staged = false;          // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
   int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
-  int bulkp = 0;                // 2 / 3: force the persistent bulk kernel with that many tile slots
-                                // (=bulkp / =bulkp3; where eligible); `grid` then caps its grid
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
 
@@ -69,7 +67,6 @@ struct GpuDecodeCase {
     if (tile) s += "_tile";
     if (staged) s += "_staged";
     if (bulk) s += "_bulk";
-    if (bulkp > 0) s += "_bulkp" + std::to_string(bulkp);
     if (grid > 0) s += "_grid" + std::to_string(grid);
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
@@ -141,17 +138,16 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.gate.lower_bound = gc.lower_bound;
 }
 
-// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile / staged / bulk / bulkp / persistent with a grid)
-// and KDA_CUDA_DECODE_GRID while alive.
+// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile / persistent with a grid) and KDA_CUDA_DECODE_GRID
+// while alive.
 class KernelChoice {
  public:
   explicit KernelChoice(const GpuDecodeCase& gc) {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
     if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
     if (gc.bulk) setenv("KDA_CUDA_DECODE_KERNEL", "bulk", 1);
-    if (gc.bulkp > 0) setenv("KDA_CUDA_DECODE_KERNEL", gc.bulkp == 3 ? "bulkp3" : "bulkp", 1);
-    if (gc.grid > 0) {  // a small grid: the persistent kernel (opt-in) unless bulkp was asked for
-      if (gc.bulkp == 0) setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
+    if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
+      setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
       setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
     }
   }
@@ -646,69 +642,6 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.tile = true;  // the tile kernel on the shape the persistent one takes
     v.push_back(g);
   }
-  // The persistent bulk kernel (opt-in: fp32 pool, dense T = 1) with 2 and 3 tile slots, on the
-  // hot shape (H = HV = 32, K = V = 128): small forced grids (hundreds of items per block, the
-  // ring wrapping around many times; item counts not a multiple of the grid), padding rows mixed
-  // in (row 0: slot -1, last row: slot >= P, every 4th row -1: items without a bulk copy, whose
-  // mbarrier phases must still advance), the default grid, a pool with aligned non-contiguous
-  // rows (one bulk copy per row) stored to a contiguous final state, per-token states, [N, T]
-  // indices with num_accepted, int64 indices, no initial state, no stored state, no indices; and
-  // a shape it does not take (T = 2), which falls back to the default kernel.
-  for (int slots : {2, 3}) {
-    GpuDecodeCase g = base(128);
-    g.bulkp = slots;
-    g.c.N = 10;
-    g.c.H = 32;
-    g.c.HV = 32;
-    g.c.padding = true;
-    g.pad_every = 4;
-    g.grid = 7;
-    v.push_back(g);
-    g.grid = 0;  // the default grid
-    v.push_back(g);
-    g = base(128);
-    g.bulkp = slots;
-    g.c.N = 9;
-    g.c.H = 4;
-    g.c.HV = 8;
-    g.c.padding = true;
-    g.state_aligned_pad = true;
-    g.c.final_state_separate = true;
-    g.grid = 5;
-    v.push_back(g);  // per-row bulk loads, one bulk store per tile
-    g.c.final_state_separate = false;
-    g.pad_every = 3;
-    v.push_back(g);  // per-row bulk loads and stores (in place)
-    g.state_aligned_pad = false;
-    g.pad_every = 0;
-    g.c.intermediate = true;
-    g.grid = 3;
-    v.push_back(g);
-    g.c.intermediate = false;
-    g.c.indices = 2;
-    g.c.num_accepted = true;
-    g.c.index_dtype = DType::kInt64;
-    g.grid = 4;
-    v.push_back(g);
-    g.c.indices = 1;
-    g.c.num_accepted = false;
-    g.c.use_initial_state = false;
-    g.grid = 2;
-    v.push_back(g);
-    g.c.use_initial_state = true;
-    g.c.store_final_state = false;
-    g.grid = 1;
-    v.push_back(g);
-    g.c.store_final_state = true;
-    g.c.indices = 0;
-    g.c.padding = false;
-    g.pad_every = 0;
-    g.grid = 6;
-    v.push_back(g);
-    g.c.indices = 1;
-    g.c.T = 2;  // not eligible: the default kernel runs
-    v.push_back(g);
-  }
   // The bulk kernel (the default for large fp32 batches), the staged tile kernel (the default for
   // V-first K = 128 with an aligned pool otherwise, so most cases above run it) and the tile
   // kernel, forced on the harder shapes:
@@ -1002,51 +935,6 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
         EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
       }
     }
-  }
-}
-
-// The persistent bulk kernel (2 and 3 tile slots; default grid and small grids: many items per
-// block) and the bulk kernel give the same bits: same token preprocessing and the same
-// smem_tile_token arithmetic. The B = 32 hot shape of the benchmark (H = HV = 32, 4096 items)
-// with padding rows, and smaller cases for the other places s' can go.
-TEST(GpuDecodeSmokeBulkp, BulkpMatchesBulk) {
-  KDA_SKIP_WITHOUT_SM90();
-  std::vector<GpuDecodeCase> cases;
-  GpuDecodeCase gc = base(128);
-  gc.c.N = 32;
-  gc.c.H = 32;
-  gc.c.HV = 32;
-  gc.c.padding = true;
-  gc.pad_every = 5;
-  cases.push_back(gc);
-  gc.c.out_dtype = DType::kFloat32;
-  gc.c.N = 6;
-  gc.c.intermediate = true;
-  cases.push_back(gc);
-  gc.c.intermediate = false;
-  gc.c.final_state_separate = true;
-  gc.state_aligned_pad = true;
-  cases.push_back(gc);
-  gc.c.final_state_separate = false;  // padded pool rows in place: per-row loads and stores
-  cases.push_back(gc);
-  for (const GpuDecodeCase& c : cases) {
-    SCOPED_TRACE(c.name());
-    const DecodeData d = make_data(c);
-    GpuDecodeCase k = c;
-    k.bulk = true;
-    const DecodeData bulk = run_gpu(d, k);
-    k.bulk = false;
-    for (int slots : {2, 3})
-      for (int grid : {0, 7, 1}) {
-        SCOPED_TRACE("bulkp" + std::to_string(slots) + " grid " + std::to_string(grid));
-        k.bulkp = slots;
-        k.grid = grid;
-        const DecodeData got = run_gpu(d, k);
-        EXPECT_TRUE(bitwise_equal(got.out, bulk.out)) << "out (bulkp vs bulk)";
-        EXPECT_TRUE(bitwise_equal(got.state, bulk.state)) << "state (bulkp vs bulk)";
-        if (!d.final_state.empty()) EXPECT_TRUE(bitwise_equal(got.final_state, bulk.final_state)) << "final_state";
-        if (!d.inter.empty()) EXPECT_TRUE(bitwise_equal(got.inter, bulk.inter)) << "inter";
-      }
   }
 }
 

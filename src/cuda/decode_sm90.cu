@@ -43,12 +43,6 @@
 // memory, one bulk copy out. Dense single-token calls use a one-slot token stage: 18.3 KB of
 // shared memory and 40 registers, 12 blocks per SM. See "The bulk kernel" below.
 //
-// Persistent bulk kernel ("bulkp", opt-in until timed): the one-slot bulk kernel's calls (fp32
-// pool, dense T = 1) with grid = min(items, R x SMs) blocks that walk the bulk kernel's blocks as
-// work items through a ring of 2 (or 3) tile slots: the next tiles' bulk loads stay in flight
-// across what were the bulk kernel's waves. Bitwise the bulk kernel's results. See "The
-// persistent bulk kernel" below.
-//
 // Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
 // (cuda/launch.cuh): the next kernel's launch overlaps this one's tail.
 //
@@ -90,15 +84,14 @@
 // -DKDA_PTXAS_VERBOSE=ON shows them).
 //
 // Kernels: decode_bulk_kernel<StateT, kSlots> (4 instantiations; the default for large fp32
-// batches), decode_bulkp_kernel<kStages> (2 instantiations, fp32 state; opt-in),
-// decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where it
-// applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
+// batches), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
+// it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
 // StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
 // lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
 // plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | bulkp | bulkp3 |
-// persistent overrides it (where eligible), KDA_CUDA_DECODE_GRID sets the grid of the persistent
-// and persistent bulk kernels (a test hook: many items per block).
+// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | persistent
+// overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
+// many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
@@ -1384,274 +1377,6 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
 }
 
 // ---------------------------------------------------------------------------------------------
-// The persistent bulk kernel ("bulkp"; opt-in until timed: KDA_CUDA_DECODE_KERNEL=bulkp / bulkp3).
-// The one-slot bulk kernel's calls only: fp32 pool, dense T = 1, V-first K = V = 128, 16-byte
-// aligned rows in every state tensor written. Same work item as the bulk kernel's block (n, hv,
-// 32 value rows: 16 KB of state), same thread map, token preprocessing and arithmetic
-// (smem_tile_token), so the bits are the bulk kernel's. But grid = min(items, R x SMs) blocks that
-// each walk items first + j * G (first = blockIdx.x, G = gridDim.x), through a ring of kStages
-// tile slots in shared memory, so the next tiles' bulk loads are in flight while this one is
-// computed and stored: no per-wave ramp / tail (the bulk kernel at B = 32 runs ~2.6 waves of 12
-// blocks per SM in lockstep). No producer warp (the v2 lesson): each job sits in one warp and is
-// issued one item ahead of its use.
-//   warp 0 (tokens): preprocesses item j's token into the one token stage (its raw loads were
-//     issued one item earlier, at the top of item j - 1), then issues item j + 1's raw loads.
-//   warp 1 (copies): owns the ring. Item j sits in slot j % kStages; its bulk load was issued
-//     kStages - 1 items earlier (after the slot's previous bulk store had finished reading it);
-//     the index loads that resolve item j's read slot one item before that. It also issues the
-//     bulk store of each item after the block barrier that follows its compute.
-//   all 4 warps: the two passes of smem_tile_token on the tile (s' back in place), output.
-// Per item j (s = j % kStages, mbarrier parity (j / kStages) & 1: every item arms its slot's
-// barrier exactly once, with 0 bytes when it loads nothing, so the parity follows j alone):
-//   A  warp 0: prep_token(item j) -> tok; load_raw_token(item j + 1)
-//   B  __syncthreads (tok, desc[s] visible; item j - 1 fully done by every thread)
-//      warp 1: bulk_wait_read (item j - 1's store has read its slot), then resolve item
-//      j - 1 + kStages (index loads issued at B of item j - 1), desc, arm, bulk load into that
-//      slot; issue the index loads of item j + kStages
-//   C  wait full[s] (state items only), D compute (or zero outputs for a padding row)
-//   E  fence.proxy.async (writers of the tile) + __syncthreads
-//   F  warp 1: bulk store of slot s to the item's destination, commit (no wait here)
-// Every barrier is reached by the whole block (the item loop bounds are uniform, padding rows
-// skip only the compute and the copies), and no thread returns early.
-// Shared memory (dynamic): kStages x 16 KB tiles, one 1792 B token stage, kStages descriptors and
-// mbarriers: 34.6 KB at kStages = 2 -> 6 blocks per SM (12 tiles, as the bulk kernel's 12 blocks),
-// 51 KB at kStages = 3 -> 4 blocks per SM. R is computed on the host from the device's shared
-// memory (launch_bulkp).
-// ---------------------------------------------------------------------------------------------
-constexpr uint32_t kBulkpTileBytes = 32 * kStagedK * sizeof(float);
-
-// Blocks per SM the register bound is written for (80 / 128 registers per thread).
-__host__ __device__ constexpr int bulkp_min_blocks(int stages) { return stages == 2 ? 6 : 4; }
-
-// Per ring slot: what the copy warp resolved when it issued the item's bulk load.
-struct __align__(16) BulkpDesc {
-  long long slot;  // read slot of the item (-1: padding row: no state access, zero output)
-  float* dst;      // first row of the item's tile in the tensor its s' goes to (nullptr: nowhere)
-  long long s2;    // that tensor's row stride (elements)
-};
-
-// Dynamic shared memory layout (byte offsets).
-template <int kStages>
-struct BulkpLayout {
-  static constexpr int kToken = kStages * static_cast<int>(kBulkpTileBytes);
-  static constexpr int kDesc = kToken + static_cast<int>(sizeof(PersistToken));
-  static constexpr int kBars = kDesc + kStages * static_cast<int>(sizeof(BulkpDesc));
-  static constexpr int kBytes = kBars + kStages * 8;
-  static_assert(sizeof(PersistToken) % 16 == 0 && sizeof(BulkpDesc) % 16 == 0, "alignment");
-};
-
-// token_dst(a, row, n, hv, 0) for a dense single-token row n whose read slot is `slot` >= 0,
-// without its index load: with T = 1 a row that reads a slot reads column 0 of [N, Tmax]
-// indices (num_accepted, if given, is 1), and token_slot(n, 0) is that same entry with the same
-// range check, so the write slot is the read slot.
-__device__ __forceinline__ void bulkp_dst(const DecodeArgs& a, int64_t n, int hv, int tile_v0, int64_t slot,
-                                          BulkpDesc& d) {
-  TileDst<float> t;
-  if (a.store_final_state) {
-    if (a.has_intermediate) t.set(a.inter, n, hv);  // row b * T + bos + t = n
-    else if (a.indices_2d) t.set(a.state, slot, hv);
-    else if (a.has_final_state) t.set(a.final_state, n, hv);
-    else t.set(a.state, slot, hv);
-  }
-  d.dst = t.data != nullptr ? t.data + static_cast<int64_t>(tile_v0) * t.s2 : nullptr;
-  d.s2 = t.s2;
-}
-
-// ---- Loads issued one item ahead of their use, kept as loaded ("bits"): a conversion right
-//      after a load (int32 -> int64 sign extension, bf16 -> fp32 widening) makes the issuing warp
-//      wait for that load on the spot, and the runtime dtype branches keep the compiler from
-//      batching the loads first, so load_raw_token / load_row_raw stall their warp once per load,
-//      in turn. These variants only load; the widening happens at the use, exactly as
-//      load_raw_token / load_row_raw do it (bitwise the same values).
-
-// One index as loaded: int64 as is, int32 zero-extended (sign-extended by index_from_bits).
-__device__ __forceinline__ uint64_t load_index_bits(const IndexTensor& t, int64_t off) {
-  return t.is64 ? static_cast<uint64_t>(static_cast<const int64_t*>(t.data)[off])
-                : static_cast<uint64_t>(static_cast<const uint32_t*>(t.data)[off]);
-}
-__device__ __forceinline__ int64_t index_from_bits(const IndexTensor& t, uint64_t b) {
-  return t.is64 ? static_cast<int64_t>(b) : static_cast<int64_t>(static_cast<int32_t>(static_cast<uint32_t>(b)));
-}
-
-// load_row_raw's loads, as bits.
-struct RowBits {
-  uint64_t idx0, acc;
-};
-__device__ __forceinline__ RowBits load_row_bits(const DecodeArgs& a, int64_t n) {
-  RowBits r{0, 0};
-  if (a.has_indices && (!a.indices_2d || a.Tmax > 0)) r.idx0 = load_index_bits(a.state_indices, n * a.state_indices.s0);
-  if (a.has_num_accepted) r.acc = load_index_bits(a.num_accepted, n * a.num_accepted.s0);
-  return r;
-}
-// load_row_raw(a, n) from the bits of load_row_bits(a, n).
-__device__ __forceinline__ RowRaw row_raw_from_bits(const DecodeArgs& a, const RowBits& b) {
-  RowRaw r{-1, 1};
-  if (a.has_indices && (!a.indices_2d || a.Tmax > 0)) r.idx0 = index_from_bits(a.state_indices, b.idx0);
-  if (a.has_num_accepted) r.acc = index_from_bits(a.num_accepted, b.acc);
-  return r;
-}
-
-template <int kStages>
-__global__ void __launch_bounds__(kStagedThreads, bulkp_min_blocks(kStages))
-    decode_bulkp_kernel(const __grid_constant__ DecodeArgs a, int64_t items) {
-  pdl_prologue();
-  using Map = TileMap<kStagedK, float, false>;
-  using L = BulkpLayout<kStages>;
-  constexpr int kRuns = Map::kRuns;
-  constexpr uint32_t kRowBytes = kStagedK * sizeof(float);
-  constexpr int kUnrollR = 2;  // runs per step of the passes: fits the register bound (ptxas -v)
-  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kVt == 2, "bulk map");
-  static_assert(Map::kThreads / Map::kKLanes == 16, "rows vt = 0, 1 are 16 apart");
-  static_assert(kStages >= 2, "the slot of item j is reloaded at item j + 1");
-
-  extern __shared__ __align__(128) uint8_t bulkp_smem[];
-  PersistToken& tok = *reinterpret_cast<PersistToken*>(bulkp_smem + L::kToken);
-  BulkpDesc* desc = reinterpret_cast<BulkpDesc*>(bulkp_smem + L::kDesc);
-  uint64_t* full = reinterpret_cast<uint64_t*>(bulkp_smem + L::kBars);
-
-  const int tid = threadIdx.x;
-  const bool prep_warp = tid < 32;           // warp 0: token preprocessing
-  const bool copy_warp = (tid >> 5) == 1;    // warp 1: bulk copies, index loads
-  const int lane = dec::lane_id();
-  const int64_t first = blockIdx.x, G = gridDim.x;
-  const int64_t count = (items - first + G - 1) / G;  // items of this block (>= 1: grid <= items)
-  auto item = [&](int64_t j) { return persist_item(a, first + j * G); };
-  // This thread's unit (vt, r) of a tile: row tid / 8 + 16 vt, bytes 16 (8 r + lane_k).
-  const uint32_t my_units = (tid / Map::kKLanes) * kRowBytes + (tid % Map::kKLanes) * 16;
-
-  // Copy warp: resolve item j's read slot (from its prefetched index loads), publish it, arm the
-  // slot's mbarrier (0 bytes when nothing is loaded: the phase completes at once) and issue the
-  // tile's bulk load (one copy; one per row, one lane each, when the pool's rows are padded).
-  // The caller has waited until the slot's previous bulk store finished reading it.
-  auto issue = [&](int64_t j, const RowBits& rb) {
-    const PersistItem it = item(j);
-    const int s = static_cast<int>(j % kStages);
-    const int64_t slot = finish_row_slot(a, it.n, row_raw_from_bits(a, rb));
-    const bool load = slot >= 0 && a.use_initial_state;
-    if (lane == 0) {
-      BulkpDesc d;
-      d.slot = slot;
-      d.dst = nullptr;
-      d.s2 = 0;
-      if (slot >= 0) bulkp_dst(a, it.n, it.hv, it.tile_v0, slot, d);
-      desc[s] = d;
-      dec::mbar_arrive_expect_tx(&full[s], load ? kBulkpTileBytes : 0u);  // before any copy completes on it
-    }
-    __syncwarp();
-    if (load) {
-      uint8_t* tile = bulkp_smem + s * kBulkpTileBytes;
-      const float* src = static_cast<const float*>(a.state.data) + slot * a.state.s0 + it.hv * a.state.s1 +
-                         static_cast<int64_t>(it.tile_v0) * a.state.s2;
-      if (a.state.s2 == kStagedK) {
-        if (lane == 0) dec::bulk_load(tile, src, kBulkpTileBytes, &full[s]);
-      } else {
-        dec::bulk_load(tile + lane * kRowBytes, src + lane * a.state.s2, kRowBytes, &full[s]);
-      }
-    }
-  };
-
-  // ---- Prologue: item 0's token loads (warp 0); the index loads of items 0 .. kStages - 1 at
-  //      once, their bulk loads, then item kStages's index loads (warp 1).
-  RawToken raw;  // warp 0: the next item's token inputs, as loaded
-  if (prep_warp) {
-    const PersistItem it = item(0);
-    load_raw_token(a, it.n, 0, it.h, it.hv, it.tile_v0, lane, raw);
-  }
-  RowBits rb_next{0, 0};  // copy warp: the index loads of the next item to issue, as loaded
-  if (copy_warp) {
-    if (lane == 0) {
-      for (int s = 0; s < kStages; ++s) dec::mbar_init(&full[s], 1);
-      dec::fence_mbar_init();
-    }
-    RowBits rb[kStages] = {};
-#pragma unroll
-    for (int s = 0; s < kStages; ++s)
-      if (s < count) rb[s] = load_row_bits(a, item(s).n);
-    __syncwarp();  // the barriers' initialization, before any lane issues a copy on them
-#pragma unroll
-    for (int s = 0; s < kStages; ++s)
-      if (s < count) issue(s, rb[s]);
-    if (kStages < count) rb_next = load_row_bits(a, item(kStages).n);
-  }
-
-#pragma unroll 1
-  for (int64_t j = 0; j < count; ++j) {
-    const int s = static_cast<int>(j % kStages);
-    const uint32_t parity = static_cast<uint32_t>(j / kStages) & 1u;
-    const PersistItem it = item(j);
-
-    // ---- A: item j's token (its raw loads were issued one item ago); item j + 1's raw loads.
-    //      The token stage was last read by item j - 1's compute, before its barrier E.
-    if (prep_warp) {
-      prep_token(a, raw, lane, tok);
-      if (j + 1 < count) {
-        const PersistItem nx = item(j + 1);
-        load_raw_token(a, nx.n, 0, nx.h, nx.hv, nx.tile_v0, lane, raw);
-      }
-    }
-    __syncthreads();  // B: tok and desc[s] published
-
-    // ---- Copy warp: once item j - 1's bulk store has read its slot, reload that slot with
-    //      item j - 1 + kStages; then the index loads of item j + kStages (used one item later).
-    //      desc of that slot was last read by item j - 1 (before its barrier E).
-    if (copy_warp && j >= 1 && j - 1 + kStages < count) {
-      dec::bulk_wait_read();
-      issue(j - 1 + kStages, rb_next);
-      if (j + kStages < count) rb_next = load_row_bits(a, item(j + kStages).n);
-    }
-
-    // ---- C, D: the tile, the two passes, s' back in place
-    const int64_t slot = desc[s].slot;  // uniform over the block
-    const Map m(tid, it.tile_v0);
-    const bool out_lane = m.lane_k == 0;
-    const bool write_back = a.store_final_state;  // T = 1: s' goes somewhere iff the final state is stored
-    uint8_t* tile = bulkp_smem + s * kBulkpTileBytes;
-    auto unit = [tile, my_units](int vt, int r) -> uint4& {
-      return *reinterpret_cast<uint4*>(tile + my_units + vt * 16 * kRowBytes + r * 128);
-    };
-    if (slot < 0) {  // padding row: zero output, no state access
-      zero_padding_outputs(a, SeqRow{it.n, 0, 1, -1}, it.hv, m);
-    } else {
-      if (a.use_initial_state) {
-        dec::mbar_wait(&full[s], parity);
-      } else {
-#pragma unroll
-        for (int vt = 0; vt < Map::kVt; ++vt)
-#pragma unroll
-          for (int r = 0; r < kRuns; ++r) unit(vt, r) = make_uint4(0u, 0u, 0u, 0u);  // +0.0
-      }
-      const int64_t o_off = a.out.offset(it.n, 0, it.hv);
-      smem_tile_token<Map, float, kUnrollR, 1>(
-          m, it.tile_v0, tok, unit,
-          [&](int, int, uint4& un, const float* sv) {
-            if (write_back) un = pack_unit<float>(sv);
-          },
-          [&](int vt, float o) {
-            if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-          });
-      if (write_back) dec::fence_proxy_async_smem();  // s' (generic writes) before the bulk store reads it
-    }
-    __syncthreads();  // E: s' in the slot; every read of tok / desc[s] / the slot of item j is done
-
-    // ---- F: copy warp: bulk store of s' (its read of the slot is waited for at B of item j + 1)
-    if (copy_warp && slot >= 0) {
-      const BulkpDesc d = desc[s];
-      if (d.dst != nullptr) {
-        if (d.s2 == kStagedK) {
-          if (lane == 0) dec::bulk_store(d.dst, tile, kBulkpTileBytes);
-        } else {
-          dec::bulk_store(d.dst + lane * d.s2, tile + lane * kRowBytes, kRowBytes);
-        }
-        dec::bulk_commit();
-      }
-    }
-  }
-  // The last bulk stores must finish reading shared memory before the block exits (their global
-  // writes complete before the grid does).
-  if (copy_warp) dec::bulk_wait_read();
-}
-
-// ---------------------------------------------------------------------------------------------
 // The baseline kernel: the reference loop nest, one block per (sequence, value head), thread v
 // owns value column v (its K state elements in local memory). Any K, layout, state dtype.
 // ---------------------------------------------------------------------------------------------
@@ -1885,9 +1610,8 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 
 // ---- Kernel choice
 
-// kStagedLatency: the staged kernel's variant for grids of <= 2 blocks per SM. kBulkp / kBulkp3:
-// the persistent bulk kernel with a ring of 2 / 3 tile slots per block.
-enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk, kBulkp, kBulkp3 };
+// kStagedLatency: the staged kernel's variant for grids of <= 2 blocks per SM.
+enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1897,7 +1621,6 @@ struct DeviceInfo {
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
   std::atomic<bool> staged_configured[4] = {};               // staged kernel carveout set (state dtype x variant)
   std::atomic<bool> bulk_configured[4] = {};                 // bulk kernel carveout set (state dtype x slots)
-  std::atomic<bool> bulkp_configured[2] = {};                // persistent bulk kernel attributes set (2 / 3 slots)
 };
 
 Status device_info(DeviceInfo** out) {
@@ -1940,11 +1663,8 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
 // kernel takes V-first K = V = 128, an aligned pool, dense tokens, T <= 8, >= 2 ring stages, and
 // runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
 // kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
-// kernel runs only on request. The persistent bulk kernel (bulkp: fp32 pool, dense T = 1, the
-// bulk kernel's eligibility otherwise) runs only on request until it is timed on the H200.
-// KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput variant) | bulk | persistent |
-// bulkp (2 tile slots per block) | bulkp3 (3 slots) overrides (where eligible; otherwise the
-// default choice).
+// kernel runs only on request. KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput
+// variant) | bulk | persistent overrides (where eligible; otherwise the default choice).
 DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
   auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
   if (is("baseline")) return DecodeKernel::kBaseline;
@@ -1961,10 +1681,6 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
                        (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
   if (is("bulk") && bulk_ok) return DecodeKernel::kBulk;
-  // The persistent bulk kernel takes the one-slot bulk kernel's calls: fp32 pool, dense, T = 1.
-  const bool bulkp_ok = bulk_ok && pr.state.dtype == DType::kFloat32 && !pr.d.varlen && pr.d.T == 1;
-  if (is("bulkp") && bulkp_ok) return DecodeKernel::kBulkp;
-  if (is("bulkp3") && bulkp_ok) return DecodeKernel::kBulkp3;
   // Measured on the H200 (docs/perf_decode.md, v4): the bulk kernel streams faster once there
   // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
   // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
@@ -1972,11 +1688,6 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   // Grids of at most 2 blocks per SM (B = 1, 2 at HV = 32) run the staged kernel's latency
   // variant: their time is the critical path, not the bytes in flight.
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
-  // Intended rule for the persistent bulk kernel, not enabled until it is timed (B = 32 at HV = 32
-  // is 4096 blocks, ~2.6 waves of the bulk kernel's 12 blocks per SM; its target is >= 3.0 TB/s
-  // against the bulk / staged kernels' 2.6): where the bulk grid runs between ~1 and ~6 waves,
-  //   if (bulkp_ok && blocks > int64_t{12} * sms && blocks < int64_t{72} * sms) return DecodeKernel::kBulkp;
-  // and above that too if it also beats the bulk kernel at B = 256 / 1024 (3.63 / 3.75 TB/s).
   if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32) return DecodeKernel::kBulk;
   return blocks <= int64_t{2} * sms ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
 }
@@ -2009,43 +1720,6 @@ Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStrea
   const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0);
   return launch_max_shared(one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>,
                            d.bulk_configured[which], blocks, stream, a, "decode_bulk_kernel");
-}
-
-// The persistent bulk kernel: grid = min(items, R x SMs), R blocks per SM from the device's shared
-// memory (6 at 2 slots, 4 at 3 slots on the H200's 228 KB per SM) and the register bound. The
-// items (N x HV x 4 tiles) are spread evenly: per_block = ceil(items / (R x SMs)) items per block
-// and grid = ceil(items / per_block), so no block walks more items than the busiest one needs to
-// (B = 32, HV = 32 on 132 SMs: 4096 items, 6 per block, 683 blocks instead of 792 blocks of
-// which 136 walk a sixth item alone). KDA_CUDA_DECODE_GRID = g runs exactly min(items, g)
-// blocks (a test hook: many items per block; and a way to time the uneven grid).
-template <int kStages>
-Status launch_bulkp(const DecodeArgs& a, DeviceInfo& d, cudaStream_t stream) {
-  auto* kernel = decode_bulkp_kernel<kStages>;
-  constexpr int kSmem = BulkpLayout<kStages>::kBytes;
-  std::atomic<bool>& configured = d.bulkp_configured[kStages == 2 ? 0 : 1];
-  if (!configured.load(std::memory_order_acquire)) {  // racing callers set the same values
-    KDA_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmem),
-                             "cudaFuncSetAttribute(decode_bulkp_kernel)");
-    KDA_CUDA_RETURN_IF_ERROR(
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
-        "cudaFuncSetAttribute(decode_bulkp_kernel)");
-    configured.store(true, std::memory_order_release);
-  }
-  int per_sm = d.smem_per_sm / (kSmem + d.smem_reserved);
-  if (per_sm > bulkp_min_blocks(kStages)) per_sm = bulkp_min_blocks(kStages);
-  if (per_sm < 1) per_sm = 1;
-  const int64_t items = a.N * a.HV * (kStagedK / 32);
-  const int64_t max_grid = static_cast<int64_t>(d.sms) * per_sm;
-  const int64_t per_block = (items + max_grid - 1) / max_grid;
-  int64_t grid = (items + per_block - 1) / per_block;
-  if (const char* e = std::getenv("KDA_CUDA_DECODE_GRID")) {  // test hook: exactly this grid
-    const long g = std::strtol(e, nullptr, 10);
-    if (g > 0) grid = g < items ? g : items;
-  }
-  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kStagedThreads),
-                                         static_cast<size_t>(kSmem), stream, a, items),
-                           "launch of decode_bulkp_kernel");
-  return Status::Ok();
 }
 
 template <typename StateT>
@@ -2137,8 +1811,6 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
                                           " blocks exceed the grid limit; split the batch"};
-  if (kernel == DecodeKernel::kBulkp) return launch_bulkp<2>(a, *info, stream);  // fp32 state only
-  if (kernel == DecodeKernel::kBulkp3) return launch_bulkp<3>(a, *info, stream);
   if (kernel == DecodeKernel::kBulk)
     return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, stream) : launch_bulk<float>(a, *info, blocks, stream);
   if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency) {
