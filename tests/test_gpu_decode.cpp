@@ -46,7 +46,6 @@ struct GpuDecodeCase {
   bool tile = false;            // run the tile kernel where the staged one would run (=tile)
   bool staged = false;          // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
-  bool wide = false;            // force the staged kernel's wide latency variant (=latency_wide)
   int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -68,7 +67,6 @@ struct GpuDecodeCase {
     if (tile) s += "_tile";
     if (staged) s += "_staged";
     if (bulk) s += "_bulk";
-    if (wide) s += "_wide";
     if (grid > 0) s += "_grid" + std::to_string(grid);
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
@@ -148,7 +146,6 @@ class KernelChoice {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
     if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
     if (gc.bulk) setenv("KDA_CUDA_DECODE_KERNEL", "bulk", 1);
-    if (gc.wide) setenv("KDA_CUDA_DECODE_KERNEL", "latency_wide", 1);
     if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
       setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
       setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
@@ -692,9 +689,6 @@ std::vector<GpuDecodeCase> sweep_cases() {
       h.staged = true;
       v.push_back(h);
       h.staged = false;
-      h.wide = true;
-      v.push_back(h);
-      h.wide = false;
       h.tile = true;
       v.push_back(h);
     }
@@ -898,8 +892,7 @@ void expect_same_or_close(const char* what, const HostTensor& got, const HostTen
   expect_close(what, got, ref, tol);
 }
 
-// The bulk kernel (default for V-first K = 128), the staged tile kernel (and its wide latency
-// variant) and the tile kernel agree:
+// The bulk kernel (default for V-first K = 128), the staged tile kernel and the tile kernel agree:
 // fp32 and bf16 state, padding rows, T = 1..4, per-token states. Bulk and staged run the same
 // arithmetic in the same order (bitwise equal expected); the tile kernel sums the k products in
 // one chain instead of four partial sums, so it agrees within reassociation: ~1e-7 for fp32, and
@@ -934,12 +927,6 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
         k.staged = false;
         k.bulk = true;
         const DecodeData bulk = run_gpu(d, k);
-        k.bulk = false;
-        k.wide = true;  // 16 lanes per row: another summation order, within tol of the tile kernel
-        const DecodeData wide = run_gpu(d, k);
-        expect_same_or_close("out (wide vs tile)", wide.out, tile.out, tol);
-        expect_same_or_close("state (wide vs tile)", wide.state, tile.state, tol);
-        expect_same_or_close("inter (wide vs tile)", wide.inter, tile.inter, tol);
         expect_same_or_close("out (staged vs tile)", staged.out, tile.out, tol);
         expect_same_or_close("state (staged vs tile)", staged.state, tile.state, tol);
         expect_same_or_close("inter (staged vs tile)", staged.inter, tile.inter, tol);

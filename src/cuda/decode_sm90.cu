@@ -89,7 +89,7 @@
 // StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
 // lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
 // plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | latency | latency_wide | bulk | persistent
+// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | persistent
 // overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
 // many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
@@ -209,13 +209,11 @@ __device__ __forceinline__ float activated_beta(const DecodeArgs& a, int64_t b, 
 //            rows tid/8 and tid/8 + 16 of the tile; 128 threads.
 //   K-first (fp32, K = 128): kKt = 8 k rows (one run) x kVt = 4 columns (one float4 per k row);
 //            lane_k in [0, 16); 128 threads.
-// kKtV overrides kKt for V-first maps (8: the wide map of the staged kernel's latency variant,
-// 16 lanes per row, 256 threads).
-template <int kMaxK, typename StateT, bool kKFirst, int kKtV = 16>
+template <int kMaxK, typename StateT, bool kKFirst>
 struct TileMap {
   static constexpr int kVec = dec::StateVec<StateT>::kElems;  // elements per 16-byte vector
   static constexpr int kTileV = 32;                           // value rows (columns) per block
-  static constexpr int kKt = kKFirst ? (32 / kVec > kMaxK / 32 ? 32 / kVec : kMaxK / 32) : kKtV;
+  static constexpr int kKt = kKFirst ? (32 / kVec > kMaxK / 32 ? 32 / kVec : kMaxK / 32) : 16;
   static constexpr int kVt = kKFirst ? kVec : 2;
   static constexpr int kKLanes = kMaxK / kKt;
   static constexpr int kRun = kKFirst ? kKt : kVec;
@@ -1130,16 +1128,11 @@ struct Stamps {
 // kLatency: the variant for grids of at most a couple of blocks per SM (B = 1, 2 at HV = 32),
 // where a call's time is its critical path (index -> state -> compute -> store), not the bytes in
 // flight: no register bound (the compiler keeps every load in flight and unrolls the passes).
-// kWide (latency variant only): 256 threads, 16 lanes per value row holding 8 k each (fp32: two
-// float4 runs; bf16: one 8-element run): twice the warps per SM on the critical path and half
-// the serial work per thread, for one more shuffle level per reduction.
-template <typename StateT, bool kLatency, bool kWide = false>
-__global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, kWide ? 2 : (kLatency ? 1 : kStagedMinBlocks))
+template <typename StateT, bool kLatency>
+__global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlocks)
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
   KDA_TRACE_BEGIN();  // points: 0 entry, 1 after the wait
-  static_assert(kLatency || !kWide, "the wide map is for the latency variant");
-  using Map = TileMap<kStagedK, StateT, false, kWide ? 8 : 16>;
-  constexpr int kThreads = Map::kThreads;
+  using Map = TileMap<kStagedK, StateT, false>;
   using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr int kUnits = kVt * kRuns;  // 16-byte units per thread: 8 (fp32), 4 (bf16)
@@ -1148,8 +1141,7 @@ __global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, k
   // without spilling (fp32: 2 of 4 runs; bf16: 1 of 2, each run holds 8 elements).
   constexpr int kUnrollR = kLatency ? kRuns : (kBf16State ? 1 : 2);
   constexpr int kUnrollVt = kLatency ? kVt : 1;
-  static_assert(kThreads == (kWide ? 2 : 1) * kStagedThreads && Map::kKLanes == (kWide ? 16 : 8) && Map::kRun == kVec,
-                "staged map");
+  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "staged map");
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows), as the tile kernel
   const TileBlock blk(a, Map::kTileV);
@@ -1159,9 +1151,9 @@ __global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, k
   const bool out_lane = m.lane_k == 0;
   const bool prep_warp = threadIdx.x < 32;  // warp 0 preprocesses the tokens for the block
 
-  __shared__ uint4 tile_sh[kUnits * kThreads];  // 16 KB (fp32) / 8 KB (bf16)
+  __shared__ uint4 tile_sh[kUnits * kStagedThreads];  // 16 KB (fp32) / 8 KB (bf16)
   __shared__ PersistToken tok_sh[2];                  // 2 x 1792 B, by token parity
-  uint4* mine = tile_sh + threadIdx.x;                // this thread's unit u: mine[u * kThreads]
+  uint4* mine = tile_sh + threadIdx.x;                // this thread's unit u: mine[u * 128]
 
   // ---- Token 0's raw inputs of a dense row (b = n, bos = 0, len = T: known without index
   //      loads) are issued first, so they overlap the index loads of resolve_row.
@@ -1184,12 +1176,12 @@ __global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, k
     for (int vt = 0; vt < kVt; ++vt) {
       const StateT* p = base + static_cast<int64_t>(m.v_of(vt)) * a.state.s2;
 #pragma unroll
-      for (int r = 0; r < kRuns; ++r) dec::cp_async_16(&mine[(vt * kRuns + r) * kThreads], p + m.k_of_run(r));
+      for (int r = 0; r < kRuns; ++r) dec::cp_async_16(&mine[(vt * kRuns + r) * kStagedThreads], p + m.k_of_run(r));
     }
     dec::cp_async_commit();
   } else {
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) mine[u * kThreads] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
+    for (int u = 0; u < kUnits; ++u) mine[u * kStagedThreads] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
   }
   if (prep_warp && row.len > 0) {
     if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, dec::lane_id(), raw);
@@ -1217,7 +1209,7 @@ __global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, k
     //      hoists every shared-memory load of the tile and runs out of the 48-register budget.)
     const int64_t o_off = a.out.offset(row.b, tok, hv);
     smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
-        m, tile_v0, tk, [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kThreads]; },
+        m, tile_v0, tk, [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kStagedThreads]; },
         [&](int vt, int r, uint4& un, const float* sv) {
           if (dst.data != nullptr)
             Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, sv);
@@ -1237,7 +1229,7 @@ __global__ void __launch_bounds__(kWide ? 2 * kStagedThreads : kStagedThreads, k
 #pragma unroll
       for (int r = 0; r < kRuns; ++r) {
         float s[kVec];
-        unpack_unit<StateT>(mine[(vt * kRuns + r) * kThreads], s);
+        unpack_unit<StateT>(mine[(vt * kRuns + r) * kStagedThreads], s);
         Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
       }
   }
@@ -1619,7 +1611,7 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 // ---- Kernel choice
 
 // kStagedLatency: the staged kernel's variant for grids of <= 2 blocks per SM.
-enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kStagedLatencyWide, kBulk };
+enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1627,7 +1619,7 @@ struct DeviceInfo {
   int smem_per_sm = 0;         // bytes of shared memory per SM
   int smem_reserved = 0;       // bytes the runtime reserves per resident block
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
-  std::atomic<bool> staged_configured[8] = {};               // staged kernel carveout set (state dtype x variant)
+  std::atomic<bool> staged_configured[4] = {};               // staged kernel carveout set (state dtype x variant)
   std::atomic<bool> bulk_configured[4] = {};                 // bulk kernel carveout set (state dtype x slots)
 };
 
@@ -1672,8 +1664,7 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
 // runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
 // kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
 // kernel runs only on request. KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput
-// variant) | latency | latency_wide (the latency variant, 128 / 256 threads) | bulk | persistent
-// overrides (where eligible; otherwise the default choice).
+// variant) | bulk | persistent overrides (where eligible; otherwise the default choice).
 DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
   auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
   if (is("baseline")) return DecodeKernel::kBaseline;
@@ -1685,8 +1676,6 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   if (is("persistent") && persistent_ok) return DecodeKernel::kPersistent;
   if (!staged_ok) return DecodeKernel::kTile;
   if (is("staged")) return DecodeKernel::kStaged;
-  if (is("latency")) return DecodeKernel::kStagedLatency;
-  if (is("latency_wide")) return DecodeKernel::kStagedLatencyWide;
   // The bulk kernel stores whole rows with the copy engine: every state tensor it may write needs
   // 16-byte aligned rows (the pool was checked above).
   const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
@@ -1706,26 +1695,23 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
 // Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
 // shared array as shared memory (set once per kernel and device; racing callers set the same value).
 Status launch_max_shared(void (*kernel)(DecodeArgs), std::atomic<bool>& configured, int64_t blocks,
-                         cudaStream_t stream, const DecodeArgs& a, const char* name, int threads = kStagedThreads) {
+                         cudaStream_t stream, const DecodeArgs& a, const char* name) {
   if (!configured.load(std::memory_order_acquire)) {
     KDA_CUDA_RETURN_IF_ERROR(
         cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, cudaSharedmemCarveoutMaxShared),
         std::string("cudaFuncSetAttribute(") + name + ")");
     configured.store(true, std::memory_order_release);
   }
-  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(static_cast<unsigned>(threads)), 0,
-                                         stream, a),
+  KDA_CUDA_RETURN_IF_ERROR(launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0, stream, a),
                            std::string("launch of ") + name);
   return Status::Ok();
 }
 
 template <typename StateT>
-Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, bool wide, cudaStream_t stream) {
-  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0) + (wide ? 4 : 0);
-  auto* kernel = wide ? decode_staged_kernel<StateT, true, true>
-                      : (latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>);
-  return launch_max_shared(kernel, d.staged_configured[which], blocks, stream, a, "decode_staged_kernel",
-                           wide ? 2 * kStagedThreads : kStagedThreads);
+Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0);
+  return launch_max_shared(latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>,
+                           d.staged_configured[which], blocks, stream, a, "decode_staged_kernel");
 }
 
 template <typename StateT>
@@ -1827,12 +1813,10 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                                           " blocks exceed the grid limit; split the batch"};
   if (kernel == DecodeKernel::kBulk)
     return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, stream) : launch_bulk<float>(a, *info, blocks, stream);
-  if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency ||
-      kernel == DecodeKernel::kStagedLatencyWide) {
-    const bool wide = kernel == DecodeKernel::kStagedLatencyWide;
-    const bool latency = wide || kernel == DecodeKernel::kStagedLatency;
-    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, wide, stream)
-                      : launch_staged<float>(a, *info, blocks, latency, wide, stream);
+  if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency) {
+    const bool latency = kernel == DecodeKernel::kStagedLatency;
+    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, stream)
+                      : launch_staged<float>(a, *info, blocks, latency, stream);
   }
   if (bf16_state) return dispatch_fast<__nv_bfloat16>(a, k_first, blocks, stream);
   return dispatch_fast<float>(a, k_first, blocks, stream);
