@@ -373,7 +373,7 @@ int main(int argc, char** argv) {
     const Result r = run_case(c, iters, check, flush, flush_bytes);
 #ifdef KDA_PREFILL_TRACE
     if (kda::cuda::prefill_trace_fetch(&clocks, false).ok() && clocks.back() > 0) {
-      static const char* names[] = {"locate", "load", "cumsum", "Akk/Aqk", "diag inv", "offdiag inv", "Tm", "W", "qg/kbT"};
+      static const char* names[] = {"locate", "load", "cumsum", "Akk/Aqk", "inverse", "Tm", "W", "qg/kbT"};
       const double nb = static_cast<double>(clocks.back());
       double total = 0;
       for (size_t i = 0; i + 1 < clocks.size(); ++i) total += clocks[i] / nb;

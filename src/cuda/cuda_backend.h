@@ -17,7 +17,7 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes);
 
 #ifdef KDA_PREFILL_TRACE
 // Development builds only (-DKDA_PREFILL_TRACE): SM clocks per phase of the prepare kernel summed
-// over blocks (phases 0..8 of prepare.cuh), then the number of blocks; optionally resets them.
+// over blocks (phases 0..7 of prepare.cuh), then the number of blocks; optionally resets them.
 Status prefill_trace_fetch(std::vector<unsigned long long>* clocks, bool reset);
 #endif
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
