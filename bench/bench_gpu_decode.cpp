@@ -15,6 +15,7 @@
 // (or =baseline) in the environment times the other kernels on the same cases.
 //
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
+//                         [--kernels K1,K2,..]   (also time each case with KDA_CUDA_DECODE_KERNEL=K)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -56,6 +57,7 @@ struct Options {
   int warmup = 10;
   std::string filter;
   bool check = true;
+  std::vector<std::string> kernels;  // --kernels: also time each case with KDA_CUDA_DECODE_KERNEL=k
 };
 
 struct Case {
@@ -259,6 +261,7 @@ struct Result {
   Case c;
   double us_median = 0, us_min = 0, us_host = 0, tbps = 0;
   bool ok = true;
+  std::string kernel;  // forced kernel of a --kernels sweep ("" = the library's choice)
 };
 
 double median(std::vector<double> v) {
@@ -396,8 +399,16 @@ int main(int argc, char** argv) {
     else if (a == "--warmup") o.warmup = std::atoi(next().c_str());
     else if (a == "--filter") o.filter = next();
     else if (a == "--no-check") o.check = false;
-    else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]\n", argv[0]);
+    else if (a == "--kernels") {
+      const std::string list = next();
+      for (size_t p = 0; p <= list.size();) {
+        const size_t q = std::min(list.find(',', p), list.size());
+        if (q > p) o.kernels.push_back(list.substr(p, q - p));
+        p = q + 1;
+      }
+    } else {
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check] [--kernels K1,K2,..]\n",
+                   argv[0]);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
   }
@@ -424,7 +435,7 @@ int main(int argc, char** argv) {
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   std::mt19937_64 rng(2026);
-  std::vector<Result> results;
+  std::vector<Result> results, sweep;
   bool all_ok = true;
   for (const Case& c : cases) {
     if (!o.filter.empty() && c.name.find(o.filter) == std::string::npos) continue;
@@ -437,6 +448,23 @@ int main(int argc, char** argv) {
     std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [%d rotation sets]\n", c.name.c_str(), r.us_median,
                 r.us_min, r.tbps, pr.sets);
     results.push_back(r);
+    // Kernel sweep: the same case with each forced kernel (where eligible; otherwise the library's
+    // default choice runs), checked and timed the same way.
+    for (const std::string& k : o.kernels) {
+      const char* prev = std::getenv("KDA_CUDA_DECODE_KERNEL");
+      const std::string saved = prev ? prev : "";
+      setenv("KDA_CUDA_DECODE_KERNEL", k.c_str(), 1);
+      const bool kok = !o.check || check_case(pr, stream);
+      all_ok = all_ok && kok;
+      Result kr = time_case(pr, o, stream);
+      kr.ok = kok;
+      kr.kernel = k;
+      if (prev) setenv("KDA_CUDA_DECODE_KERNEL", saved.c_str(), 1);
+      else unsetenv("KDA_CUDA_DECODE_KERNEL");
+      std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [KDA_CUDA_DECODE_KERNEL=%s]\n", c.name.c_str(), kr.us_median,
+                  kr.us_min, kr.tbps, k.c_str());
+      sweep.push_back(kr);
+    }
   }
   // Ceiling for the state stream: a device-to-device copy of the B = 256 fp32 pool (same bytes
   // read and written as one decode call at B = 256).
@@ -476,6 +504,13 @@ int main(int argc, char** argv) {
                 static_cast<long long>(r.c.B), static_cast<long long>(r.c.T), dtype_name(r.c.state_dtype),
                 r.c.graph_calls, r.us_median, r.us_host, r.tbps, r.c.target.c_str(), verdict(r).c_str(),
                 r.ok ? "ok" : "FAIL");
+  if (!sweep.empty()) {
+    std::printf("\nkernel sweep (KDA_CUDA_DECODE_KERNEL, where eligible)\n%-22s %12s %11s %9s %6s\n", "case", "kernel",
+                "median_us", "TB/s", "check");
+    for (const Result& r : sweep)
+      std::printf("%-22s %12s %11.2f %9.3f %6s\n", r.c.name.c_str(), r.kernel.c_str(), r.us_median, r.tbps,
+                  r.ok ? "ok" : "FAIL");
+  }
   if (!o.csv.empty()) {
     FILE* f = std::fopen(o.csv.c_str(), "w");
     if (!f) {

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# profile srcprofile trace (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# profile srcprofile trace (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -57,7 +57,9 @@ fi
 if has bench; then
   for b in decode prefill; do
     if [ -x ./$B/bench/bench_gpu_$b ]; then
-      timeout 200 ./$B/bench/bench_gpu_$b >"$OUT/bench_$b.log" 2>&1
+      # DECODE_KERNELS=staged,bulk,...: the decode benchmark also times each case with that kernel forced.
+      args=(); [ "$b" = decode ] && [ -n "${DECODE_KERNELS:-}" ] && args=(--kernels "$DECODE_KERNELS")
+      timeout 300 ./$B/bench/bench_gpu_$b "${args[@]}" >"$OUT/bench_$b.log" 2>&1
       note "bench $b rc=$?"
     fi
   done
