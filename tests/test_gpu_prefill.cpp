@@ -282,9 +282,10 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
 // states and varlen with an empty sequence.
 TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
-  for (const char* env : {"1", "0"}) {
-    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_KSPLIT=") + env);
-    setenv("KDA_CUDA_PREFILL_KSPLIT", env, 1);
+  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {  // the default (split), then off
+    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_KSPLIT=") + (env ? env : "(unset)"));
+    if (env) setenv("KDA_CUDA_PREFILL_KSPLIT", env, 1);
+    else unsetenv("KDA_CUDA_PREFILL_KSPLIT");
     PrefillCase c = base_case();
     c.gate = GateForm::kLowerBound;
     c.lower_bound = -0.05;

@@ -580,11 +580,10 @@ __host__ __device__ constexpr int persist_stage_bytes(int state_elem_bytes, int 
           static_cast<int>(sizeof(PersistDesc)) + 127) / 128 * 128;
 }
 
-// The raw inputs of one token that one producer lane needs: q, k, g at k = 4 * lane .. + 3, the
-// gate bias there and exp(A) of the head, v and beta of row 32 * tile + lane.
-// A token's inputs for one lane, as loaded (raw bits, see dec::load_raw4): converted by
-// prep_token, so that the loads of a token (and the index loads after them) are all in flight at
-// once.
+// The raw inputs of one token that one producer lane needs (q, k, g at k = 4 * lane .. + 3, the
+// gate bias there and A_log of the head, v and beta of row 32 * tile + lane), as loaded (raw bits,
+// see dec::load_raw4): converted by prep_token, so that the loads of a token (and the index loads
+// after them) are all in flight at once.
 struct RawToken {
   dec::Raw4 q, k, g, bias;
   uint32_t v, beta;

@@ -78,11 +78,14 @@ __device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, 
 template <bool kVec>
 __device__ __forceinline__ uint4 load8_b16(const TokenView& t, int64_t off) {
   const uint16_t* p = static_cast<const uint16_t*>(t.data) + off;
-  if constexpr (kVec) return ld_global_16(p);
-  uint32_t w[4];
+  if constexpr (kVec) {
+    return ld_global_16(p);
+  } else {
+    uint32_t w[4];
 #pragma unroll
-  for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
-  return make_uint4(w[0], w[1], w[2], w[3]);
+    for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
+    return make_uint4(w[0], w[1], w[2], w[3]);
+  }
 }
 
 // 8 consecutive gate inputs (q's dtype or fp32), as loaded: fp32 in w[0..7], 16-bit pairs in
@@ -405,7 +408,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
 #ifdef KDA_PREFILL_TRACE
   long long trace_prev_ = clock64();
-  if (tid == 0) atomicAdd(&g_prepare_phase_clocks[kPrepareTracePhases], 1ull);
 #endif
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
@@ -434,6 +436,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     L = static_cast<int>(info[1]);
   }
   if (L <= 0) return;  // an unused slot of a varlen batch
+#ifdef KDA_PREFILL_TRACE
+  if (tid == 0) atomicAdd(&g_prepare_phase_clocks[kPrepareTracePhases], 1ull);  // blocks with a chunk
+#endif
   KDA_PF_PHASE(0);  // locate
   uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
