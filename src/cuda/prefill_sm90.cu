@@ -8,6 +8,7 @@
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>
@@ -97,9 +98,10 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int devi
                               dim3(pf::kPrepareThreads), pf::kPrepareSmemBytes, stream, p));
   }
   if (rec_blocks > 0) {
-    // The limit is raised to the largest configuration (vs = 128; vs = 32 with the K split) once.
+    // The limit is raised to the largest configuration (vs = 128; vs = 32 or 64 with the K split) once.
     auto* kernel = p.ksplit ? pf::recurrence_kernel<kFp16, true> : pf::recurrence_kernel<kFp16, false>;
-    const int max_smem = p.ksplit ? pf::recurrence_smem_bytes(32, true) : pf::recurrence_smem_bytes(pf::kHeadDim);
+    const int max_smem = p.ksplit ? std::max(pf::recurrence_smem_bytes(32, true), pf::recurrence_smem_bytes(64, true))
+                                   : pf::recurrence_smem_bytes(pf::kHeadDim);
     KDA_PF_CUDA(allow_smem(kernel, max_smem, device, bit << (p.ksplit ? 4 : 1)));  // bits 1, 2, 16 (fp16); 4, 8, 64
     KDA_PF_CUDA(launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
                               dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, p.ksplit))),
