@@ -88,8 +88,11 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
 
-template <bool kFp16, bool kKSplit>
+// kCompact: the compact shared-memory layout of the K split at vs = 64 (recurrence_compact);
+// a separate instantiation, so that the other configurations compile as before.
+template <bool kFp16, bool kKSplit, bool kCompact = false>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+  static_assert(kKSplit || !kCompact, "the compact layout is the K split's");
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -110,7 +113,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int sbytes = recurrence_stage_bytes(vs);
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
-  const bool compact = recurrence_compact(vs, kKSplit);
+  constexpr bool compact = kCompact;  // the host launches it exactly when recurrence_compact(vs, ksplit)
   // Output tiles (absent in the compact layout), then two mbarriers (8 bytes each), then the
   // exchange areas of the K split: this warp's and its partner's partial U^T, O^T.
   const int tiles_bytes = compact ? 0 : nwarps * kChunk * 32;
