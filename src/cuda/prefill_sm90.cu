@@ -8,7 +8,6 @@
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <string>

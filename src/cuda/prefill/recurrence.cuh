@@ -17,15 +17,18 @@
 // Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
 // record): one block per SM.
 //
-// K split (kKSplit, Params::ksplit; vs <= 32, the few-head cases P5 / P7 whose blocks have only
-// 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
+// K split (kKSplit, Params::ksplit; the default for vs <= 32, the few-head cases P5 / P7 whose
+// blocks have only 2 warps on 4 schedulers; opt-in for vs = 64): two warps per 16 value rows, warp (rg, kh) holding key columns
 // [64 kh, 64 kh + 64) of S^T (32 fp32 per thread). Per chunk each computes the partial S^T W^T
 // and S^T qg^T over its half of K, the pair adds the partner's partials through shared memory
 // (one extra block barrier; a + b in both warps, so both hold the same U^T bit for bit), both
 // add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
 // {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
 // Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
-// per warp (output tile): 214,032 bytes at vs = 32.
+// per warp (output tile): 214,032 bytes at vs = 32. At vs = 64 (8 warps, kCompact) the output
+// tiles live in the partners' exchange areas and those shrink to 6 KB: 230,416 bytes.
+// (The tile layout above, "each warp stages its output columns in its own 2 KB tile", holds
+// everywhere else.)
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -52,6 +55,10 @@ __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = fa
              : 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
                    (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
+// One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in every configuration.
+static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(64, true) <= 232448 &&
+                  recurrence_smem_bytes(32, true) <= 232448,
+              "recurrence shared memory");
 
 // Byte offset of 16-byte chunk `chunk` (0, 1) of row t in a warp's output tile [64][16] (32-byte
 // rows; the chunk is swapped every 4 rows so that 8 consecutive rows hit 8 bank groups).
