@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# profile srcprofile trace (default: all but profile). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# profile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -18,8 +18,6 @@ if has build; then
   extra=()
   # The device image has no GoogleTest: use the copy carried in .deps/gtest (scripts/carry_gtest.sh).
   [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
-  # PROFILE_SOURCE=1: line info for the per-source-line profile of the srcprofile stage.
-  [ -n "${PROFILE_SOURCE:-}" ] && extra+=(-DCMAKE_CUDA_FLAGS=-lineinfo)
   if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON "${extra[@]}" >"$OUT/build.log" 2>&1 &&
      cmake --build build-gpu --parallel >>"$OUT/build.log" 2>&1; then
     note "build ok ($(( $(date +%s) - t0 )) s)"
@@ -129,27 +127,6 @@ if has trace; then
   for c in ${TRACE_CASES:-P1 P6}; do
     timeout 60 ./build-trace/bench/bench_gpu_prefill --case $c --no-check --iters 20 2>&1 | tee "$OUT/trace_$c.log" | grep -E "^P|phases"
   done
-fi
-
-if has srcprofile && command -v ncu >/dev/null; then
-  # Per-source-line instructions and warp-stall samples (build with PROFILE_SOURCE=1 for line
-  # info) of one launch of each kernel named in SRC_KERNELS ("bench:case:kernel-regex ...").
-  for spec in ${SRC_KERNELS:-prefill:P1:prepare prefill:P1:recurrence decode:T1_B1:decode}; do
-    IFS=: read -r bench c kre <<<"$spec"
-    args=(--case "$c" --no-check --iters 20); [ "$bench" = decode ] && args=(--filter "$c" --no-check --iters 3 --warmup 2)
-    timeout 150 ncu --clock-control none --section SourceCounters --section WarpStateStats --section SpeedOfLight \
-      -k "regex:$kre" --launch-skip 1 --launch-count 1 --page source --print-source cuda --csv \
-      ./$B/bench/bench_gpu_$bench "${args[@]}" >"$OUT/src_${c}_${kre}.csv" 2>&1
-    note "srcprofile $c $kre rc=$? ($(wc -l <"$OUT/src_${c}_${kre}.csv") lines)"
-    timeout 150 ncu --clock-control none --section SpeedOfLight -k "regex:$kre" --launch-skip 1 --launch-count 1 \
-      ./$B/bench/bench_gpu_$bench "${args[@]}" 2>&1 | grep -E "Duration|^  [a-z_]+.*\(" | head -4
-  done
-  if [ -n "${FLA_NCU_DECODE:-}" ] && ls .whl/*.whl >/dev/null 2>&1; then
-    # FLA's decode kernel at B = 1 under the same profiler (kernel duration side by side).
-    [ -d /tmp/site/fla ] || python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
-    PYTHONPATH=/tmp/site timeout 200 ncu --clock-control none --section SpeedOfLight -k regex:fused_recurrent --launch-skip 5 --launch-count 3 \
-      python3 scripts/fla_decode_bench.py --filter T1_B1 2>&1 | grep -E "Duration|^  [a-z_]+.*\(" | head -12
-  fi
 fi
 
 echo

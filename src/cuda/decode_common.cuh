@@ -66,12 +66,6 @@ __device__ __forceinline__ float round_bf16(float x) {
   return bf16_bits_to_float(float_to_bf16_bits(x));
 }
 
-__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t off) {
-  if (dtype == kBF16) return bf16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
-  if (dtype == kF16) return half_bits_to_float(static_cast<const uint16_t*>(base)[off]);
-  return static_cast<const float*>(base)[off];
-}
-
 __device__ __forceinline__ void store_elem(void* base, int dtype, int64_t off, float x) {
   if (dtype == kBF16) {
     static_cast<uint16_t*>(base)[off] = float_to_bf16_bits(x);
@@ -116,7 +110,7 @@ __device__ __forceinline__ Raw4 load_raw4(const void* base, int dtype, bool vec,
   return r;
 }
 __device__ __forceinline__ float bits16_to_float(uint32_t b, int dtype) {
-  return dtype == kBF16 ? __uint_as_float(b << 16) : half_bits_to_float(static_cast<uint16_t>(b));
+  return dtype == kBF16 ? bf16_bits_to_float(static_cast<uint16_t>(b)) : half_bits_to_float(static_cast<uint16_t>(b));
 }
 __device__ __forceinline__ void convert4(const Raw4& r, int dtype, bool vec, float* dst) {
   if (dtype == kF32) {
@@ -137,6 +131,10 @@ __device__ __forceinline__ uint32_t load_raw_elem(const void* base, int dtype, i
 }
 __device__ __forceinline__ float convert_elem(uint32_t bits, int dtype) {
   return dtype == kF32 ? __uint_as_float(bits) : bits16_to_float(bits, dtype);
+}
+// One element as fp32: load_raw_elem then convert_elem.
+__device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t off) {
+  return convert_elem(load_raw_elem(base, dtype, off), dtype);
 }
 
 // Loads N contiguous elements at base[off ..] as fp32. `vec`: use 8/16-byte loads (the caller

@@ -221,11 +221,19 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&h);
 }
 
-// Element of a float tensor of runtime dtype (fp32 / fp16 / bf16).
+// Element of a float tensor of runtime dtype (fp32 / fp16 / bf16): its bits as loaded (fp32, or
+// 16-bit zero-extended), their value, and both at once. Loads issued early keep the bits and
+// convert at the first use (prepare.cuh).
+__device__ __forceinline__ uint32_t load_bits_any(const void* base, int dtype, int64_t off) {
+  if (dtype == kF32) return static_cast<const uint32_t*>(base)[off];
+  return static_cast<const uint16_t*>(base)[off];
+}
+__device__ __forceinline__ float bits_to_f32(uint32_t bits, int dtype) {
+  if (dtype == kF32) return __uint_as_float(bits);
+  return dtype == kF16 ? in_to_f32<true>(bits) : in_to_f32<false>(bits);
+}
 __device__ __forceinline__ float load_any(const void* base, int dtype, int64_t off) {
-  if (dtype == kF32) return static_cast<const float*>(base)[off];
-  const uint16_t b = static_cast<const uint16_t*>(base)[off];
-  return dtype == kF16 ? in_to_f32<true>(b) : in_to_f32<false>(b);
+  return bits_to_f32(load_bits_any(base, dtype, off), dtype);
 }
 __device__ __forceinline__ void store_any(void* base, int dtype, int64_t off, float x) {
   if (dtype == kF32) static_cast<float*>(base)[off] = x;

@@ -465,11 +465,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
           qv[pass] = load8_b16<kVec>(p.q, p.q.offset(b, tok, h) + 8 * ch);
           kv[pass] = load8_b16<kVec>(p.k, p.k.offset(b, tok, h) + 8 * ch);
           load8_gate_raw<kVec>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gw[pass]);
-          if (ch == 0) {
-            const int64_t off = p.beta.offset(b, tok, hv);
-            bw[pass] = p.beta.dtype == kF32 ? static_cast<const uint32_t*>(p.beta.data)[off]
-                                            : static_cast<uint32_t>(static_cast<const uint16_t*>(p.beta.data)[off]);
-          }
+          if (ch == 0) bw[pass] = load_bits_any(p.beta.data, p.beta.dtype, p.beta.offset(b, tok, hv));
         } else {
           qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -510,8 +506,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch + 4) = make_float4(a[4], a[5], a[6], a[7]);
       if (ch == 0) {
         const float eps = static_cast<float>(detail::kL2NormEps);
-        const float braw = p.beta.dtype == kF32 ? __uint_as_float(bw[pass])
-                                                : (p.beta.dtype == kF16 ? in_to_f32<true>(bw[pass]) : in_to_f32<false>(bw[pass]));
+        const float braw = bits_to_f32(bw[pass], p.beta.dtype);
         invq[row] = p.l2norm ? p.scale / sqrtf(ssq + eps) : p.scale;
         invk[row] = p.l2norm ? 1.f / sqrtf(ssk + eps) : 1.f;
         bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw) : 0.f;
