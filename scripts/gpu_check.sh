@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# profile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# racecheck profile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -49,6 +49,19 @@ if has sanitize; then
     note "memcheck (Smoke) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
   else
     note "memcheck: compute-sanitizer not found"
+  fi
+fi
+
+if has racecheck; then
+  # Shared-memory hazards of the prefill recurrence (K split, both layouts) and the prepare kernel.
+  if command -v compute-sanitizer >/dev/null; then
+    timeout 300 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+      ./$B/tests/kda_gpu_tests --gtest_filter="${RACECHECK_FILTER:-GpuPrefillKSplit.*:*PrefillSmoke*}" --gtest_brief=1 >"$OUT/racecheck.log" 2>&1
+    rc=$?
+    grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|PASSED|FAILED" "$OUT/racecheck.log" | head -8
+    note "racecheck rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
+  else
+    note "racecheck: compute-sanitizer not found"
   fi
 fi
 

@@ -46,6 +46,7 @@ struct GpuDecodeCase {
   bool tile = false;            // run the tile kernel where the staged one would run (=tile)
   bool staged = false;          // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
+  bool bulklat = false;         // force the bulk kernel's latency variant (=bulklat; dense T = 1)
   int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -146,6 +147,7 @@ class KernelChoice {
     if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
     if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
     if (gc.bulk) setenv("KDA_CUDA_DECODE_KERNEL", "bulk", 1);
+    if (gc.bulklat) setenv("KDA_CUDA_DECODE_KERNEL", "bulklat", 1);
     if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
       setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
       setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
@@ -892,7 +894,8 @@ void expect_same_or_close(const char* what, const HostTensor& got, const HostTen
   expect_close(what, got, ref, tol);
 }
 
-// The bulk kernel (default for V-first K = 128), the staged tile kernel and the tile kernel agree:
+// The bulk kernel (default for V-first K = 128; and its latency variant), the staged tile kernel
+// and the tile kernel agree:
 // fp32 and bf16 state, padding rows, T = 1..4, per-token states. Bulk and staged run the same
 // arithmetic in the same order (bitwise equal expected); the tile kernel sums the k products in
 // one chain instead of four partial sums, so it agrees within reassociation: ~1e-7 for fp32, and
@@ -933,6 +936,15 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
         EXPECT_TRUE(bitwise_equal(bulk.out, staged.out)) << "out (bulk vs staged)";
         EXPECT_TRUE(bitwise_equal(bulk.state, staged.state)) << "state (bulk vs staged)";
         EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
+        if (T == 1) {  // the bulk kernel's latency variant (dense single-token calls)
+          k.bulk = false;
+          k.bulklat = true;
+          const DecodeData lat = run_gpu(d, k);
+          k.bulklat = false;
+          EXPECT_TRUE(bitwise_equal(lat.out, staged.out)) << "out (bulk latency variant vs staged)";
+          EXPECT_TRUE(bitwise_equal(lat.state, staged.state)) << "state (bulk latency variant vs staged)";
+          EXPECT_TRUE(bitwise_equal(lat.inter, staged.inter)) << "inter (bulk latency variant vs staged)";
+        }
       }
     }
   }

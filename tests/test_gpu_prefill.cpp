@@ -309,17 +309,6 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
       check_against_reference(c);
     }
   }
-  // The opt-in K split of vs = 64 blocks (compact shared-memory layout): 1 sequence x 64 value
-  // heads (vs = 64 on 132 SMs), grouped values, an initial state and the final state.
-  setenv("KDA_CUDA_PREFILL_KSPLIT", "64", 1);
-  {
-    SCOPED_TRACE("KDA_CUDA_PREFILL_KSPLIT=64, vs = 64");
-    PrefillCase c = base_case();
-    c.H = 16;
-    c.HV = 64;
-    c.seqlens = {200};
-    check_against_reference(c);
-  }
   unsetenv("KDA_CUDA_PREFILL_KSPLIT");
 }
 
@@ -544,10 +533,6 @@ TEST(PrefillHeuristics, KSplit) {
   EXPECT_FALSE(recurrence_k_split(128, nullptr));
   EXPECT_FALSE(recurrence_k_split(32, "0"));
   EXPECT_FALSE(recurrence_k_split(16, "0"));
-  EXPECT_TRUE(recurrence_k_split(64, "64"));      // vs = 64: opt-in (compact layout)
-  EXPECT_TRUE(recurrence_k_split(32, "64"));
-  EXPECT_FALSE(recurrence_k_split(128, "64"));
-  EXPECT_FALSE(recurrence_k_split(64, "640"));
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {

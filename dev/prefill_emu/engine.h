@@ -105,13 +105,11 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
   const int threads = 32 * recurrence_warps(p.vs, p.ksplit), smem = recurrence_smem_bytes(p.vs, p.ksplit);
   if (fp16) {
     launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (recurrence_compact(p.vs, p.ksplit)) launch(recurrence_kernel<true, true, true>, rb, threads, smem, p);
-    else if (p.ksplit) launch(recurrence_kernel<true, true>, rb, threads, smem, p);
+    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, threads, smem, p);
     else launch(recurrence_kernel<true, false>, rb, threads, smem, p);
   } else {
     launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (recurrence_compact(p.vs, p.ksplit)) launch(recurrence_kernel<false, true, true>, rb, threads, smem, p);
-    else if (p.ksplit) launch(recurrence_kernel<false, true>, rb, threads, smem, p);
+    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, threads, smem, p);
     else launch(recurrence_kernel<false, false>, rb, threads, smem, p);
   }
 }

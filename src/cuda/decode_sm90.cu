@@ -1251,14 +1251,20 @@ constexpr int kBulkMinBlocks = 10;  // 48 registers; smem 16 KB + 3.5 KB (fp32) 
 
 // kSlots: token stages (2 alternate by token parity; 1 for dense single-token calls, which frees
 // 1.75 KB of shared memory per block: 12 blocks per SM instead of 10).
-template <typename StateT, int kSlots>
-__global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlocks)
+// kLatency (kSlots == 1 only): the variant for grids of at most a couple of blocks per SM, as the
+// staged kernel's: no register bound, passes unrolled, and s' stored from registers during pass 2
+// (no write-back, fence, barrier and bulk store at the end of the block's critical path).
+template <typename StateT, int kSlots, bool kLatency = false>
+__global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 12 : kBulkMinBlocks))
     decode_bulk_kernel(const __grid_constant__ DecodeArgs a) {
+  static_assert(!kLatency || kSlots == 1, "the latency variant takes dense single-token calls");
   pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
+  using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
-  constexpr int kUnrollR = kBf16State || kSlots == 1 ? 1 : 2;  // what fits the register bound
+  constexpr int kUnrollR = kLatency ? kRuns : (kBf16State || kSlots == 1 ? 1 : 2);  // what fits the register bound
+  constexpr int kUnrollVt = kLatency ? kVt : 1;
   constexpr uint32_t kRowBytes = kStagedK * sizeof(StateT);
   constexpr uint32_t kTileBytes = Map::kTileV * kRowBytes;
   static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "bulk map");
@@ -1348,10 +1354,22 @@ __global__ void __launch_bounds__(kStagedThreads, kSlots == 1 ? 12 : kBulkMinBlo
     const PersistToken& tk = tok_sh[(kSlots - 1) & t];
 
     const TileDst<StateT> dst = token_dst<StateT>(a, row, n, hv, t);  // uniform over the block
+    const int64_t o_off = a.out.offset(row.b, tok, hv);
+    if constexpr (kLatency) {  // one token: s' straight from registers to global memory
+      smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
+          m, tile_v0, tk, unit,
+          [&](int vt, int r, uint4&, const float* sv) {
+            if (dst.data != nullptr)
+              Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, sv);
+          },
+          [&](int vt, float o) {
+            if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
+          });
+      continue;
+    }
     const bool write_back = dst.data != nullptr || t + 1 < row.len;
 
     // ---- The two passes; s' back in place in shared memory (for the bulk store or the next token)
-    const int64_t o_off = a.out.offset(row.b, tok, hv);
     smem_tile_token<Map, StateT, kUnrollR, 1>(
         m, tile_v0, tk, unit,
         [&](int, int, uint4& un, const float* sv) {
@@ -1609,8 +1627,8 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 
 // ---- Kernel choice
 
-// kStagedLatency: the staged kernel's variant for grids of <= 2 blocks per SM.
-enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk };
+// kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per SM.
+enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk, kBulkLatency };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1619,7 +1637,7 @@ struct DeviceInfo {
   int smem_reserved = 0;       // bytes the runtime reserves per resident block
   std::atomic<bool> persist_configured[2] = {false, false};  // cudaFuncSetAttribute done (fp32, bf16 state)
   std::atomic<bool> staged_configured[4] = {};               // staged kernel carveout set (state dtype x variant)
-  std::atomic<bool> bulk_configured[4] = {};                 // bulk kernel carveout set (state dtype x slots)
+  std::atomic<bool> bulk_configured[8] = {};  // bulk kernel carveout set (state dtype x slots x latency)
 };
 
 Status device_info(DeviceInfo** out) {
@@ -1680,6 +1698,8 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
                        (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
   if (is("bulk") && bulk_ok) return DecodeKernel::kBulk;
+  const bool one_token = !pr.d.varlen && pr.d.T == 1;
+  if (is("bulklat") && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
   // Measured on the H200 (docs/perf_decode.md, v4): the bulk kernel streams faster once there
   // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
   // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
@@ -1714,10 +1734,11 @@ Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool la
 }
 
 template <typename StateT>
-Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, cudaStream_t stream) {
-  const bool one_token = !a.varlen && a.T == 1;
-  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0);
-  return launch_max_shared(one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>,
+Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
+  const bool one_token = !a.varlen && a.T == 1;  // choose_kernel: the latency variant only then
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0) + (latency ? 4 : 0);
+  return launch_max_shared(latency ? decode_bulk_kernel<StateT, 1, true>
+                                   : one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>,
                            d.bulk_configured[which], blocks, stream, a, "decode_bulk_kernel");
 }
 
@@ -1810,8 +1831,11 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
                                           " blocks exceed the grid limit; split the batch"};
-  if (kernel == DecodeKernel::kBulk)
-    return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, stream) : launch_bulk<float>(a, *info, blocks, stream);
+  if (kernel == DecodeKernel::kBulk || kernel == DecodeKernel::kBulkLatency) {
+    const bool latency = kernel == DecodeKernel::kBulkLatency;
+    return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, latency, stream)
+                      : launch_bulk<float>(a, *info, blocks, latency, stream);
+  }
   if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency) {
     const bool latency = kernel == DecodeKernel::kStagedLatency;
     return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, stream)

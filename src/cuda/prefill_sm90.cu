@@ -97,17 +97,10 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int devi
                               dim3(pf::kPrepareThreads), pf::kPrepareSmemBytes, stream, p));
   }
   if (rec_blocks > 0) {
-    // Each instantiation's limit is raised once, to its largest configuration: vs = 128 without the
-    // K split, vs = 32 with it, vs = 64 in the compact layout.
-    const bool compact = pf::recurrence_compact(p.vs, p.ksplit);
-    auto* kernel = !p.ksplit ? pf::recurrence_kernel<kFp16, false>
-                   : compact ? pf::recurrence_kernel<kFp16, true, true>
-                             : pf::recurrence_kernel<kFp16, true>;
-    const int max_smem = compact    ? pf::recurrence_smem_bytes(64, true)
-                         : p.ksplit ? pf::recurrence_smem_bytes(32, true)
-                                    : pf::recurrence_smem_bytes(pf::kHeadDim);
-    // bits 1, 2, 16, 128 (fp16); 4, 8, 64, 512 (bf16)
-    KDA_PF_CUDA(allow_smem(kernel, max_smem, device, bit << (compact ? 7 : p.ksplit ? 4 : 1)));
+    // The limit is raised to the largest configuration (vs = 128; vs = 32 with the K split) once.
+    auto* kernel = p.ksplit ? pf::recurrence_kernel<kFp16, true> : pf::recurrence_kernel<kFp16, false>;
+    const int max_smem = p.ksplit ? pf::recurrence_smem_bytes(32, true) : pf::recurrence_smem_bytes(pf::kHeadDim);
+    KDA_PF_CUDA(allow_smem(kernel, max_smem, device, bit << (p.ksplit ? 4 : 1)));  // bits 1, 2, 16 (fp16); 4, 8, 64
     KDA_PF_CUDA(launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
                               dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, p.ksplit))),
                               pf::recurrence_smem_bytes(p.vs, p.ksplit), stream, p));

@@ -26,13 +26,12 @@ inline int recurrence_value_split(int64_t pairs, int num_sms) {
 // recurrence.cuh) for blocks of vs <= 32 columns (2 warps otherwise: half the SM's schedulers
 // idle), whose shared memory then still fits one block per SM. On by default (measured on the
 // H200, session 3: P5 3.93 -> 3.60 ms, P7 0.296 -> 0.267 ms); env = "0" (from
-// KDA_CUDA_PREFILL_KSPLIT) turns it off, for differential tests and timing. env = "64" also
-// splits blocks of vs = 64 (P2: 4 -> 8 warps, in the compact shared-memory layout); opt-in until
-// it is timed: written and checked on the CPU emulation of the kernels only.
+// KDA_CUDA_PREFILL_KSPLIT) turns it off, for differential tests and timing. At vs = 64 (P2: 4 ->
+// 8 warps, in a compact shared-memory layout) it was measured slower (session 4: P2 1.327 vs
+// 1.232 ms) and removed.
 inline bool recurrence_k_split(int vs, const char* env) {
   const bool off = env != nullptr && env[0] == '0' && env[1] == '\0';
-  const bool with64 = env != nullptr && env[0] == '6' && env[1] == '4' && env[2] == '\0';
-  return (vs <= 32 && !off) || (vs == 64 && with64);
+  return vs <= 32 && !off;
 }
 
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns

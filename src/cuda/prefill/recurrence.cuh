@@ -17,18 +17,15 @@
 // Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
 // record): one block per SM.
 //
-// K split (kKSplit, Params::ksplit; the default for vs <= 32, the few-head cases P5 / P7 whose
-// blocks have only 2 warps on 4 schedulers; opt-in for vs = 64): two warps per 16 value rows, warp (rg, kh) holding key columns
+// K split (kKSplit, Params::ksplit; vs <= 32, the few-head cases P5 / P7 whose blocks have only
+// 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
 // [64 kh, 64 kh + 64) of S^T (32 fp32 per thread). Per chunk each computes the partial S^T W^T
 // and S^T qg^T over its half of K, the pair adds the partner's partials through shared memory
 // (one extra block barrier; a + b in both warps, so both hold the same U^T bit for bit), both
 // add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
 // {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
 // Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
-// per warp (output tile): 214,032 bytes at vs = 32. At vs = 64 (8 warps, kCompact) the output
-// tiles live in the partners' exchange areas and those shrink to 6 KB: 230,416 bytes.
-// (The tile layout above, "each warp stages its output columns in its own 2 KB tile", holds
-// everywhere else.)
+// per warp (output tile): 214,032 bytes at vs = 32.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -37,27 +34,16 @@ namespace kda::cuda::pf {
 
 __host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return kRecordBytes + kChunk * vs * 2; }
 __host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return (ksplit ? 2 : 1) * (vs / 16); }
-// Exchange area of the K split: per warp its partial U^T (32 fp32 per thread) and the partial O^T
-// of the token pairs its partner owns (16 per thread; 32 slots in the wide layout below).
+// Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
-inline constexpr int kXchCompactBytes = (32 + 16) * 32 * 4;
-// The compact layout of the K split at vs = 64 (8 warps; opt-in, see heuristics.h): no separate
-// output tiles (each warp stages its outputs in its partner's exchange area, which only it reads
-// after the exchange barrier) and 6 KB exchange areas, so that 230,416 bytes fit one block.
-__host__ __device__ constexpr bool recurrence_compact(int vs, bool ksplit) { return ksplit && vs == 64; }
-// Shared memory: two stages, then
-//   no K split, or K split at vs <= 32: one output tile [64 t][16 v] (2 KB) per warp, two
-//     mbarriers, then (K split) 8 KB exchange areas;
-//   K split at vs = 64 (compact): two mbarriers, then 6 KB exchange areas.
+// Two stages, then one output tile [64 t][16 v] (2 KB) per warp, then two mbarriers, then (K
+// split) the exchange area.
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
-  return recurrence_compact(vs, ksplit)
-             ? 2 * recurrence_stage_bytes(vs) + 16 + recurrence_warps(vs, ksplit) * kXchCompactBytes
-             : 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
-                   (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
+  return 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
+         (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
-// One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in every configuration.
-static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(64, true) <= 232448 &&
-                  recurrence_smem_bytes(32, true) <= 232448,
+// One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
+static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(32, true) <= 232448,
               "recurrence shared memory");
 
 // Byte offset of 16-byte chunk `chunk` (0, 1) of row t in a warp's output tile [64][16] (32-byte
@@ -95,11 +81,8 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
 
-// kCompact: the compact shared-memory layout of the K split at vs = 64 (recurrence_compact);
-// a separate instantiation, so that the other configurations compile as before.
-template <bool kFp16, bool kKSplit, bool kCompact = false>
+template <bool kFp16, bool kKSplit>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
-  static_assert(kKSplit || !kCompact, "the compact layout is the K split's");
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
@@ -120,19 +103,12 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int sbytes = recurrence_stage_bytes(vs);
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
-  constexpr bool compact = kCompact;  // the host launches it exactly when recurrence_compact(vs, ksplit)
-  // Output tiles (absent in the compact layout), then two mbarriers (8 bytes each), then the
-  // exchange areas of the K split: this warp's and its partner's partial U^T, O^T.
-  const int tiles_bytes = compact ? 0 : nwarps * kChunk * 32;
-  const uint32_t bar0 = smem0 + 2 * sbytes + tiles_bytes;
-  const int xch_bytes = compact ? kXchCompactBytes : kXchWarpBytes;
-  uint8_t* const xch0 = smem + 2 * sbytes + tiles_bytes + 16;
-  float* xch_mine = reinterpret_cast<float*>(xch0 + warp * xch_bytes);
-  const float* xch_partner = reinterpret_cast<const float*>(xch0 + (warp ^ 1) * xch_bytes);
-  // This warp's output tile: its own 2 KB, or (compact) the partner's exchange area, which only
-  // this warp reads after the exchange barrier and which the partner next writes after the next
-  // chunk's first block barrier (by then this warp has copied its outputs out).
-  uint8_t* otile = compact ? xch0 + (warp ^ 1) * xch_bytes : smem + 2 * sbytes + warp * (kChunk * 32);
+  uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
+  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;  // two mbarriers (8 bytes each)
+  // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
+  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + warp * kXchWarpBytes);
+  const float* xch_partner =
+      reinterpret_cast<const float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + (warp ^ 1) * kXchWarpBytes);
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[kNJ][4];
@@ -241,29 +217,23 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       }
     }
     if constexpr (kKSplit) {
-      // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both); O^T read
-      // only for the token pairs the reader owns (slot j; compact: only those are written, at
-      // jo = the j's rank among the 4 owned ones). Both areas were last read (or, compact, used as an output tile)
-      // in the previous chunk, before this chunk's first block barrier.
+      // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both). Both
+      // areas were last read in the previous chunk, before this chunk's first block barrier.
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int jx = compact ? (j & 1) + 2 * (j >> 2) : j;
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
-          if (!compact || owns_token_pair(j >> 1, kh ^ 1)) xch_mine[1024 + (jx * 4 + e) * 32 + lane] = accO[j][e];
+          xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
         }
-      }
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        const int jx = compact ? (j & 1) + 2 * (j >> 2) : j;
+      for (int j = 0; j < 8; ++j)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
-          if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (jx * 4 + e) * 32 + lane];
+          if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
         }
-      }
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j)
