@@ -41,7 +41,10 @@
 // 66 at HV = 32): the staged kernel's arithmetic (bitwise the same), but the copy engine moves the
 // tile: one cp.async.bulk in (per row when rows are padded), s' written back in place in shared
 // memory, one bulk copy out. Dense single-token calls use a one-slot token stage: 18.3 KB of
-// shared memory and 40 registers, 12 blocks per SM. See "The bulk kernel" below.
+// shared memory and 40 registers, 12 blocks per SM. See "The bulk kernel" below. Its latency
+// variant (no register bound, passes unrolled, s' stored from registers during pass 2 instead of
+// the write-back, barrier and bulk store) is the default for dense single-token calls on grids
+// of <= 2 blocks per SM and with every bf16 pool (docs/perf_decode.md, v8).
 //
 // Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
 // (cuda/launch.cuh): the next kernel's launch overlaps this one's tail.
@@ -83,14 +86,14 @@
 // T = 8). No kernel spills, except a few bytes in the bulk kernels (4-52 B outside the passes:
 // -DKDA_PTXAS_VERBOSE=ON shows them).
 //
-// Kernels: decode_bulk_kernel<StateT, kSlots> (4 instantiations; the default for large fp32
-// batches), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
+// Kernels: decode_bulk_kernel<StateT, kSlots, kLatency> (6 instantiations; the default for
+// large fp32 batches, dense single-token calls on small grids and bf16 pools), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
 // it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
 // StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
 // lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
 // plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | persistent
-// overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
+// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | bulklat |
+// persistent overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
 // many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
@@ -1673,15 +1676,17 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
 }
 
 // The one kernel heuristic (pure host function). For V-first, K = V = 128 and a pool with 16-byte
-// aligned rows: the bulk kernel ("v4") for fp32 pools with >= 64 blocks per SM when every state
-// tensor it writes has aligned rows, the staged kernel's latency variant for <= 2 blocks per SM,
-// the staged kernel ("v3") otherwise (any token count, dense or varlen, every index / state-output
+// aligned rows (and every state tensor the bulk kernels write with aligned rows): the bulk kernel's
+// latency variant for dense single-token calls with <= 2 blocks per SM or a bf16 pool, the bulk
+// kernel ("v4") for fp32 pools with >= 64 blocks per SM, the staged kernel's latency variant for
+// other grids of <= 2 blocks per SM, the staged kernel ("v3") otherwise (any token count, dense or varlen, every index / state-output
 // mode). Everything else (K-first, K != 128, unaligned pools) runs the tile kernel. The persistent
 // kernel takes V-first K = V = 128, an aligned pool, dense tokens, T <= 8, >= 2 ring stages, and
 // runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
 // kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
 // kernel runs only on request. KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput
-// variant) | bulk | persistent overrides (where eligible; otherwise the default choice).
+// variant) | bulk | bulklat (the bulk latency variant) | persistent overrides (where eligible;
+// otherwise the default choice).
 DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
   auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
   if (is("baseline")) return DecodeKernel::kBaseline;
@@ -1704,11 +1709,17 @@ DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
   // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
   // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
   // 32: 53.5 vs 52.2 us) and the bf16 state's 8 KB tiles were slower (310 vs 268 us at B = 256).
-  // Grids of at most 2 blocks per SM (B = 1, 2 at HV = 32) run the staged kernel's latency
-  // variant: their time is the critical path, not the bytes in flight.
+  // Grids of at most 2 blocks per SM (B = 1, 2 at HV = 32) run a latency variant: their time is
+  // the critical path, not the bytes in flight. Dense single-token calls take the bulk kernel's
+  // (bulk copy in, s' stored from registers), also for every bf16 pool: measured on the H200
+  // (session 4, docs/perf_decode.md v8), B = 1 in a 20-call graph 4.53 us against 5.06 for the
+  // staged latency variant, one call 7.4 vs 8.0 us, bf16 state at B = 256 193 vs 233 us; fp32
+  // at B = 256 / 1024 it is slower than the bulk kernel (287 vs 279 us, 1128 vs 1097 us).
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
+  const bool small_grid = blocks <= int64_t{2} * sms;
+  if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16)) return DecodeKernel::kBulkLatency;
   if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32) return DecodeKernel::kBulk;
-  return blocks <= int64_t{2} * sms ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
+  return small_grid ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
 }
 
 // Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
