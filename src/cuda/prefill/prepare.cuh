@@ -46,12 +46,14 @@ inline constexpr int kPrepareThreads = 256;
 
 // Log decay in log2 units (a * log2 e) of one channel. The lower-bound form (the common one)
 // takes a fast sigmoid: 1 / (1 + 2^(-x log2 e)) with an approximate reciprocal (x clamped at -80,
-// where the sigmoid is below 2e-35); the other forms use the shared accurate formula.
-__device__ __forceinline__ float log2_decay(int form, float g, float exp_a, float bias, float lower_bound) {
-  if (form == detail::kGateLowerBound) {
-    const float x = fmaxf(exp_a * (g + bias), -80.f);
-    return lower_bound * kLog2e * __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
-  }
+// where the sigmoid is below 2e-35); the other forms use the shared accurate formula. The caller
+// branches on the form once for all its channels (uniform), so that their exp / reciprocal chains
+// interleave: a branch per channel serialized them (SASS of session 3).
+__device__ __forceinline__ float log2_decay_lower_bound(float g, float exp_a, float bias, float lower_bound) {
+  const float x = fmaxf(exp_a * (g + bias), -80.f);
+  return lower_bound * kLog2e * __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+}
+__device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias, float lower_bound) {
   return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
 }
 
@@ -108,32 +110,28 @@ __device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, 
     w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
   }
 }
+// Branch-free (selects), so that the conversions of several passes interleave.
 template <bool kFp16>
-__device__ __forceinline__ void gate_to_f32(int dtype, const uint32_t (&w)[8], float (&x)[8]) {
-  if (dtype == kF32) {
+__device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], float (&x)[8]) {
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = __uint_as_float(w[i]);
-  } else {
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      x[2 * i] = lo_f32<kFp16>(w[i]);
-      x[2 * i + 1] = hi_f32<kFp16>(w[i]);
-    }
+  for (int i = 0; i < 8; ++i) {
+    const uint32_t h = w[i >> 1];
+    x[i] = f32 ? __uint_as_float(w[i]) : ((i & 1) ? hi_f32<kFp16>(h) : lo_f32<kFp16>(h));
   }
 }
 
-// Akk / Aqk tiles of row block i (rows 16i..16i+15) against column tiles [tile0, tile0 + ntiles)
+// Akk / Aqk tiles of row block i (rows 16i..16i+15) against column tiles [tile0, tile0 + kTiles)
 // (8 columns each), factored around reference token r: operands k_t exp(G_t - G_r) and
 // k_s exp(G_r - G_s), normalized (q also scaled), rounded to tf32 (G in log2 units). Results go to M (b_t Akk, s < t)
 // and to the Aqk record (s <= t; zero above the diagonal).
-template <int kMaxTiles, bool kFp16>
+template <int kTiles, bool kFp16>
 __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t* kr, const float* G,
                                               const float* invq, const float* invk, const float* bet,
-                                              float* M, float* rec_aqk, int i, int r, int tile0, int ntiles,
+                                              float* M, float* rec_aqk, int i, int r, int tile0,
                                               int g, int c) {
-  float acc_k[kMaxTiles][4], acc_q[kMaxTiles][4];
+  float acc_k[kTiles][4], acc_q[kTiles][4];
 #pragma unroll
-  for (int jt = 0; jt < kMaxTiles; ++jt)
+  for (int jt = 0; jt < kTiles; ++jt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
   const int ta = 16 * i + g, tb = ta + 8;
@@ -159,33 +157,29 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t
     const uint32_t aq[4] = {f32_to_tf32(lo(qa) * iqa * ea0), f32_to_tf32(lo(qb) * iqb * eb0),
                             f32_to_tf32(hi(qa) * iqa * ea1), f32_to_tf32(hi(qb) * iqb * eb1)};
 #pragma unroll
-    for (int jt = 0; jt < kMaxTiles; ++jt) {
-      if (jt < ntiles) {
-        const int s = 8 * (tile0 + jt) + g;
-        const float iks = invk[s];
-        const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + ch);
-        const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kr + s * kQkPitch + ch);
-        const uint32_t b0 = f32_to_tf32(lo(ks2) * iks * fast_exp2(gr.x - gs.x));
-        const uint32_t b1 = f32_to_tf32(hi(ks2) * iks * fast_exp2(gr.y - gs.y));
-        mma_tf32(acc_k[jt], ak, b0, b1);
-        mma_tf32(acc_q[jt], aq, b0, b1);
-      }
+    for (int jt = 0; jt < kTiles; ++jt) {
+      const int s = 8 * (tile0 + jt) + g;
+      const float iks = invk[s];
+      const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + ch);
+      const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kr + s * kQkPitch + ch);
+      const uint32_t b0 = f32_to_tf32(lo(ks2) * iks * fast_exp2(gr.x - gs.x));
+      const uint32_t b1 = f32_to_tf32(hi(ks2) * iks * fast_exp2(gr.y - gs.y));
+      mma_tf32(acc_k[jt], ak, b0, b1);
+      mma_tf32(acc_q[jt], aq, b0, b1);
     }
   }
 #pragma unroll
-  for (int jt = 0; jt < kMaxTiles; ++jt) {
-    if (jt < ntiles) {
-      const int s = 8 * (tile0 + jt) + 2 * c;
+  for (int jt = 0; jt < kTiles; ++jt) {
+    const int s = 8 * (tile0 + jt) + 2 * c;
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
-        const int t = h ? tb : ta;
-        const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
-        const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
-        if (s < t) M[t * kMPitch + s] = bet[t] * k0;
-        if (s + 1 < t) M[t * kMPitch + s + 1] = bet[t] * k1;
-        const float2 v = make_float2(s <= t ? tf32_round(q0) : 0.f, s + 1 <= t ? tf32_round(q1) : 0.f);
-        *reinterpret_cast<float2*>(rec_aqk + swizzle_f32(t, s)) = v;
-      }
+    for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
+      const int t = h ? tb : ta;
+      const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
+      const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
+      if (s < t) M[t * kMPitch + s] = bet[t] * k0;
+      if (s + 1 < t) M[t * kMPitch + s + 1] = bet[t] * k1;
+      const float2 v = make_float2(s <= t ? tf32_round(q0) : 0.f, s + 1 <= t ? tf32_round(q1) : 0.f);
+      *reinterpret_cast<float2*>(rec_aqk + swizzle_f32(t, s)) = v;
     }
   }
 }
@@ -476,39 +470,60 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     if (p.q.vec && p.k.vec && p.g.vec) issue_loads(std::true_type{});
     else issue_loads(std::false_type{});
     const float exp_a = p.A_log ? expf(a_log) : 1.f;
+    // q, k to shared memory and their squared norms (four independent passes), then the half-warp
+    // sums of all of them together (the 16 threads of a row are one half-warp).
+    float ssq[4], ssk[4];
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
       const int row = 16 * pass + rr;
-      const bool valid = row < L;
       *reinterpret_cast<uint4*>(qr + row * kQkPitch + 8 * ch) = qv[pass];
       *reinterpret_cast<uint4*>(kr + row * kQkPitch + 8 * ch) = kv[pass];
       const uint32_t wq[4] = {qv[pass].x, qv[pass].y, qv[pass].z, qv[pass].w};
       const uint32_t wk[4] = {kv[pass].x, kv[pass].y, kv[pass].z, kv[pass].w};
-      float ssq = 0.f, ssk = 0.f;
+      ssq[pass] = ssk[pass] = 0.f;
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
         const float q0 = lo_f32<kFp16>(wq[i]), q1 = hi_f32<kFp16>(wq[i]);
         const float k0 = lo_f32<kFp16>(wk[i]), k1 = hi_f32<kFp16>(wk[i]);
-        ssq = fmaf(q0, q0, fmaf(q1, q1, ssq));
-        ssk = fmaf(k0, k0, fmaf(k1, k1, ssk));
+        ssq[pass] = fmaf(q0, q0, fmaf(q1, q1, ssq[pass]));
+        ssk[pass] = fmaf(k0, k0, fmaf(k1, k1, ssk[pass]));
       }
+    }
 #pragma unroll
-      for (int o = 8; o >= 1; o >>= 1) {  // the 16 threads of a row are one half-warp
-        ssq += __shfl_xor_sync(0xffffffffu, ssq, o);
-        ssk += __shfl_xor_sync(0xffffffffu, ssk, o);
+    for (int o = 8; o >= 1; o >>= 1)
+#pragma unroll
+      for (int pass = 0; pass < 4; ++pass) {
+        ssq[pass] += __shfl_xor_sync(0xffffffffu, ssq[pass], o);
+        ssk[pass] += __shfl_xor_sync(0xffffffffu, ssk[pass], o);
       }
-      float gv[8], a[8];
-      gate_to_f32<kFp16>(p.g.dtype, gw[pass], gv);
+    // Log decays of this thread's 32 gate inputs: one uniform branch on the gate form around all
+    // of them; padded rows (row >= L) get a = 0.
+    float a[4][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        a[i] = valid ? log2_decay(p.gate_form, gv[i], exp_a, bias[i], p.lower_bound) : 0.f;
-      *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch) = make_float4(a[0], a[1], a[2], a[3]);
-      *reinterpret_cast<float4*>(G + row * kGPitch + 8 * ch + 4) = make_float4(a[4], a[5], a[6], a[7]);
+    for (int pass = 0; pass < 4; ++pass) gate_to_f32<kFp16>(p.g.dtype == kF32, gw[pass], a[pass]);
+    if (p.gate_form == detail::kGateLowerBound) {
+#pragma unroll
+      for (int pass = 0; pass < 4; ++pass)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_lower_bound(a[pass][i], exp_a, bias[i], p.lower_bound);
+    } else {
+#pragma unroll
+      for (int pass = 0; pass < 4; ++pass)
+#pragma unroll
+        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_other(p.gate_form, a[pass][i], exp_a, bias[i], p.lower_bound);
+    }
+#pragma unroll
+    for (int pass = 0; pass < 4; ++pass) {
+      const int row = 16 * pass + rr;
+      const bool valid = row < L;
+      float* gr = G + row * kGPitch + 8 * ch;
+      *reinterpret_cast<float4*>(gr) = valid ? make_float4(a[pass][0], a[pass][1], a[pass][2], a[pass][3]) : make_float4(0.f, 0.f, 0.f, 0.f);
+      *reinterpret_cast<float4*>(gr + 4) = valid ? make_float4(a[pass][4], a[pass][5], a[pass][6], a[pass][7]) : make_float4(0.f, 0.f, 0.f, 0.f);
       if (ch == 0) {
         const float eps = static_cast<float>(detail::kL2NormEps);
         const float braw = bits_to_f32(bw[pass], p.beta.dtype);
-        invq[row] = p.l2norm ? p.scale / sqrtf(ssq + eps) : p.scale;
-        invk[row] = p.l2norm ? 1.f / sqrtf(ssk + eps) : 1.f;
+        invq[row] = p.l2norm ? p.scale / sqrtf(ssq[pass] + eps) : p.scale;
+        invk[row] = p.l2norm ? 1.f / sqrtf(ssk[pass] + eps) : 1.f;
         bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw) : 0.f;
       }
     }
@@ -551,17 +566,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
     if (span <= 45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
-      akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, 2, g, c);
+      akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, g, c);
     } else {
       akk_aqk_diag_pairwise<kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, lane);
     }
   } else {
-    // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2)
+    // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2). The tile count is a
+    // template argument (warp-uniform branch here): a runtime count put every tile behind its own
+    // branch in the k loop, which kept the tiles' operand chains from interleaving.
     const int w = warp - 4;
-    const int i = w < 2 ? 3 : (w == 2 ? 2 : 1);
-    const int tile0 = w == 1 ? 3 : 0;
-    const int ntiles = w < 2 ? 3 : (w == 2 ? 4 : 2);
-    akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, 16 * i, tile0, ntiles, g, c);
+    if (w < 2) akk_aqk_tiles<3, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 3, 48, 3 * w, g, c);
+    else if (w == 2) akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 2, 32, 0, g, c);
+    else akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 1, 16, 0, g, c);
   }
   __syncthreads();
 
