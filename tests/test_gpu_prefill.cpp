@@ -355,6 +355,34 @@ TEST(GpuPrefillSmoke, VarlenPoolCheckpointsStrided) {
   expect_close("checkpoints", r.ckpt, ref.ckpt, state_tolerance(c.state_dtype));
 }
 
+// The prepare kernel's L2 prefetch (a hint) at distance 1, so that small grids exercise it (dense
+// and varlen, where it guesses past a sequence's end), and off: results bitwise the same as with
+// the default distance, and within the reference tolerance.
+TEST(GpuPrefillSmokePrefetch, HintChangesNothing) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (bool varlen : {false, true}) {
+    SCOPED_TRACE(varlen ? "varlen" : "dense");
+    PrefillCase c = base_case();
+    c.varlen = varlen;
+    c.seqlens = varlen ? std::vector<int64_t>{70, 0, 130, 5} : std::vector<int64_t>{200, 200};
+    const PrefillData d = make_prefill(c);
+    const PrefillData ref = run_reference(d);
+    unsetenv("KDA_CUDA_PREFILL_PREFETCH");
+    const GpuResult base = run_cuda(d);
+    ASSERT_TRUE(base.status.ok()) << base.status.to_string();
+    expect_close("out", base.out, ref.out, out_tolerance(c.dtype));
+    for (const char* env : {"1", "0"}) {
+      SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_PREFETCH=") + env);
+      setenv("KDA_CUDA_PREFILL_PREFETCH", env, 1);
+      const GpuResult r = run_cuda(d);
+      unsetenv("KDA_CUDA_PREFILL_PREFETCH");
+      ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+      EXPECT_TRUE(bitwise_equal(r.out, base.out));
+      EXPECT_TRUE(bitwise_equal(r.ht, base.ht));
+    }
+  }
+}
+
 TEST(GpuPrefill, BitwiseDeterministic) {
   KDA_SKIP_WITHOUT_SM90();
   PrefillCase c = base_case();
@@ -533,6 +561,15 @@ TEST(PrefillHeuristics, KSplit) {
   EXPECT_FALSE(recurrence_k_split(128, nullptr));
   EXPECT_FALSE(recurrence_k_split(32, "0"));
   EXPECT_FALSE(recurrence_k_split(16, "0"));
+}
+
+TEST(PrefillHeuristics, PrefetchDistance) {
+  using cuda::pf::prepare_prefetch_blocks;
+  EXPECT_EQ(prepare_prefetch_blocks(132, nullptr), 264);  // two resident blocks per SM
+  EXPECT_EQ(prepare_prefetch_blocks(132, "0"), 0);        // off
+  EXPECT_EQ(prepare_prefetch_blocks(132, "1"), 1);        // a distance
+  EXPECT_EQ(prepare_prefetch_blocks(132, "00"), 0);
+  EXPECT_EQ(prepare_prefetch_blocks(8, "x"), 16);         // not a number: the default
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {

@@ -33,7 +33,7 @@
 #include "cuda/prefill/recurrence.cuh"
 
 namespace emu {
-dim3 threadIdx_, blockIdx_, blockDim_;
+dim3 threadIdx_, blockIdx_, blockDim_, gridDim_;
 uint8_t* smem_base; size_t smem_size;
 WarpCtx* warp_ctx; int lane_id;
 struct Fiber { ucontext_t ctx; std::vector<char> stack; bool done = false; };
@@ -86,7 +86,7 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
       for (int t = 0; t < threads; ++t) {
         if (fib[t].done) continue;
         any = true;
-        emu::cur = t; emu::threadIdx_.x = t; emu::blockIdx_.x = (unsigned)b; emu::blockDim_.x = threads;
+        emu::cur = t; emu::threadIdx_.x = t; emu::blockIdx_.x = (unsigned)b; emu::blockDim_.x = threads; emu::gridDim_.x = (unsigned)blocks;
         emu::warp_ctx = &wc[t / 32]; emu::lane_id = t % 32;
         swapcontext(&emu::sched_ctx, &fib[t].ctx);
       }

@@ -23,10 +23,11 @@ inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); retu
 inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
 template <typename T> inline T __ldg(const T* p) { return *p; }
 namespace emu {
-extern dim3 threadIdx_, blockIdx_, blockDim_;
+extern dim3 threadIdx_, blockIdx_, blockDim_, gridDim_;
 extern uint8_t* smem_base;
 extern size_t smem_size;
 struct WarpCtx { int arrived = 0; long gen = 0; uint64_t slot[32][16]; };
@@ -38,6 +39,7 @@ void block_sync();
 #define threadIdx emu::threadIdx_
 #define blockIdx emu::blockIdx_
 #define blockDim emu::blockDim_
+#define gridDim emu::gridDim_
 inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) {

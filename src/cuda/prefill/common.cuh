@@ -146,6 +146,7 @@ struct Params {
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
+  int prefetch_blocks = 0;          // prepare: L2 prefetch for block index + this (0: off)
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read
@@ -228,9 +229,10 @@ __device__ __forceinline__ uint32_t load_bits_any(const void* base, int dtype, i
   if (dtype == kF32) return static_cast<const uint32_t*>(base)[off];
   return static_cast<const uint16_t*>(base)[off];
 }
+// As selects, not branches on the dtype (the prepare kernel's per-row factors interleave).
 __device__ __forceinline__ float bits_to_f32(uint32_t bits, int dtype) {
-  if (dtype == kF32) return __uint_as_float(bits);
-  return dtype == kF16 ? in_to_f32<true>(bits) : in_to_f32<false>(bits);
+  const float h = in_to_f32<true>(bits), b = in_to_f32<false>(bits);
+  return dtype == kF32 ? __uint_as_float(bits) : (dtype == kF16 ? h : b);
 }
 __device__ __forceinline__ float load_any(const void* base, int dtype, int64_t off) {
   return bits_to_f32(load_bits_any(base, dtype, off), dtype);

@@ -34,6 +34,19 @@ inline bool recurrence_k_split(int vs, const char* env) {
   return vs <= 32 && !off;
 }
 
+// L2 prefetch distance of the prepare kernel, in blocks: each block prefetches the q, k, g rows
+// of block (its index + this), which starts about one block life later (blocks start in index
+// order, two per SM are resident). env (KDA_CUDA_PREFILL_PREFETCH): "0" turns it off, a positive
+// number sets the distance (tests: 1 exercises it on small grids); anything else: the default.
+inline int prepare_prefetch_blocks(int num_sms, const char* env) {
+  if (env != nullptr && env[0] >= '0' && env[0] <= '9') {
+    long v = 0;
+    for (const char* c = env; *c >= '0' && *c <= '9' && v < 1000000; ++c) v = 10 * v + (*c - '0');
+    return static_cast<int>(v);
+  }
+  return 2 * num_sms;
+}
+
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
 // ceil(T / 64) slots; varlen, sequence n owns slots from cu[n] / 64 + n on, which stays below
 // T / 64 + N whatever the (device-side, unread) cu_seqlens values are.

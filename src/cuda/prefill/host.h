@@ -132,6 +132,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.vs = recurrence_value_split(pairs, num_sms);
   p.nslices = kHeadDim / p.vs;
   p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
 
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;

@@ -110,6 +110,13 @@ __device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, 
     w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
   }
 }
+// b_t from the beta input (detail::activate_beta with a fast sigmoid: 1 / (1 + e^-x) by ex2 and an
+// approximate reciprocal; 0 for x -> -inf, 1 for x -> +inf).
+__device__ __forceinline__ float beta_fast(bool logits, bool neg_eig, float x) {
+  if (!logits) return x;
+  const float s = __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+  return neg_eig ? 2.f * s : s;
+}
 // Branch-free (selects), so that the conversions of several passes interleave.
 template <bool kFp16>
 __device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], float (&x)[8]) {
@@ -384,6 +391,46 @@ __device__ unsigned long long g_prepare_phase_clocks[kPrepareTracePhases + 1];  
 #define KDA_PF_PHASE(i) ((void)0)
 #endif
 
+// Dense chunk slot -> (sequence n, chunk j), by a 32-bit division where the values allow (a
+// 64-bit one is a ~100-instruction call).
+__device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_t& n, int64_t& j) {
+  if (slot <= INT32_MAX && p.chunks_per_seq <= INT32_MAX) {
+    const uint32_t s32 = static_cast<uint32_t>(slot), c32 = static_cast<uint32_t>(p.chunks_per_seq);
+    n = s32 / c32;
+    j = s32 - static_cast<uint32_t>(n) * c32;
+  } else {
+    n = slot / p.chunks_per_seq;
+    j = slot % p.chunks_per_seq;
+  }
+}
+
+// L2 prefetch (a hint) of the q, k, g rows of the chunk that block blockIdx.x + p.prefetch_blocks
+// will load, about one block life from now; threads 0..191: one 256- or 512-byte row each. Dense:
+// that block's rows exactly; varlen: this block's sequence continued (exact while it lasts, a
+// harmless guess past its end). Only for 16-byte aligned rows.
+__device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0, int tid) {
+  if (p.prefetch_blocks <= 0 || tid >= 3 * kChunk || !(p.q.vec && p.k.vec && p.g.vec)) return;
+  const uint32_t nb = blockIdx.x + static_cast<uint32_t>(p.prefetch_blocks);
+  if (nb >= gridDim.x) return;
+  const int hv2 = static_cast<int>(nb % static_cast<unsigned>(p.HV));
+  const int64_t slot2 = nb / static_cast<unsigned>(p.HV);
+  int64_t b2 = 0, t2;
+  if (!p.varlen) {
+    int64_t j2;
+    dense_slot(p, slot2, b2, j2);
+    t2 = j2 * kChunk;
+  } else {
+    t2 = t0 + (slot2 - slot) * kChunk;
+  }
+  const int which = tid / kChunk;  // 0: q, 1: k, 2: g
+  const int64_t tok = t2 + (tid % kChunk);
+  if (tok >= p.T) return;
+  const TokenView& tv = which == 0 ? p.q : (which == 1 ? p.k : p.g);
+  const int esize = tv.dtype == kF32 ? 4 : 2;
+  const int64_t off = tv.offset(b2, tok, which == 2 ? hv2 : hv2 / p.groups);
+  prefetch_l2(static_cast<const uint8_t*>(tv.data) + off * esize, static_cast<uint32_t>(kHeadDim * esize));
+}
+
 template <bool kFp16>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -410,7 +457,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   int64_t b, t0;
   int L;
   if (!p.varlen) {
-    const int64_t n = slot / p.chunks_per_seq, j = slot % p.chunks_per_seq;
+    int64_t n, j;
+    dense_slot(p, slot, n, j);
     b = n;
     t0 = j * kChunk;
     L = static_cast<int>(clamp64(p.T - t0, 0, kChunk));
@@ -434,6 +482,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   if (tid == 0) atomicAdd(&g_prepare_phase_clocks[kPrepareTracePhases], 1ull);  // blocks with a chunk
 #endif
   KDA_PF_PHASE(0);  // locate
+  prefetch_next_chunk(p, slot, t0, tid);
   uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
 
@@ -512,6 +561,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
         for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_other(p.gate_form, a[pass][i], exp_a, bias[i], p.lower_bound);
     }
+    // Per-row factors, computed by every thread (branch-free, so that the four passes interleave)
+    // and stored by the lanes ch == 0: rsqrt and a fast sigmoid (relative error ~1e-7, far below
+    // the tf32 rounding of every operand they scale).
+    const float eps = static_cast<float>(detail::kL2NormEps);
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
       const int row = 16 * pass + rr;
@@ -519,12 +572,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       float* gr = G + row * kGPitch + 8 * ch;
       *reinterpret_cast<float4*>(gr) = valid ? make_float4(a[pass][0], a[pass][1], a[pass][2], a[pass][3]) : make_float4(0.f, 0.f, 0.f, 0.f);
       *reinterpret_cast<float4*>(gr + 4) = valid ? make_float4(a[pass][4], a[pass][5], a[pass][6], a[pass][7]) : make_float4(0.f, 0.f, 0.f, 0.f);
+      const float iq = p.l2norm ? p.scale * rsqrtf(ssq[pass] + eps) : p.scale;
+      const float ik = p.l2norm ? rsqrtf(ssk[pass] + eps) : 1.f;
+      const float bt = valid ? beta_fast(p.beta_logits, p.neg_eig, bits_to_f32(bw[pass], p.beta.dtype)) : 0.f;
       if (ch == 0) {
-        const float eps = static_cast<float>(detail::kL2NormEps);
-        const float braw = bits_to_f32(bw[pass], p.beta.dtype);
-        invq[row] = p.l2norm ? p.scale / sqrtf(ssq[pass] + eps) : p.scale;
-        invk[row] = p.l2norm ? 1.f / sqrtf(ssk[pass] + eps) : 1.f;
-        bet[row] = valid ? detail::activate_beta<float>(p.beta_logits, p.neg_eig, braw) : 0.f;
+        invq[row] = iq;
+        invk[row] = ik;
+        bet[row] = bt;
       }
     }
   }

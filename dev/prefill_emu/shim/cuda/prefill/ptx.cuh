@@ -96,5 +96,8 @@ inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "bulk copy misaligned");
   std::memcpy(sptr(dst, bytes), src, bytes); sptr(bar, 8);
 }
+inline void prefetch_l2(const void* src, uint32_t bytes) {
+  EMU_CHECK(reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "prefetch misaligned");
+}
 inline uint4 ld_global_16(const void* p) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "ld16 misaligned"); uint4 r; std::memcpy(&r, p, 16); return r; }
 }  // namespace kda::cuda::pf
