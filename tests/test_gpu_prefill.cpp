@@ -355,9 +355,9 @@ TEST(GpuPrefillSmoke, VarlenPoolCheckpointsStrided) {
   expect_close("checkpoints", r.ckpt, ref.ckpt, state_tolerance(c.state_dtype));
 }
 
-// The prepare kernel's L2 prefetch (a hint) at distance 1, so that small grids exercise it (dense
-// and varlen, where it guesses past a sequence's end), and off: results bitwise the same as with
-// the default distance, and within the reference tolerance.
+// The prepare kernel's opt-in L2 prefetch (a hint) at distance 1, so that small grids exercise
+// it (dense and varlen, where it guesses past a sequence's end), and explicitly off: results
+// bitwise the same as the default (off), and within the reference tolerance.
 TEST(GpuPrefillSmokePrefetch, HintChangesNothing) {
   KDA_SKIP_WITHOUT_SM90();
   for (bool varlen : {false, true}) {
@@ -565,11 +565,11 @@ TEST(PrefillHeuristics, KSplit) {
 
 TEST(PrefillHeuristics, PrefetchDistance) {
   using cuda::pf::prepare_prefetch_blocks;
-  EXPECT_EQ(prepare_prefetch_blocks(132, nullptr), 264);  // two resident blocks per SM
-  EXPECT_EQ(prepare_prefetch_blocks(132, "0"), 0);        // off
+  EXPECT_EQ(prepare_prefetch_blocks(132, nullptr), 0);    // off by default (measured slower)
+  EXPECT_EQ(prepare_prefetch_blocks(132, "0"), 0);
   EXPECT_EQ(prepare_prefetch_blocks(132, "1"), 1);        // a distance
-  EXPECT_EQ(prepare_prefetch_blocks(132, "00"), 0);
-  EXPECT_EQ(prepare_prefetch_blocks(8, "x"), 16);         // not a number: the default
+  EXPECT_EQ(prepare_prefetch_blocks(132, "264"), 264);
+  EXPECT_EQ(prepare_prefetch_blocks(8, "d"), 16);         // text: two blocks per SM ahead
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {

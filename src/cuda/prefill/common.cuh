@@ -146,7 +146,7 @@ struct Params {
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
-  int prefetch_blocks = 0;          // prepare: L2 prefetch for block index + this (0: off)
+  int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read

@@ -404,8 +404,8 @@ __device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_
   }
 }
 
-// L2 prefetch (a hint) of the q, k, g rows of the chunk that block blockIdx.x + p.prefetch_blocks
-// will load, about one block life from now; threads 0..191: one 256- or 512-byte row each. Dense:
+// Opt-in (heuristics.h: measured slower at the natural distance) L2 prefetch (a hint) of the q, k,
+// g rows of the chunk that block blockIdx.x + p.prefetch_blocks will load; threads 0..191: one 256- or 512-byte row each. Dense:
 // that block's rows exactly; varlen: this block's sequence continued (exact while it lasts, a
 // harmless guess past its end). Only for 16-byte aligned rows.
 __device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0, int tid) {
