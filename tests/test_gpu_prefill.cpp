@@ -383,6 +383,80 @@ TEST(GpuPrefillSmokePrefetch, HintChangesNothing) {
   }
 }
 
+// Prefill over T tokens, then one decode step, both on the GPU, equals prefill over T + 1 tokens:
+// the decode reads the prefill's final state (a [B, HV, V, K] fp32 tensor used as the pool, row n
+// = sequence n) and updates it in place. The decoded token and state are checked against the fp64
+// reference of the longer prefill (the prefill's tolerances: the decode step itself is fp32-exact)
+// and against the GPU's own longer prefill. T = 1, 64 (a chunk boundary), 100.
+TEST(GpuPrefillDecode, DecodeAfterPrefillEqualsLongerPrefill) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (int64_t T : {1, 64, 100}) {
+    SCOPED_TRACE("T = " + std::to_string(T));
+    PrefillCase c = base_case();
+    c.seqlens = {T + 1, T + 1};
+    c.H = 2;
+    c.HV = 4;
+    c.gate = GateForm::kLowerBound;
+    const PrefillData d = make_prefill(c);
+    const PrefillData ref = run_reference(d);
+    const GpuResult full = run_cuda(d);
+    ASSERT_TRUE(full.status.ok()) << full.status.to_string();
+
+    // The prefix: views of the first T tokens of the same device inputs; final state into ht.
+    DeviceData dd(d);
+    const PrefillParams whole = dd.p;
+    for (TensorView* t : {&dd.p.q, &dd.p.k, &dd.p.v, &dd.p.g, &dd.p.beta, &dd.p.out}) t->shape[1] = T;
+    size_t bytes = 0;
+    ASSERT_TRUE(prefill_workspace_size(dd.p, &bytes).ok());
+    DeviceBuffer ws(bytes);
+    dd.p.exec.workspace = ws.ptr;
+    dd.p.exec.workspace_bytes = bytes;
+    Status s = prefill(dd.p);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+
+    // Token T, decoded from the prefix's final state in place.
+    auto last = [&](const TensorView& t) {
+      TensorView r = t;
+      r.data = static_cast<char*>(t.data) + T * t.strides[1] * dtype_size(t.dtype);
+      r.shape[1] = 1;
+      return r;
+    };
+    DecodeParams dp;
+    dp.q = last(whole.q);
+    dp.k = last(whole.k);
+    dp.v = last(whole.v);
+    dp.g = last(whole.g);
+    dp.beta = last(whole.beta);
+    dp.A_log = whole.A_log;
+    dp.dt_bias = whole.dt_bias;
+    dp.gate = whole.gate;
+    HostTensor out1(d.out.dtype, {2, 1, c.HV, c.V});
+    DeviceTensor dout(out1);
+    dp.out = dout.view();
+    dp.state = dd.ht->view();
+    dp.exec.backend = Backend::kCuda;
+    s = decode(dp);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    KDA_TEST_CUDA(cudaDeviceSynchronize());
+    dout.download(out1);
+    HostTensor state;
+    download(dd.ht, d.ht, &state);
+
+    // Token T of the longer prefill: the reference's and the GPU's.
+    HostTensor ref_last(DType::kFloat32, {2, 1, c.HV, c.V}), gpu_last(DType::kFloat32, {2, 1, c.HV, c.V});
+    for (int64_t n = 0; n < 2; ++n)
+      for (int64_t i = 0; i < c.HV * c.V; ++i) {
+        const int64_t src = (n * (T + 1) + T) * c.HV * c.V + i;
+        ref_last.set(n * c.HV * c.V + i, ref.out.get(src));
+        gpu_last.set(n * c.HV * c.V + i, full.out.get(src));
+      }
+    expect_close("decoded token vs reference", out1, ref_last, out_tolerance(c.dtype));
+    expect_close("state vs reference", state, ref.ht, state_tolerance(c.state_dtype));
+    expect_close("decoded token vs GPU prefill", out1, gpu_last, 2 * out_tolerance(c.dtype));
+    expect_close("state vs GPU prefill", state, full.ht, 2 * state_tolerance(c.state_dtype));
+  }
+}
+
 TEST(GpuPrefill, BitwiseDeterministic) {
   KDA_SKIP_WITHOUT_SM90();
   PrefillCase c = base_case();

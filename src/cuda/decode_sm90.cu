@@ -87,14 +87,14 @@
 // -DKDA_PTXAS_VERBOSE=ON shows them).
 //
 // Kernels: decode_bulk_kernel<StateT, kSlots, kLatency> (6 instantiations; the default for
-// large fp32 batches, dense single-token calls on small grids and bf16 pools), decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where
-// it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
+// large fp32 batches, dense single-token calls on small grids and bf16 pools),
+// decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
 // StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
 // lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
 // plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
 // the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | bulklat |
-// persistent overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test hook:
-// many items per block).
+// persistent overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test
+// hook: many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
 // copies the index tensors to the host and waits for them.
 #include <cuda_runtime.h>
@@ -1679,8 +1679,8 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
 // aligned rows (and every state tensor the bulk kernels write with aligned rows): the bulk kernel's
 // latency variant for dense single-token calls with <= 2 blocks per SM or a bf16 pool, the bulk
 // kernel ("v4") for fp32 pools with >= 64 blocks per SM, the staged kernel's latency variant for
-// other grids of <= 2 blocks per SM, the staged kernel ("v3") otherwise (any token count, dense or varlen, every index / state-output
-// mode). Everything else (K-first, K != 128, unaligned pools) runs the tile kernel. The persistent
+// other grids of <= 2 blocks per SM, the staged kernel ("v3") otherwise (any token count, dense or
+// varlen, every index / state-output mode). Everything else (K-first, K != 128, unaligned pools) runs the tile kernel. The persistent
 // kernel takes V-first K = V = 128, an aligned pool, dense tokens, T <= 8, >= 2 ring stages, and
 // runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
 // kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
