@@ -20,6 +20,7 @@
 #include "core/problem.h"
 #include "cpu/access.h"
 #include "cpu/backends.h"
+#include "cuda/decode_heuristics.h"
 #include "gpu_support.h"
 #include "support.h"
 
@@ -989,6 +990,67 @@ TEST(GpuDecodeSmokeBaseline, FastMatchesBaseline) {
     expect_close("out (fast vs baseline)", fast.out, slow.out, 1e-5);
     expect_close("inter (fast vs baseline)", fast.inter, slow.inter, 1e-5);
   }
+}
+
+// The decode kernel choice (host-only: runs without a GPU). H = HV = 32, K = V = 128, 132 SMs.
+detail::DecodeProblem heuristic_problem(int64_t N, int64_t T, DType state_dtype) {
+  detail::DecodeProblem pr;
+  pr.d.N = pr.d.B = N;
+  pr.d.T = T;
+  pr.d.H = pr.d.HV = 32;
+  pr.d.K = pr.d.V = 128;
+  void* aligned = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced
+  pr.state = make_view(aligned, state_dtype, {N + 1, 32, 128, 128}, Device::kCUDA);
+  return pr;
+}
+
+TEST(DecodeHeuristics, KernelChoice) {
+  using cuda::choose_kernel;
+  using K = cuda::DecodeKernel;
+  const int sms = 132, stages = 4;
+  auto pick = [&](const detail::DecodeProblem& pr, const char* env = nullptr) { return choose_kernel(pr, stages, sms, env); };
+  // Dense single-token calls (the benchmark's shapes).
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);     // 128 blocks
+  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)), K::kBulkLatency);     // 256 blocks <= 2 x SMs
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);         // 4096 blocks
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);          // >= 64 blocks per SM
+  EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
+  // Several tokens, varlen: no latency variant of the bulk kernel.
+  EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
+  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kBFloat16)), K::kStaged);
+  detail::DecodeProblem v = heuristic_problem(1, 1, DType::kFloat32);
+  v.d.varlen = true;
+  EXPECT_EQ(pick(v), K::kStagedLatency);
+  // Shapes the fast kernels do not take: the tile kernel.
+  detail::DecodeProblem kf = heuristic_problem(1, 1, DType::kFloat32);
+  kf.layout = StateLayout::kKFirst;
+  EXPECT_EQ(pick(kf), K::kTile);
+  detail::DecodeProblem un = heuristic_problem(1, 1, DType::kFloat32);
+  un.state.data = static_cast<char*>(un.state.data) + 4;  // rows not 16-byte aligned
+  EXPECT_EQ(pick(un), K::kTile);
+  detail::DecodeProblem k64 = heuristic_problem(1, 1, DType::kFloat32);
+  k64.d.K = k64.d.V = 64;
+  EXPECT_EQ(pick(k64), K::kTile);
+  // A written state tensor with unaligned rows: no bulk kernel.
+  for (int64_t n : {int64_t{1}, int64_t{256}}) {
+    detail::DecodeProblem fs = heuristic_problem(n, 1, DType::kFloat32);
+    fs.final_state = make_view(static_cast<char*>(fs.state.data) + 4, DType::kFloat32, {n, 32, 128, 128}, Device::kCUDA);
+    EXPECT_EQ(pick(fs), n == 1 ? K::kStagedLatency : K::kStaged) << n;
+  }
+  // Overrides, where eligible.
+  const detail::DecodeProblem b1 = heuristic_problem(1, 1, DType::kFloat32), b1t2 = heuristic_problem(1, 2, DType::kFloat32);
+  EXPECT_EQ(pick(b1, "baseline"), K::kBaseline);
+  EXPECT_EQ(pick(b1, "tile"), K::kTile);
+  EXPECT_EQ(pick(b1, "staged"), K::kStaged);
+  EXPECT_EQ(pick(b1, "bulk"), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32), "bulklat"), K::kBulkLatency);
+  EXPECT_EQ(pick(b1t2, "bulklat"), K::kStagedLatency);  // not eligible: the default choice
+  EXPECT_EQ(pick(b1, "persistent"), K::kPersistent);
+  EXPECT_EQ(choose_kernel(b1, 1, sms, "persistent"), K::kBulkLatency);  // < 2 ring stages
+  EXPECT_EQ(pick(kf, "bulk"), K::kTile);
 }
 
 }  // namespace

@@ -643,7 +643,8 @@ TEST(PrefillHeuristics, PrefetchDistance) {
   EXPECT_EQ(prepare_prefetch_blocks(132, "0"), 0);
   EXPECT_EQ(prepare_prefetch_blocks(132, "1"), 1);        // a distance
   EXPECT_EQ(prepare_prefetch_blocks(132, "264"), 264);
-  EXPECT_EQ(prepare_prefetch_blocks(8, "d"), 16);         // text: two blocks per SM ahead
+  EXPECT_EQ(prepare_prefetch_blocks(8, "auto"), 16);      // two blocks per SM ahead
+  for (const char* off : {"", "off", "false", "-1", "12x", "autox"}) EXPECT_EQ(prepare_prefetch_blocks(132, off), 0) << off;
 }
 
 TEST(PrefillHeuristics, ChunkSlots) {

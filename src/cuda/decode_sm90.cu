@@ -88,11 +88,12 @@
 //
 // Kernels: decode_bulk_kernel<StateT, kSlots, kLatency> (6 instantiations; the default for
 // large fp32 batches, dense single-token calls on small grids and bf16 pools),
-// decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where it applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK,
-// StateT, kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked
-// lanes; 12 instantiations; every shape the others do not take), and decode_baseline_kernel, a
-// plain one-thread-per-value-column version kept as the differential baseline. choose_kernel is
-// the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | bulklat |
+// decode_staged_kernel<StateT, kLatency> (4 instantiations; the default elsewhere where it
+// applies), decode_persistent_kernel<StateT> (2 instantiations), decode_sm90_kernel<kMaxK, StateT,
+// kKFirst> ("tile kernel"; kMaxK in {64, 128, 256}: K is padded up to it with masked lanes; 12
+// instantiations; every shape the others do not take), and decode_baseline_kernel, a plain
+// one-thread-per-value-column version kept as the differential baseline. choose_kernel
+// (decode_heuristics.h, host-only, tested on the CPU) is the one heuristic; KDA_CUDA_DECODE_KERNEL = baseline | tile | staged | bulk | bulklat |
 // persistent overrides it (where eligible), KDA_CUDA_DECODE_GRID caps the persistent grid (a test
 // hook: many items per block).
 // Nothing is allocated on the device and nothing synchronizes, except check_indices, which
@@ -109,6 +110,7 @@
 
 #include "core/problem.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/decode_heuristics.h"
 #include "cuda/decode_common.cuh"
 #include "cuda/launch.cuh"
 
@@ -563,6 +565,7 @@ constexpr int kPersistConsumers = 128;             // threads: 4 warps, TileMap<
 constexpr int kPersistThreads = kPersistConsumers + 32;
 constexpr int kPersistBarrierBytes = 2 * kPersistMaxStages * 8;  // full[8], empty[8]
 constexpr int kPersistK = 128, kPersistTileV = 32;
+static_assert(kPersistK == kDecodeFastK, "decode_heuristics.h: the persistent kernel's K");
 
 struct __align__(16) PersistToken {
   float q[kPersistK];
@@ -898,6 +901,7 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
 // of a dense row are issued before the index loads are consumed, and preprocessed while the
 // state copies are in flight.
 constexpr int kStagedK = 128;
+static_assert(kStagedK == kDecodeFastK, "decode_heuristics.h: the staged / bulk kernels' K");
 constexpr int kStagedThreads = 128;
 constexpr int kStagedMinBlocks = 10;  // registers <= 48: 10 x 128 x 48 = 61440 <= 64 K
 
@@ -1487,13 +1491,6 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
   } while (0)
 
 // Every leading stride and the data pointer 16-byte aligned (dimensions of size 1 excepted).
-bool rows_aligned16(const TensorView& t) {
-  if (reinterpret_cast<uintptr_t>(t.data) % 16 != 0) return false;
-  const int64_t es = static_cast<int64_t>(dtype_size(t.dtype));
-  for (int i = 0; i + 1 < t.ndim; ++i)
-    if (t.shape[i] > 1 && (t.strides[i] * es) % 16 != 0) return false;
-  return true;
-}
 
 Tensor4 to_tensor4(const TensorView& t) {
   Tensor4 r;
@@ -1630,8 +1627,6 @@ Status dispatch_fast(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
 
 // ---- Kernel choice
 
-// kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per SM.
-enum class DecodeKernel { kBaseline, kTile, kPersistent, kStaged, kStagedLatency, kBulk, kBulkLatency };
 
 // Device facts the launch needs, read once per device.
 struct DeviceInfo {
@@ -1675,52 +1670,6 @@ int persist_stages(const DeviceInfo& d, int state_elem_bytes, int64_t T) {
   return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
 }
 
-// The one kernel heuristic (pure host function). For V-first, K = V = 128 and a pool with 16-byte
-// aligned rows (and every state tensor the bulk kernels write with aligned rows): the bulk kernel's
-// latency variant for dense single-token calls with <= 2 blocks per SM or a bf16 pool, the bulk
-// kernel ("v4") for fp32 pools with >= 64 blocks per SM, the staged kernel's latency variant for
-// other grids of <= 2 blocks per SM, the staged kernel ("v3") otherwise (any token count, dense or
-// varlen, every index / state-output mode). Everything else (K-first, K != 128, unaligned pools) runs the tile kernel. The persistent
-// kernel takes V-first K = V = 128, an aligned pool, dense tokens, T <= 8, >= 2 ring stages, and
-// runs only when asked for: measured on the H200 (docs/perf_decode.md) it was slower than the tile
-// kernel (B = 256: 398 us vs 363 us; B = 1024: 2087 vs 1550; T = 4: 1273 vs 816). The baseline
-// kernel runs only on request. KDA_CUDA_DECODE_KERNEL = baseline | tile | staged (the throughput
-// variant) | bulk | bulklat (the bulk latency variant) | persistent overrides (where eligible;
-// otherwise the default choice).
-DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms, const char* env) {
-  auto is = [env](const char* name) { return env != nullptr && std::strcmp(env, name) == 0; };
-  if (is("baseline")) return DecodeKernel::kBaseline;
-  if (is("tile")) return DecodeKernel::kTile;
-  const bool staged_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kStagedK && pr.d.V == kStagedK &&
-                         rows_aligned16(pr.state);
-  const bool persistent_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kPersistK && pr.d.V == kPersistK &&
-                             rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
-  if (is("persistent") && persistent_ok) return DecodeKernel::kPersistent;
-  if (!staged_ok) return DecodeKernel::kTile;
-  if (is("staged")) return DecodeKernel::kStaged;
-  // The bulk kernel stores whole rows with the copy engine: every state tensor it may write needs
-  // 16-byte aligned rows (the pool was checked above).
-  const bool bulk_ok = (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
-                       (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
-  if (is("bulk") && bulk_ok) return DecodeKernel::kBulk;
-  const bool one_token = !pr.d.varlen && pr.d.T == 1;
-  if (is("bulklat") && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
-  // Measured on the H200 (docs/perf_decode.md, v4): the bulk kernel streams faster once there
-  // are many waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one
-  // 16 KB bulk copy has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us; B =
-  // 32: 53.5 vs 52.2 us) and the bf16 state's 8 KB tiles were slower (310 vs 268 us at B = 256).
-  // Grids of at most 2 blocks per SM (B = 1, 2 at HV = 32) run a latency variant: their time is
-  // the critical path, not the bytes in flight. Dense single-token calls take the bulk kernel's
-  // (bulk copy in, s' stored from registers), also for every bf16 pool: measured on the H200
-  // (session 4, docs/perf_decode.md v8), B = 1 in a 20-call graph 4.53 us against 5.06 for the
-  // staged latency variant, one call 7.4 vs 8.0 us, bf16 state at B = 256 193 vs 233 us; fp32
-  // at B = 256 / 1024 it is slower than the bulk kernel (287 vs 279 us, 1128 vs 1097 us).
-  const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
-  const bool small_grid = blocks <= int64_t{2} * sms;
-  if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16)) return DecodeKernel::kBulkLatency;
-  if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32) return DecodeKernel::kBulk;
-  return small_grid ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
-}
 
 // Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
 // shared array as shared memory (set once per kernel and device; racing callers set the same value).
@@ -1746,7 +1695,8 @@ Status launch_staged(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool la
 
 template <typename StateT>
 Status launch_bulk(const DecodeArgs& a, DeviceInfo& d, int64_t blocks, bool latency, cudaStream_t stream) {
-  const bool one_token = !a.varlen && a.T == 1;  // choose_kernel: the latency variant only then
+  const bool one_token = !a.varlen && a.T == 1;
+  latency = latency && one_token;  // the latency variant handles one token per row only
   const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0) + (latency ? 4 : 0);
   return launch_max_shared(latency ? decode_bulk_kernel<StateT, 1, true>
                                    : one_token ? decode_bulk_kernel<StateT, 1> : decode_bulk_kernel<StateT, 2>,

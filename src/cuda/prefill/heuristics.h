@@ -37,17 +37,18 @@ inline bool recurrence_k_split(int vs, const char* env) {
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,
 // g rows of block (its index + this). Off by default: at 2 x SMs (about one block life ahead)
 // it was measured slower on the H200 (session 4: P1 1.932 vs 1.835 ms, P6 4.491 vs 4.200; the
-// prefetched lines compete with the record writes in L2). env (KDA_CUDA_PREFILL_PREFETCH): a
-// number sets the distance ("264": the measured setting; tests: "1" exercises it on small grids);
-// "d" or any other text: 2 x SMs.
+// prefetched lines compete with the record writes in L2). env (KDA_CUDA_PREFILL_PREFETCH): digits
+// set the distance ("264": the measured setting; tests: "1" exercises it on small grids), "auto"
+// means 2 x SMs, anything else is off.
 inline int prepare_prefetch_blocks(int num_sms, const char* env) {
   if (env == nullptr) return 0;
-  if (env[0] >= '0' && env[0] <= '9') {
-    long v = 0;
-    for (const char* c = env; *c >= '0' && *c <= '9' && v < 1000000; ++c) v = 10 * v + (*c - '0');
-    return static_cast<int>(v);
+  if (env[0] == 'a' && env[1] == 'u' && env[2] == 't' && env[3] == 'o' && env[4] == '\0') return 2 * num_sms;
+  long v = 0;
+  for (const char* c = env; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') return 0;
+    if (v < 1000000) v = 10 * v + (*c - '0');
   }
-  return 2 * num_sms;
+  return static_cast<int>(v);
 }
 
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
