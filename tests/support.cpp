@@ -263,6 +263,25 @@ PrefillData make_prefill(const PrefillCase& c) {
   return d;
 }
 
+DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t) {
+  auto token = [t](const TensorView& v) {
+    TensorView r = v;
+    r.data = static_cast<char*>(v.data) + t * v.strides[1] * static_cast<int64_t>(dtype_size(v.dtype));
+    r.shape[1] = 1;
+    return r;
+  };
+  DecodeParams d;
+  d.q = token(p.q);
+  d.k = token(p.k);
+  d.v = token(p.v);
+  d.g = token(p.g);
+  d.beta = token(p.beta);
+  d.A_log = p.A_log;
+  d.dt_bias = p.dt_bias;
+  d.gate = p.gate;
+  return d;
+}
+
 PrefillData widen(const PrefillData& src) {
   PrefillData d = src;
   auto w = [](HostTensor& t) {

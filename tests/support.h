@@ -76,6 +76,10 @@ struct PrefillData {
 PrefillData make_prefill(const PrefillCase& c);
 // The same problem with every float input widened to fp32 and fp32 outputs: the reference input.
 PrefillData widen(const PrefillData& d);
+// The decode inputs of token t of a prefill's inputs: q, k, v, g, beta as one-token views into the
+// same storage (dense [B, T, ...] tensors), A_log, dt_bias and the gate of `p`; outputs and state
+// are left to the caller.
+DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t);
 
 // Decode configuration.
 struct DecodeCase {

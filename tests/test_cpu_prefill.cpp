@@ -202,24 +202,10 @@ TEST(PrefillDecode, DecodeAfterPrefillEqualsLongerPrefill) {
     ASSERT_TRUE(prefill(pp).ok());
 
     // Decode token T from the prefix's final state (pool of 2 slots, in place).
-    DecodeParams dp;
-    auto last = [&](const TensorView& t) {
-      TensorView r = t;
-      r.data = static_cast<char*>(t.data) + T * t.strides[1] * dtype_size(t.dtype);
-      r.shape[1] = 1;
-      return r;
-    };
-    dp.q = last(pf.q);
-    dp.k = last(pf.k);
-    dp.v = last(pf.v);
-    dp.g = last(pf.g);
-    dp.beta = last(pf.beta);
-    dp.A_log = pf.A_log;
-    dp.dt_bias = pf.dt_bias;
+    DecodeParams dp = decode_inputs_of_token(pf, T);
     HostTensor out1(DType::kFloat32, {2, 1, c.HV, c.V});
     dp.out = out1.view();
     dp.state = state.view();
-    dp.gate = pf.gate;
     dp.exec.backend = Backend::kCpu;
     Status s = decode(dp);
     ASSERT_TRUE(s.ok()) << s.to_string();

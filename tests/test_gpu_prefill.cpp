@@ -415,21 +415,7 @@ TEST(GpuPrefillDecode, DecodeAfterPrefillEqualsLongerPrefill) {
     ASSERT_TRUE(s.ok()) << s.to_string();
 
     // Token T, decoded from the prefix's final state in place.
-    auto last = [&](const TensorView& t) {
-      TensorView r = t;
-      r.data = static_cast<char*>(t.data) + T * t.strides[1] * dtype_size(t.dtype);
-      r.shape[1] = 1;
-      return r;
-    };
-    DecodeParams dp;
-    dp.q = last(whole.q);
-    dp.k = last(whole.k);
-    dp.v = last(whole.v);
-    dp.g = last(whole.g);
-    dp.beta = last(whole.beta);
-    dp.A_log = whole.A_log;
-    dp.dt_bias = whole.dt_bias;
-    dp.gate = whole.gate;
+    DecodeParams dp = decode_inputs_of_token(whole, T);
     HostTensor out1(d.out.dtype, {2, 1, c.HV, c.V});
     DeviceTensor dout(out1);
     dp.out = dout.view();
