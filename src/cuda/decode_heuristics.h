@@ -44,8 +44,7 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, i
   if (is("tile")) return DecodeKernel::kTile;
   const bool staged_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kDecodeFastK && pr.d.V == kDecodeFastK &&
                          rows_aligned16(pr.state);
-  const bool persistent_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kDecodeFastK && pr.d.V == kDecodeFastK &&
-                             rows_aligned16(pr.state) && !pr.d.varlen && stages >= 2;
+  const bool persistent_ok = staged_ok && !pr.d.varlen && stages >= 2;
   if (is("persistent") && persistent_ok) return DecodeKernel::kPersistent;
   if (!staged_ok) return DecodeKernel::kTile;
   if (is("staged")) return DecodeKernel::kStaged;

@@ -945,6 +945,23 @@ struct TileDst {
     s2 = t.s2;
     vec = t.vec;
   }
+  // Stores the kVec values of unit (vt, r) of a smem-staged tile's thread (TileMap layout).
+  template <class Map>
+  __device__ __forceinline__ void store_unit(const Map& m, int vt, int r, const float* v) const {
+    dec::StateVec<StateT>::store(data + static_cast<int64_t>(m.v_of(vt)) * s2 + m.k_of_run(r), vec, v);
+  }
+};
+
+// The emit callback of smem_tile_token: row vt's output, stored by the row's output lane.
+template <class Map>
+struct RowOutput {
+  const DecodeArgs& a;
+  const Map& m;
+  int64_t off;
+  bool lane;
+  __device__ __forceinline__ void operator()(int vt, float o) const {
+    if (lane) dec::store_elem(a.out.data, a.out.dtype, off + m.v_of(vt), o);
+  }
 };
 
 // A padding row (no read slot): zero output for its tokens, no state access. The lane of each
@@ -1139,7 +1156,6 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
   KDA_TRACE_BEGIN();  // points: 0 entry, 1 after the wait
   using Map = TileMap<kStagedK, StateT, false>;
-  using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr int kUnits = kVt * kRuns;  // 16-byte units per thread: 8 (fp32), 4 (bf16)
   constexpr bool kBf16State = sizeof(StateT) == 2;
@@ -1217,13 +1233,10 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
         m, tile_v0, tk, [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kStagedThreads]; },
         [&](int vt, int r, uint4& un, const float* sv) {
-          if (dst.data != nullptr)
-            Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, sv);
+          if (dst.data != nullptr) dst.store_unit(m, vt, r, sv);
           if (keep) un = pack_unit<StateT>(sv);
         },
-        [&](int vt, float o) {
-          if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-        });
+        RowOutput<Map>{a, m, o_off, out_lane});
   }
 
   KDA_TRACE(5);  // every token computed, its stores issued
@@ -1236,7 +1249,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
       for (int r = 0; r < kRuns; ++r) {
         float s[kVec];
         unpack_unit<StateT>(mine[(vt * kRuns + r) * kStagedThreads], s);
-        Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, s);
+        dst.store_unit(m, vt, r, s);
       }
   }
   KDA_TRACE_END();  // point 6
@@ -1267,7 +1280,6 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
   static_assert(!kLatency || kSlots == 1, "the latency variant takes dense single-token calls");
   pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
-  using Vec = dec::StateVec<StateT>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
   constexpr int kUnrollR = kLatency ? kRuns : (kBf16State || kSlots == 1 ? 1 : 2);  // what fits the register bound
@@ -1366,12 +1378,9 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
       smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
           m, tile_v0, tk, unit,
           [&](int vt, int r, uint4&, const float* sv) {
-            if (dst.data != nullptr)
-              Vec::store(dst.data + static_cast<int64_t>(m.v_of(vt)) * dst.s2 + m.k_of_run(r), dst.vec, sv);
+            if (dst.data != nullptr) dst.store_unit(m, vt, r, sv);
           },
-          [&](int vt, float o) {
-            if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-          });
+          RowOutput<Map>{a, m, o_off, out_lane});
       continue;
     }
     const bool write_back = dst.data != nullptr || t + 1 < row.len;
@@ -1382,9 +1391,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
         [&](int, int, uint4& un, const float* sv) {
           if (write_back) un = pack_unit<StateT>(sv);
         },
-        [&](int vt, float o) {
-          if (out_lane) dec::store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o);
-        });
+        RowOutput<Map>{a, m, o_off, out_lane});
     if (dst.data != nullptr) {
       dec::fence_proxy_async_smem();
       __syncthreads();

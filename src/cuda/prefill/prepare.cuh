@@ -49,9 +49,11 @@ inline constexpr int kPrepareThreads = 256;
 // where the sigmoid is below 2e-35); the other forms use the shared accurate formula. The caller
 // branches on the form once for all its channels (uniform), so that their exp / reciprocal chains
 // interleave: a branch per channel serialized them (SASS of session 3).
+// 1 / (1 + e^-x) by ex2 and an approximate reciprocal: 0 for x -> -inf, 1 for x -> +inf.
+__device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e)); }
 __device__ __forceinline__ float log2_decay_lower_bound(float g, float exp_a, float bias, float lower_bound) {
   const float x = fmaxf(exp_a * (g + bias), -80.f);
-  return lower_bound * kLog2e * __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+  return lower_bound * kLog2e * fast_sigmoid(x);
 }
 __device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias, float lower_bound) {
   return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
@@ -110,11 +112,10 @@ __device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, 
     w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
   }
 }
-// b_t from the beta input (detail::activate_beta with a fast sigmoid: 1 / (1 + e^-x) by ex2 and an
-// approximate reciprocal; 0 for x -> -inf, 1 for x -> +inf).
+// b_t from the beta input (detail::activate_beta with fast_sigmoid).
 __device__ __forceinline__ float beta_fast(bool logits, bool neg_eig, float x) {
   if (!logits) return x;
-  const float s = __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+  const float s = fast_sigmoid(x);
   return neg_eig ? 2.f * s : s;
 }
 // Branch-free (selects), so that the conversions of several passes interleave.
