@@ -39,6 +39,15 @@ if has tests; then
   rc=$?
   grep -E "^\[  FAILED|Failure|error" "$OUT/gpu_tests.log" | head -30
   note "gpu tests rc=$rc: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test|tests? ran' "$OUT/gpu_tests.log" | tr '\n' ' ')"
+  # The prefill feature matrix again with the value split forced: vs = 128 and 64 run the wgmma
+  # recurrence (the small test shapes otherwise take vs = 16 / 32, the mma.sync K split).
+  for vs in 128 64; do
+    KDA_CUDA_PREFILL_VS=$vs timeout 300 ./$B/tests/kda_gpu_tests --gtest_brief=1 \
+      --gtest_filter='*GpuPrefillSweep*:*PrefillSmoke*:GpuPrefill.*:GpuPrefillDecode.*:GpuPrefillAccuracy.CaseA*' >"$OUT/gpu_tests_vs$vs.log" 2>&1
+    rc=$?
+    grep -E "^\[  FAILED|Failure" "$OUT/gpu_tests_vs$vs.log" | head -10
+    note "gpu prefill tests, KDA_CUDA_PREFILL_VS=$vs, rc=$rc: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/gpu_tests_vs$vs.log" | tr '\n' ' ')"
+  done
 fi
 
 if has sanitize; then
@@ -47,6 +56,9 @@ if has sanitize; then
     rc=$?
     grep -E "ERROR SUMMARY|Invalid|PASSED|FAILED" "$OUT/sanitizer.log" | head -8
     note "memcheck (Smoke) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer.log" | tail -1)"
+    KDA_CUDA_PREFILL_VS=128 timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='*PrefillSmoke*' --gtest_brief=1 >"$OUT/sanitizer_vs128.log" 2>&1
+    rc=$?
+    note "memcheck (prefill smoke, vs = 128: wgmma) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_vs128.log" | tail -1)"
   else
     note "memcheck: compute-sanitizer not found"
   fi

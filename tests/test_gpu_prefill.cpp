@@ -312,6 +312,51 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   unsetenv("KDA_CUDA_PREFILL_KSPLIT");
 }
 
+// The wgmma recurrence (vs >= 64: the many-head cases) and its mma.sync baseline
+// (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
+// here (96 value heads -> vs = 128, 48 -> 64 on 132 SMs) and forced by KDA_CUDA_PREFILL_VS in the
+// device script's second sweep.
+TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
+    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
+    if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
+    else unsetenv("KDA_CUDA_PREFILL_WGMMA");
+    PrefillCase c = base_case();
+    c.H = c.HV = 96;
+    c.seqlens = {150};
+    c.gate = GateForm::kLowerBound;
+    {
+      SCOPED_TRACE("96 heads (vs = 128), dense");
+      check_against_reference(c);
+    }
+    c = base_case();
+    c.H = 12;
+    c.HV = 48;
+    c.varlen = true;
+    c.seqlens = {129, 0, 64, 7};
+    c.pool = true;
+    c.checkpoint_every = 64;
+    c.layout = StateLayout::kKFirst;
+    c.state_dtype = DType::kBFloat16;
+    c.weak_decay = true;
+    c.gate = GateForm::kPrecomputed;
+    {
+      SCOPED_TRACE("48 value heads (vs = 64), grouped, varlen, pool, checkpoints, K-first, bf16 state");
+      check_against_reference(c);
+    }
+    c = base_case();
+    c.H = c.HV = 48;
+    c.dtype = DType::kFloat16;
+    c.seqlens = {200};
+    {
+      SCOPED_TRACE("48 heads, fp16");
+      check_against_reference(c);
+    }
+  }
+  unsetenv("KDA_CUDA_PREFILL_WGMMA");
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<PrefillCase>& info) {
                            return test_name(info.param.name());
@@ -621,6 +666,24 @@ TEST(PrefillHeuristics, KSplit) {
   EXPECT_FALSE(recurrence_k_split(128, nullptr));
   EXPECT_FALSE(recurrence_k_split(32, "0"));
   EXPECT_FALSE(recurrence_k_split(16, "0"));
+}
+
+TEST(PrefillHeuristics, WgmmaAndForcedSplit) {
+  using cuda::pf::recurrence_value_split_override;
+  using cuda::pf::recurrence_wgmma;
+  EXPECT_TRUE(recurrence_wgmma(128, nullptr));  // the default for vs >= 64
+  EXPECT_TRUE(recurrence_wgmma(64, nullptr));
+  EXPECT_TRUE(recurrence_wgmma(64, "1"));
+  EXPECT_FALSE(recurrence_wgmma(32, nullptr));  // a warpgroup needs 64 value rows
+  EXPECT_FALSE(recurrence_wgmma(16, nullptr));
+  EXPECT_FALSE(recurrence_wgmma(128, "0"));
+  EXPECT_EQ(recurrence_value_split_override(nullptr), 0);
+  EXPECT_EQ(recurrence_value_split_override("16"), 16);
+  EXPECT_EQ(recurrence_value_split_override("32"), 32);
+  EXPECT_EQ(recurrence_value_split_override("64"), 64);
+  EXPECT_EQ(recurrence_value_split_override("128"), 128);
+  for (const char* bad : {"", "0", "8", "48", "1280", "12", "64x", "auto"})
+    EXPECT_EQ(recurrence_value_split_override(bad), 0) << bad;
 }
 
 TEST(PrefillHeuristics, PrefetchDistance) {

@@ -56,7 +56,10 @@ void block_sync() {
 static void (*entry_fn)(void*); static void* entry_arg;
 static void trampoline() { entry_fn(entry_arg); (*fibers)[cur].done = true; swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
 }  // namespace emu
-namespace kda::cuda::pf { alignas(128) uint8_t emu_smem_alias[240000]; }
+namespace kda::cuda::pf {
+alignas(1024) uint8_t emu_smem_alias[240000];
+extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
+}
 
 namespace emu_run {
 using namespace kda; using namespace kda::cuda::pf;
@@ -101,16 +104,19 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
   if (vs_override) {
     p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
     p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+    p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
   }
   const int threads = 32 * recurrence_warps(p.vs, p.ksplit), smem = recurrence_smem_bytes(p.vs, p.ksplit);
   if (fp16) {
     launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<true, true>, rb, threads, smem, p);
-    else launch(recurrence_kernel<true, false>, rb, threads, smem, p);
+    if (p.ksplit) launch(recurrence_kernel<true, true, false>, rb, threads, smem, p);
+    else if (p.wgmma) launch(recurrence_kernel<true, false, true>, rb, threads, smem, p);
+    else launch(recurrence_kernel<true, false, false>, rb, threads, smem, p);
   } else {
     launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<false, true>, rb, threads, smem, p);
-    else launch(recurrence_kernel<false, false>, rb, threads, smem, p);
+    if (p.ksplit) launch(recurrence_kernel<false, true, false>, rb, threads, smem, p);
+    else if (p.wgmma) launch(recurrence_kernel<false, false, true>, rb, threads, smem, p);
+    else launch(recurrence_kernel<false, false, false>, rb, threads, smem, p);
   }
 }
 

@@ -98,9 +98,12 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int devi
   }
   if (rec_blocks > 0) {
     // The limit is raised to the largest configuration (vs = 128; vs = 32 with the K split) once.
-    auto* kernel = p.ksplit ? pf::recurrence_kernel<kFp16, true> : pf::recurrence_kernel<kFp16, false>;
+    // Instantiation bits: prepare 1 (fp16) / 4 (bf16); recurrence mma 2 / 8, K split 16 / 64, wgmma 256 / 1024.
+    auto* kernel = p.ksplit  ? pf::recurrence_kernel<kFp16, true, false>
+                   : p.wgmma ? pf::recurrence_kernel<kFp16, false, true>
+                             : pf::recurrence_kernel<kFp16, false, false>;
     const int max_smem = p.ksplit ? pf::recurrence_smem_bytes(32, true) : pf::recurrence_smem_bytes(pf::kHeadDim);
-    KDA_PF_CUDA(allow_smem(kernel, max_smem, device, bit << (p.ksplit ? 4 : 1)));  // bits 1, 2, 16 (fp16); 4, 8, 64
+    KDA_PF_CUDA(allow_smem(kernel, max_smem, device, bit << (p.ksplit ? 4 : (p.wgmma ? 8 : 1))));
     KDA_PF_CUDA(launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
                               dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, p.ksplit))),
                               pf::recurrence_smem_bytes(p.vs, p.ksplit), stream, p));

@@ -57,3 +57,4 @@ inline unsigned __ballot_sync(unsigned, bool pred) {
 }
 inline size_t __cvta_generic_to_shared(const void* p) { return static_cast<const uint8_t*>(p) - emu::smem_base; }
 #define smem emu_smem_alias
+#define smem_raw emu_smem_raw  // the recurrence kernel's unaligned base (same array, engine.h)

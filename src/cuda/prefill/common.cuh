@@ -38,14 +38,18 @@ inline constexpr int kHeadDim = 128;  // K == V == 128
 inline constexpr bool kKbTBf16 = true;
 
 // One record per (chunk slot, value head), written by the prepare kernel and read (one bulk copy)
-// by the recurrence kernel. Every matrix is stored pre-swizzled for the reader's shared memory.
-//   W    [64 t][128 k] bf16   Tm (exp(G) k)                      swizzle_b16
-//   qg   [64 t][128 k] bf16   exp(G_t) q_t (q normalized, scaled) swizzle_b16
-//   kbT  [128 k][64 s]        exp(G_L - G_s) k_s, transposed: bf16 (swizzle_b16_64) or
-//                             fp32 tf32-rounded (swizzle_f32), see kKbTBf16
-//   Aqk  [64 t][64 s]  fp32   lower triangle incl. diagonal, tf32-rounded    swizzle_f32
-//   Tm   [64 t][64 s]  fp32   (I + diag(b) Akk)^-1 diag(b), tf32-rounded     swizzle_f32
+// by the recurrence kernel. Every matrix is stored as the recurrence's tensor-core B operand in the
+// 128-byte swizzle layout of wgmma (sw128_offset; K-major: a row holds the product's K index):
+//   W    [64 t][128 k] bf16   Tm (exp(G) k)                       rec_b16
+//   qg   [64 t][128 k] bf16   exp(G_t) q_t (q normalized, scaled)  rec_b16
+//   kbT  [128 k][64 s]        exp(G_L - G_s) k_s, transposed: bf16 (rec_kbt) or fp32
+//                             tf32-rounded (swizzle_f32, mma.sync path only), see kKbTBf16
+//   Aqk  [64 t][64 s]  fp32   lower triangle incl. diagonal, tf32-rounded, zero above; s in tf32
+//                             k-slot order (rec_f32)
+//   Tm   [64 t][64 s]  fp32   (I + diag(b) Akk)^-1 diag(b), tf32-rounded (rec_f32), zero above
+//                             the diagonal blocks
 //   gL   [128]         fp32   exp(G_L), the per-channel decay of the state over the chunk
+// Every matrix starts 1024-byte aligned within the record (the swizzle's period).
 inline constexpr int kKbTBytes = kHeadDim * kChunk * (kKbTBf16 ? 2 : 4);
 inline constexpr int kOffW = 0;
 inline constexpr int kOffQg = kOffW + kChunk * kHeadDim * 2;
@@ -55,19 +59,30 @@ inline constexpr int kOffTm = kOffAqk + kChunk * kChunk * 4;
 inline constexpr int kOffGL = kOffTm + kChunk * kChunk * 4;
 inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 82,432 (98,816 with fp32 kbT)
 static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
+static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 && kOffTm % 1024 == 0,
+              "record matrices start at the swizzle period");
 
-// bf16 matrix with 128 columns (256-byte rows): 16-byte chunk index XOR (row % 8). ldmatrix of 8
-// consecutive rows at one logical chunk then hits 8 different bank groups.
-__host__ __device__ __forceinline__ int swizzle_b16(int row, int col) {
-  return row * kHeadDim + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
+// The 128-byte swizzle layout (wgmma's SWIZZLE_128B, K-major) of a matrix of `rows` rows: its rows
+// are cut into 128-byte column blocks stored one after the other ([block][rows][128 B]); inside a
+// block, 16-byte chunk j of row r sits at chunk j ^ (r % 8). Byte offset of byte `byte` of row
+// `row`. Eight consecutive rows at one logical chunk hit eight bank groups (ldmatrix and the
+// mma.sync B fragment reads are conflict-free too).
+__host__ __device__ constexpr int sw128_offset(int rows, int row, int byte) {
+  return (byte >> 7) * rows * 128 + row * 128 + ((((byte >> 4) & 7) ^ (row & 7)) << 4) + (byte & 15);
 }
-// 16-bit matrix with 64 columns (128-byte rows): 16-byte chunk index XOR (row % 8). A warp reading
-// 32-bit pairs at (row 8j + g, col 8s + 2c) covers all 32 banks once.
-__host__ __device__ __forceinline__ int swizzle_b16_64(int row, int col) {
-  return row * kChunk + ((((col >> 3) ^ (row & 7)) << 3) | (col & 7));
-}
-// fp32 matrix with 64 columns (256-byte rows): 16-byte chunk index XOR 2 (row % 4). A half-warp
-// reading float2 at (row 8j + g, col 8s + 2c) then covers all 32 banks once.
+// W, qg: element (t, k) of a [64][128] bf16 matrix (element offset).
+__host__ __device__ constexpr int rec_b16(int t, int k) { return sw128_offset(kChunk, t, 2 * k) >> 1; }
+// kbT: element (k, s) of the [128][64] bf16 matrix.
+__host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kHeadDim, k, 2 * s) >> 1; }
+// tf32 k-slot order of 8 consecutive tokens (common.cuh header: slot c <-> 2c, slot c + 4 <->
+// 2c + 1): token s sits at position perm8(s), so that an accumulator tile used as the A operand
+// of a wgmma meets B rows in the same order.
+__host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
+// Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
+__host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
+// fp32 matrix with 64 columns (256-byte rows; the fp32 kbT of kKbTBf16 = false): 16-byte chunk
+// index XOR 2 (row % 4). A half-warp reading float2 at (row 8j + g, col 8s + 2c) covers all 32
+// banks once.
 __host__ __device__ __forceinline__ int swizzle_f32(int row, int col) {
   return row * kChunk + ((((col >> 2) ^ ((row & 3) << 1)) << 2) | (col & 3));
 }
@@ -146,6 +161,7 @@ struct Params {
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
+  bool wgmma = false;               // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
   int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
 };
 

@@ -22,6 +22,19 @@ inline int recurrence_value_split(int64_t pairs, int num_sms) {
   return 16;
 }
 
+// Forced value split for tests and timing (env KDA_CUDA_PREFILL_VS): 16, 32, 64 or 128 replace
+// recurrence_value_split's choice; anything else (or unset) returns 0 = no override.
+inline int recurrence_value_split_override(const char* env) {
+  if (env == nullptr) return 0;
+  for (int vs = 16; vs <= 128; vs *= 2) {
+    const char* want = vs == 16 ? "16" : vs == 32 ? "32" : vs == 64 ? "64" : "128";
+    int i = 0;
+    while (want[i] != '\0' && env[i] == want[i]) ++i;
+    if (want[i] == '\0' && env[i] == '\0') return vs;
+  }
+  return 0;
+}
+
 // The recurrence's K split (two warps per 16 value rows, each half of the key columns; see
 // recurrence.cuh) for blocks of vs <= 32 columns (2 warps otherwise: half the SM's schedulers
 // idle), whose shared memory then still fits one block per SM. On by default (measured on the
@@ -32,6 +45,15 @@ inline int recurrence_value_split(int64_t pairs, int num_sms) {
 inline bool recurrence_k_split(int vs, const char* env) {
   const bool off = env != nullptr && env[0] == '0' && env[1] == '\0';
   return vs <= 32 && !off;
+}
+
+// The recurrence on wgmma (one warpgroup per 64 value rows, record operands read from shared
+// memory once per warpgroup instead of once per warp) for blocks of vs >= 64 columns; the
+// mma.sync path stays for vs <= 32 (the K split) and as the differential baseline. On by default;
+// env = "0" (from KDA_CUDA_PREFILL_WGMMA) turns it off.
+inline bool recurrence_wgmma(int vs, const char* env) {
+  const bool off = env != nullptr && env[0] == '0' && env[1] == '\0';
+  return vs >= 64 && !off;
 }
 
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,

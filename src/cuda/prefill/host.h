@@ -129,9 +129,11 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.ckpt_off = index_view(pr.checkpoint_offsets);
   p.ckpt_every = pr.checkpoint_every;
   p.kfirst = pr.layout == StateLayout::kKFirst;
-  p.vs = recurrence_value_split(pairs, num_sms);
+  const int vs_forced = recurrence_value_split_override(std::getenv("KDA_CUDA_PREFILL_VS"));
+  p.vs = vs_forced ? vs_forced : recurrence_value_split(pairs, num_sms);
   p.nslices = kHeadDim / p.vs;
   p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
 
   *prep_blocks_out = prep_blocks;

@@ -186,8 +186,8 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t
       const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
       if (s < t) M[t * kMPitch + s] = bet[t] * k0;
       if (s + 1 < t) M[t * kMPitch + s + 1] = bet[t] * k1;
-      const float2 v = make_float2(s <= t ? tf32_round(q0) : 0.f, s + 1 <= t ? tf32_round(q1) : 0.f);
-      *reinterpret_cast<float2*>(rec_aqk + swizzle_f32(t, s)) = v;
+      rec_aqk[rec_f32(t, s)] = s <= t ? tf32_round(q0) : 0.f;  // s, s + 1: k-slots c, c + 4
+      rec_aqk[rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(q1) : 0.f;
     }
   }
 }
@@ -214,7 +214,7 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const 
     sq += __shfl_xor_sync(0xffffffffu, sq, 16);
     if (hc == 0) {
       if (sl < tl) M[t * kMPitch + s] = bet[t] * sk * invk[t] * invk[s];
-      rec_aqk[swizzle_f32(t, s)] = sl <= tl ? tf32_round(sq * invq[t] * invk[s]) : 0.f;
+      rec_aqk[rec_f32(t, s)] = sl <= tl ? tf32_round(sq * invq[t] * invk[s]) : 0.f;
     }
   }
 }
@@ -642,20 +642,30 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   invert_m(M, X, P, warp, lane);
   KDA_PF_PHASE(4);  // inverse: diagonal and off-diagonal blocks
 
-  // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into X and the record.
+  // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into X and the record (8
+  // tokens per task: positions 0-3 of the record's k-slot order hold the even tokens, 4-7 the odd).
   {
     float* rec_tm = reinterpret_cast<float*>(rec + kOffTm);
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int task = tid + kPrepareThreads * m, row = task >> 4, col = (task & 15) * 4;
-      float v[4];
+    for (int m = 0; m < 2; ++m) {
+      const int task = tid + kPrepareThreads * m, row = task >> 3, col = (task & 7) * 8;
+      float v[8];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < 8; ++e) {
         const int s = col + e;
         v[e] = s < 16 * (row / 16 + 1) ? tf32_round(X[row * kMPitch + s] * bet[s]) : 0.f;
       }
       *reinterpret_cast<float4*>(X + row * kMPitch + col) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(rec_tm + swizzle_f32(row, col)) = make_float4(v[0], v[1], v[2], v[3]);
+      *reinterpret_cast<float4*>(X + row * kMPitch + col + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[0], v[2], v[4], v[6]);
+      *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[1], v[3], v[5], v[7]);
+    }
+    // Aqk's 16 x 16 blocks above the diagonal (row block i, column block jb > i: never computed)
+    // are zero: the wgmma recurrence reads all 64 columns. 6 blocks x 16 rows x 4 float4.
+    for (int task = tid; task < 6 * 64; task += kPrepareThreads) {
+      const int blk = task >> 6, i = blk < 3 ? 0 : (blk < 5 ? 1 : 2), jb = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
+      const int row = 16 * i + ((task >> 2) & 15), col = 16 * jb + 4 * (task & 3);  // 4 consecutive positions
+      *reinterpret_cast<float4*>(rec_aqk + (sw128_offset(kChunk, row, 4 * col) >> 2)) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
   __syncthreads();
@@ -701,8 +711,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * warp + 8 * nt + 2 * c, ta = 16 * mi + g;
-        *reinterpret_cast<uint32_t*>(rec_w + swizzle_b16(ta, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
-        *reinterpret_cast<uint32_t*>(rec_w + swizzle_b16(ta + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
+        *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
+        *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
       }
   }
 
@@ -724,7 +734,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int e = 0; e < 4; ++e)
         o[e] = pack_bf16(lo_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
-      *reinterpret_cast<uint4*>(rec_qg + swizzle_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
+      *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
     }
 #pragma unroll
     for (int m = 0; m < 4; ++m) {
@@ -737,14 +747,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         v[e] = in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
       }
       if constexpr (kKbTBf16) {
-        uint16_t* rec_kbt = reinterpret_cast<uint16_t*>(rec + kOffKbT);
-        *reinterpret_cast<uint4*>(rec_kbt + swizzle_b16_64(kk, 8 * sg)) =
+        uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
+        *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
             make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
       } else {
-        float* rec_kbt = reinterpret_cast<float*>(rec + kOffKbT);
-        *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg)) =
+        float* kbt_out = reinterpret_cast<float*>(rec + kOffKbT);
+        *reinterpret_cast<float4*>(kbt_out + swizzle_f32(kk, 8 * sg)) =
             make_float4(tf32_round(v[0]), tf32_round(v[1]), tf32_round(v[2]), tf32_round(v[3]));
-        *reinterpret_cast<float4*>(rec_kbt + swizzle_f32(kk, 8 * sg + 4)) =
+        *reinterpret_cast<float4*>(kbt_out + swizzle_f32(kk, 8 * sg + 4)) =
             make_float4(tf32_round(v[4]), tf32_round(v[5]), tf32_round(v[6]), tf32_round(v[7]));
       }
     }

@@ -32,14 +32,15 @@
 
 namespace kda::cuda::pf {
 
-__host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return kRecordBytes + kChunk * vs * 2; }
+// A pipeline stage (record + v tile), rounded to the 1024-byte period of the record's swizzle.
+__host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return (kRecordBytes + kChunk * vs * 2 + 1023) & ~1023; }
 __host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return (ksplit ? 2 : 1) * (vs / 16); }
 // Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
-// Two stages, then one output tile [64 t][16 v] (2 KB) per warp, then two mbarriers, then (K
-// split) the exchange area.
+// Two stages (from the first 1024-byte aligned address: + 1024 bytes of slack), then one output
+// tile [64 t][16 v] (2 KB) per warp, then two mbarriers, then (K split) the exchange area.
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
-  return 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
+  return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
          (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
 // One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
@@ -81,10 +82,128 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
 
-template <bool kFp16, bool kKSplit>
+// Descriptor of a K step of the record matrix at `off` (`rows` rows) in the stage at sbase
+// (1024-byte aligned): the step's first byte within the rows, kbyte (a multiple of 32).
+__device__ __forceinline__ uint64_t rec_desc(uint32_t sbase, int off, int rows, int kbyte) {
+  return wgmma_desc_sw128(sbase + off + (kbyte >> 7) * rows * 128 + (kbyte & 127));
+}
+
+// One chunk of a warpgroup (4 warps = 64 value rows; vs >= 64) on wgmma: the products of the
+// mma.sync path below with B read from the stage's record by descriptor (sbase: the stage's shared
+// address) and A from registers, in two commit groups, each waited before the next is issued:
+//   1. U^T = -S^T W^T + v^T Tm^T,  O^T = S^T qg^T     (S^T bf16 from the accumulators; v^T tf32)
+//   2. O^T += U^T Aqk^T (U^T tf32),  S^T <- S^T diag(gL) + U^T kb
+// The triangular products (Tm, Aqk) run over all 64 tokens (zero above the diagonal): with n =
+// 64 - 8 sj per k-step, ptxas serialized every wgmma (register allocation of the sub-tiles). The state
+// update takes U^T as two bf16 terms (hi + lo: ~16 significant bits, finer than tf32) against the
+// bf16 kbT, which wgmma cannot pair with a tf32 A.
+template <bool kFp16>
+__device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[8][4], const uint8_t* sb,
+                                            uint32_t sbase, int rg, int lane, int vs) {
+  float accU[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+  uint32_t sa[8][4], vr[4][4];
+#pragma unroll
+  for (int kq = 0; kq < 8; ++kq) {
+    sa[kq][0] = pack_bf16(accS[2 * kq][0], accS[2 * kq][1]);
+    sa[kq][1] = pack_bf16(accS[2 * kq][2], accS[2 * kq][3]);
+    sa[kq][2] = pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]);
+    sa[kq][3] = pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3]);
+  }
+#pragma unroll
+  for (int hh = 0; hh < 4; ++hh) {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
+    const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
+    const int chunk = 2 * rg + ((lane >> 3) & 1);
+    ldmatrix_x4_trans(vr[hh], sbase + kRecordBytes + swizzle_vtile(row, chunk, vs));
+  }
+  uint32_t va[8][4];
+#pragma unroll
+  for (int hh = 0; hh < 4; ++hh)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      uint32_t* a = va[2 * hh + half];
+      a[0] = __float_as_uint(lo_f32<kFp16>(vr[hh][2 * half]));
+      a[1] = __float_as_uint(lo_f32<kFp16>(vr[hh][2 * half + 1]));
+      a[2] = __float_as_uint(hi_f32<kFp16>(vr[hh][2 * half]));
+      a[3] = __float_as_uint(hi_f32<kFp16>(vr[hh][2 * half + 1]));
+    }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accO);
+  wgmma_fence_acc(sa);
+  wgmma_fence_acc(va);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    wgmma_bf16<8, -1>(accU, sa[ks], rec_desc(sbase, kOffW, kChunk, 32 * ks), 1);
+    wgmma_bf16<8>(accO, sa[ks], rec_desc(sbase, kOffQg, kChunk, 32 * ks), 1);
+  }
+#pragma unroll
+  for (int sj = 0; sj < 8; ++sj)  // all 64 rows of Tm (zero above the diagonal blocks)
+    wgmma_tf32<8>(accU, va[sj], rec_desc(sbase, kOffTm, kChunk, 32 * sj), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accO);
+
+  // U^T as A operands: tf32 in k-slot order (slot c <-> token 2c, c + 4 <-> 2c + 1), and bf16 hi +
+  // lo per 16-token step (registers: rows g / g + 8 x tokens 2c.. / 2c + 8..).
+  uint32_t ua[8][4], uh[4][4], ul[4][4];
+#pragma unroll
+  for (int sj = 0; sj < 8; ++sj) {
+    ua[sj][0] = f32_to_tf32(accU[sj][0]);
+    ua[sj][1] = f32_to_tf32(accU[sj][2]);
+    ua[sj][2] = f32_to_tf32(accU[sj][1]);
+    ua[sj][3] = f32_to_tf32(accU[sj][3]);
+  }
+#pragma unroll
+  for (int q = 0; q < 4; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float x0 = accU[2 * q + (r >> 1)][2 * (r & 1)], x1 = accU[2 * q + (r >> 1)][2 * (r & 1) + 1];
+      const uint32_t h = pack_bf16(x0, x1);
+      uh[q][r] = h;
+      ul[q][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
+    }
+  const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * (lane & 3));
+    accS[j][0] *= d.x;
+    accS[j][1] *= d.y;
+    accS[j][2] *= d.x;
+    accS[j][3] *= d.y;
+  }
+  wgmma_fence_acc(accS);
+  wgmma_fence_acc(ua);
+  wgmma_fence_acc(uh);
+  wgmma_fence_acc(ul);
+  wgmma_fence();
+#pragma unroll
+  for (int sj = 0; sj < 8; ++sj)
+    wgmma_tf32<8>(accO, ua[sj], rec_desc(sbase, kOffAqk, kChunk, 32 * sj), 1);
+#pragma unroll
+  for (int q = 0; q < 4; ++q) {
+    const uint64_t d = rec_desc(sbase, kOffKbT, kHeadDim, 32 * q);
+    wgmma_bf16<16>(accS, uh[q], d, 1);
+    wgmma_bf16<16>(accS, ul[q], d, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(accO);
+  wgmma_fence_acc(accS);
+}
+
+template <bool kFp16, bool kKSplit, bool kWgmma>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+  static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
+  static_assert(!kWgmma || kKbTBf16, "the wgmma state update reads a bf16 kbT");
   pdl_prologue();
-  extern __shared__ __align__(128) uint8_t smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  // The stages start at the first 1024-byte aligned address (the record's swizzle period).
+  uint8_t* smem = smem_raw + ((1024u - (smem_u32(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int nthreads = blockDim.x;  // 2 vs (4 vs with the K split)
   const int vs = p.vs;
@@ -186,139 +305,149 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     if (ci + 1 < nchunks) issue(ci + 1);
     const int L = static_cast<int>(sp.len - ci * kChunk < kChunk ? sp.len - ci * kChunk : kChunk);
 
-    // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
-    // the K split, partial sums over this warp's key half).
-    float accU[8][4], accO[8][4];
+    float accO[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = accO[j][e] = 0.f;
-    {
-      const uint32_t w_base = smem_u32(sb + kOffW), q_base = smem_u32(sb + kOffQg);
-#pragma unroll
-      for (int kq = 0; kq < kNJ / 2; ++kq) {
-        const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
-                               pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
-                               pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
-#pragma unroll
-        for (int pp = 0; pp < 4; ++pp) {
-          // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
-          const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
-          const int col = k0 + (2 * kq + ((lane >> 3) & 1)) * 8;
-          const uint32_t off = static_cast<uint32_t>(swizzle_b16(row, col)) * 2;
-          uint32_t bw[4], bq[4];
-          ldmatrix_x4(bw, w_base + off);
-          ldmatrix_x4(bq, q_base + off);
-          mma_bf16(accU[2 * pp], a, bw[0], bw[1]);
-          mma_bf16(accU[2 * pp + 1], a, bw[2], bw[3]);
-          mma_bf16(accO[2 * pp], a, bq[0], bq[1]);
-          mma_bf16(accO[2 * pp + 1], a, bq[2], bq[3]);
+      for (int e = 0; e < 4; ++e) accO[j][e] = 0.f;
+    if constexpr (kWgmma) {
+      chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+    } else {
+      // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
+      // the K split, partial sums over this warp's key half).
+      float accU[8][4];
+  #pragma unroll
+      for (int j = 0; j < 8; ++j)
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+      {
+        const uint32_t w_base = smem_u32(sb + kOffW), q_base = smem_u32(sb + kOffQg);
+  #pragma unroll
+        for (int kq = 0; kq < kNJ / 2; ++kq) {
+          const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
+                                 pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
+                                 pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
+  #pragma unroll
+          for (int pp = 0; pp < 4; ++pp) {
+            // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
+            const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
+            const int col = k0 + (2 * kq + ((lane >> 3) & 1)) * 8;
+            const uint32_t off = static_cast<uint32_t>(rec_b16(row, col)) * 2;
+            uint32_t bw[4], bq[4];
+            ldmatrix_x4(bw, w_base + off);
+            ldmatrix_x4(bq, q_base + off);
+            mma_bf16(accU[2 * pp], a, bw[0], bw[1]);
+            mma_bf16(accU[2 * pp + 1], a, bw[2], bw[3]);
+            mma_bf16(accO[2 * pp], a, bq[0], bq[1]);
+            mma_bf16(accO[2 * pp + 1], a, bq[2], bq[3]);
+          }
         }
       }
-    }
-    if constexpr (kKSplit) {
-      // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both). Both
-      // areas were last read in the previous chunk, before this chunk's first block barrier.
-#pragma unroll
+      if constexpr (kKSplit) {
+        // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both). Both
+        // areas were last read in the previous chunk, before this chunk's first block barrier.
+  #pragma unroll
+        for (int j = 0; j < 8; ++j)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
+            xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
+          }
+        __syncthreads();
+  #pragma unroll
+        for (int j = 0; j < 8; ++j)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
+            if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
+          }
+      }
+  #pragma unroll
       for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
-          xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
-        }
-      __syncthreads();
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
-          if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
-        }
-    }
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = -accU[j][e];
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) accU[j][e] = -accU[j][e];
 
-    // ---- U^T += v^T Tm^T (tf32, Tm lower triangular: t-tile j needs s-steps sj <= j). v^T comes
-    // from the v tile by ldmatrix.trans: 16-bit pairs (s = 2c, 2c+1) are the k-slots c, c+4.
-    {
-      const uint32_t v_base = smem_u32(sb + kRecordBytes);
-      const float* tm = reinterpret_cast<const float*>(sb + kOffTm);
-#pragma unroll
-      for (int hh = 0; hh < 4; ++hh) {
-        const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
-        const int chunk = 2 * rg + ((lane >> 3) & 1);
-        uint32_t va[4];
-        ldmatrix_x4_trans(va, v_base + swizzle_vtile(row, chunk, vs));
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int sj = 2 * hh + half;
-          const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])), __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
-                                 __float_as_uint(hi_f32<kFp16>(va[2 * half])), __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
-#pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            if (j >= sj) {
-              const float2 b = *reinterpret_cast<const float2*>(tm + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
-              mma_tf32(accU[j], a, __float_as_uint(b.x), __float_as_uint(b.y));
+      // ---- U^T += v^T Tm^T (tf32, Tm lower triangular: t-tile j needs s-steps sj <= j). v^T comes
+      // from the v tile by ldmatrix.trans: 16-bit pairs (s = 2c, 2c+1) are the k-slots c, c+4.
+      {
+        const uint32_t v_base = smem_u32(sb + kRecordBytes);
+        const float* tm = reinterpret_cast<const float*>(sb + kOffTm);
+  #pragma unroll
+        for (int hh = 0; hh < 4; ++hh) {
+          const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
+          const int chunk = 2 * rg + ((lane >> 3) & 1);
+          uint32_t va[4];
+          ldmatrix_x4_trans(va, v_base + swizzle_vtile(row, chunk, vs));
+  #pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int sj = 2 * hh + half;
+            const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])), __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
+                                   __float_as_uint(hi_f32<kFp16>(va[2 * half])), __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
+  #pragma unroll
+            for (int j = 0; j < 8; ++j) {
+              if (j >= sj) {
+                const float b0 = tm[rec_f32(8 * j + g, 8 * sj + 2 * c)], b1 = tm[rec_f32(8 * j + g, 8 * sj + 2 * c + 1)];
+                mma_tf32(accU[j], a, __float_as_uint(b0), __float_as_uint(b1));
+              }
             }
           }
         }
       }
-    }
 
-    // ---- U^T as tf32 A operands (k-slot c <-> token 2c, c+4 <-> 2c+1 of each 8-token step).
-    uint32_t ua[8][4];
-#pragma unroll
-    for (int sj = 0; sj < 8; ++sj) {
-      ua[sj][0] = f32_to_tf32(accU[sj][0]);
-      ua[sj][1] = f32_to_tf32(accU[sj][2]);
-      ua[sj][2] = f32_to_tf32(accU[sj][1]);
-      ua[sj][3] = f32_to_tf32(accU[sj][3]);
-    }
-
-    // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal). s-step outer, t-tile
-    // inner: consecutive mma go to different accumulators (no back-to-back dependency).
-    {
-      const float* aqk = reinterpret_cast<const float*>(sb + kOffAqk);
-#pragma unroll
-      for (int sj = 0; sj < 8; ++sj)
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          if (j >= sj && (!kKSplit || owns_token_pair(j >> 1, kh))) {
-            const float2 b = *reinterpret_cast<const float2*>(aqk + swizzle_f32(8 * j + g, 8 * sj + 2 * c));
-            mma_tf32(accO[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
-          }
-        }
-    }
-
-    // ---- S^T <- S^T diag(exp(G_L)) + U^T kb (tf32).
-    {
-      const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
-#pragma unroll
-      for (int j = 0; j < kNJ; ++j) {
-        const float2 d = *reinterpret_cast<const float2*>(gl + k0 + 8 * j + 2 * c);
-        accS[j][0] *= d.x;
-        accS[j][1] *= d.y;
-        accS[j][2] *= d.x;
-        accS[j][3] *= d.y;
-      }
-      // s-step outer, key tile inner: 16 independent accumulators between dependent mma.
-#pragma unroll
+      // ---- U^T as tf32 A operands (k-slot c <-> token 2c, c+4 <-> 2c+1 of each 8-token step).
+      uint32_t ua[8][4];
+  #pragma unroll
       for (int sj = 0; sj < 8; ++sj) {
-#pragma unroll
+        ua[sj][0] = f32_to_tf32(accU[sj][0]);
+        ua[sj][1] = f32_to_tf32(accU[sj][2]);
+        ua[sj][2] = f32_to_tf32(accU[sj][1]);
+        ua[sj][3] = f32_to_tf32(accU[sj][3]);
+      }
+
+      // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal). s-step outer, t-tile
+      // inner: consecutive mma go to different accumulators (no back-to-back dependency).
+      {
+        const float* aqk = reinterpret_cast<const float*>(sb + kOffAqk);
+  #pragma unroll
+        for (int sj = 0; sj < 8; ++sj)
+  #pragma unroll
+          for (int j = 0; j < 8; ++j) {
+            if (j >= sj && (!kKSplit || owns_token_pair(j >> 1, kh))) {
+              const float b0 = aqk[rec_f32(8 * j + g, 8 * sj + 2 * c)], b1 = aqk[rec_f32(8 * j + g, 8 * sj + 2 * c + 1)];
+              mma_tf32(accO[j], ua[sj], __float_as_uint(b0), __float_as_uint(b1));
+            }
+          }
+      }
+
+      // ---- S^T <- S^T diag(exp(G_L)) + U^T kb (tf32).
+      {
+        const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
+  #pragma unroll
         for (int j = 0; j < kNJ; ++j) {
-          if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
-            const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
-            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + swizzle_b16_64(k0 + 8 * j + g, 8 * sj + 2 * c));
-            mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
-          } else {
-            const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
-            const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(k0 + 8 * j + g, 8 * sj + 2 * c));
-            mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+          const float2 d = *reinterpret_cast<const float2*>(gl + k0 + 8 * j + 2 * c);
+          accS[j][0] *= d.x;
+          accS[j][1] *= d.y;
+          accS[j][2] *= d.x;
+          accS[j][3] *= d.y;
+        }
+        // s-step outer, key tile inner: 16 independent accumulators between dependent mma.
+  #pragma unroll
+        for (int sj = 0; sj < 8; ++sj) {
+  #pragma unroll
+          for (int j = 0; j < kNJ; ++j) {
+            if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
+              const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
+              const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + rec_kbt(k0 + 8 * j + g, 8 * sj + 2 * c));
+              mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
+            } else {
+              const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
+              const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(k0 + 8 * j + g, 8 * sj + 2 * c));
+              mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
+            }
           }
         }
       }
+
     }
 
     // ---- Output: O^T -> this warp's tile [t][16] (stmatrix.trans) -> out, 32 bytes per token row.

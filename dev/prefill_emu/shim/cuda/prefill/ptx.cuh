@@ -99,5 +99,87 @@ inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_
 inline void prefetch_l2(const void* src, uint32_t bytes) {
   EMU_CHECK(reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "prefetch misaligned");
 }
+// wgmma (sm_90a), emulated: products complete at issue, so fence/commit/wait are no-ops. Each warp
+// of the warpgroup computes its own 16 rows (16w..16w+15) from its own A fragment, so a warp-level
+// rendezvous is enough (the 4 warps are not checked to be present).
+inline void wgmma_fence() {}
+inline void wgmma_commit() {}
+template <int kPending> inline void wgmma_wait() {}
+template <int NJ> inline void wgmma_fence_acc(float (&)[NJ][4]) {}
+template <int NJ> inline void wgmma_fence_acc(uint32_t (&)[NJ][4]) {}  // A operand registers
+inline uint64_t wgmma_desc_sw128(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+}
+// Element (n, k) of B (K-major, 128-byte swizzle) through the descriptor; esize 2 (bf16) or 4 (tf32).
+inline float wgmma_b(uint32_t start, uint32_t sbo, int n, int k, int esize) {
+  uint32_t a = start + (n / 8) * sbo + (n % 8) * 128 + k * esize;
+  a ^= ((a >> 7) & 7) << 4;  // the swizzle acts on the absolute shared address
+  if (esize == 2) { uint16_t v; std::memcpy(&v, sptr(a, 2), 2); return __uint_as_float((uint32_t)v << 16); }
+  uint32_t v; std::memcpy(&v, sptr(a, 4), 4); return __uint_as_float(v & 0xffffe000u);
+}
+// D[64 x 8 NJ] (+)= kScaleA A[64 x K] B[K x 8 NJ] (this warp's 16 rows); kTf32: K = 8, else bf16 K = 16.
+template <int NJ, bool kTf32, int kScaleA>
+inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc, int accumulate) {
+  static_assert(kScaleA == 1 || kScaleA == -1, "wgmma imm-scale-a is 1 or -1");
+  constexpr int K = kTf32 ? 8 : 16, esize = kTf32 ? 4 : 2;
+  const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
+  EMU_CHECK((desc >> 62) == 1, "wgmma descriptor: layout is not 128-byte swizzle");
+  EMU_CHECK(sbo == 1024, "wgmma descriptor: stride byte offset != 1024");
+  EMU_CHECK(((desc >> 49) & 7) == 0, "wgmma descriptor: base offset != 0");
+  EMU_CHECK(start % 16 == 0, "wgmma descriptor: start not 16-byte aligned");
+  EMU_CHECK((start & 0x380) == 0, "wgmma descriptor: tile not 1024-byte aligned (start offset beyond the 128-byte row)");
+  EMU_CHECK((start & 0x7f) + K * esize <= 128, "wgmma descriptor: K slice crosses the 128-byte row");
+  auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
+  for (int i = 0; i < 4; ++i) s[l][i] = a[i];
+  emu::warp_sync();
+  // This lane's A rows g and g + 8, decoded from the warp's fragments.
+  double ar[2][K];
+  for (int rr = 0; rr < 2; ++rr)
+    for (int k = 0; k < K; ++k) {
+      const int r = l / 4 + 8 * rr;
+      if (kTf32) ar[rr][k] = tf((uint32_t)s[4 * (r % 8) + k % 4][(r >= 8 ? 1 : 0) + (k >= 4 ? 2 : 0)]);
+      else ar[rr][k] = bf((uint32_t)s[4 * (r % 8) + (k % 8) / 2][(r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0)], k & 1);
+    }
+  float out[NJ][4];
+  for (int j = 0; j < NJ; ++j)
+    for (int cc = 0; cc < 2; ++cc) {
+      const int n = 8 * j + 2 * (l % 4) + cc;
+      double b[K];
+      for (int k = 0; k < K; ++k) b[k] = wgmma_b(start, sbo, n, k, esize);
+      for (int rr = 0; rr < 2; ++rr) {
+        const int e = 2 * rr + cc;
+        double acc = accumulate ? (double)d[j][e] : 0.0;
+        for (int k = 0; k < K; ++k) acc += kScaleA * (ar[rr][k] * b[k]);
+        out[j][e] = (float)acc;
+      }
+    }
+  emu::warp_sync();
+  for (int j = 0; j < NJ; ++j)
+    for (int e = 0; e < 4; ++e) d[j][e] = out[j][e];
+}
+// src/cuda/prefill/ptx.cuh's generic forms: bf16 NJ = 8 or 16 (n64, n128); tf32 NJ = 1..8 (n8 .. n64).
+template <int NJ, int kScaleA = 1>
+inline void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+  static_assert(NJ == 8 || NJ == 16, "wgmma_bf16: n64 or n128");
+  wgmma_impl<NJ, false, kScaleA>(d, a, b_desc, accumulate);
+}
+template <int NJ, int kScaleA = 1>
+inline void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+  static_assert(NJ >= 1 && NJ <= 8, "wgmma_tf32: n8 .. n64");
+  wgmma_impl<NJ, true, kScaleA>(d, a, b_desc, accumulate);
+}
+// The fixed-shape names (same products).
+template <int kScaleA = 1>
+inline void wgmma_bf16_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+  wgmma_impl<8, false, kScaleA>(d, a, b_desc, accumulate);
+}
+template <int kScaleA = 1>
+inline void wgmma_bf16_n128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+  wgmma_impl<16, false, kScaleA>(d, a, b_desc, accumulate);
+}
+template <int kScaleA = 1>
+inline void wgmma_tf32_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+  wgmma_impl<8, true, kScaleA>(d, a, b_desc, accumulate);
+}
 inline uint4 ld_global_16(const void* p) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "ld16 misaligned"); uint4 r; std::memcpy(&r, p, 16); return r; }
 }  // namespace kda::cuda::pf
