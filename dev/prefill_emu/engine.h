@@ -53,6 +53,13 @@ void block_sync() {
   if (++block_arrived == nthreads) { block_arrived = 0; ++block_gen; return; }
   while (block_gen == g) yield();
 }
+static int named_arrived[16]; static long named_gen[16];
+void named_sync(int id, int count) {  // bar.sync id, count: the first `count` arrivals release
+  if (id < 1 || id > 15 || count % 32 != 0) { std::fprintf(stderr, "EMU: bad named barrier\n"); std::abort(); }
+  const long g = named_gen[id];
+  if (++named_arrived[id] == count) { named_arrived[id] = 0; ++named_gen[id]; return; }
+  while (named_gen[id] == g) yield();
+}
 static void (*entry_fn)(void*); static void* entry_arg;
 static void trampoline() { entry_fn(entry_arg); (*fibers)[cur].done = true; swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
 }  // namespace emu

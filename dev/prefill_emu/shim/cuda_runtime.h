@@ -35,6 +35,7 @@ extern WarpCtx* warp_ctx;
 extern int lane_id;
 void warp_sync();
 void block_sync();
+void named_sync(int id, int count);
 }
 #define threadIdx emu::threadIdx_
 #define blockIdx emu::blockIdx_

@@ -38,9 +38,11 @@ __host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return
 // Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
 // Two stages (from the first 1024-byte aligned address: + 1024 bytes of slack), then one output
-// tile [64 t][16 v] (2 KB) per warp, then two mbarriers, then (K split) the exchange area.
+// tile [64 t][16 v] (2 KB) per warp, then four mbarriers (stage full x 2, stage empty x 2), then
+// (K split) the exchange area.
+inline constexpr int kBarBytes = 32;
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
-  return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + 16 +
+  return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + kBarBytes +
          (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
 // One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
@@ -82,6 +84,13 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
 
+// Byte offset of this lane's ldmatrix_x2 row address for the mma.sync B fragment of the Aqk / Tm
+// tile at (rows t0.., tokens s0..; multiples of 8): lanes 0-7 address rows t0 + l at k-slots 0-3
+// (tokens 2c), lanes 8-15 at k-slots 4-7 (tokens 2c + 1), so that lane 4g + c receives (b0, b1) =
+// (slot c, slot c + 4) of row t0 + g.
+__device__ __forceinline__ uint32_t rec_f32_block_offset(int t0, int s0, int lane) {
+  return static_cast<uint32_t>(sw128_offset(kChunk, t0 + (lane & 7), 4 * (s0 + (lane & 8 ? 4 : 0))));
+}
 // Descriptor of a K step of the record matrix at `off` (`rows` rows) in the stage at sbase
 // (1024-byte aligned): the step's first byte within the rows, kbyte (a multiple of 32).
 __device__ __forceinline__ uint64_t rec_desc(uint32_t sbase, int off, int rows, int kbyte) {
@@ -223,11 +232,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
   uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
-  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;  // two mbarriers (8 bytes each)
+  // mbarriers: bar0 + 8 st = stage st full (record bytes arrived), bar0 + 16 + 8 st = stage st
+  // empty (every warp done with it; the wgmma path only).
+  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;
+  const int wg = warp >> 2;  // warpgroup (wgmma path)
   // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
-  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + warp * kXchWarpBytes);
+  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + warp * kXchWarpBytes);
   const float* xch_partner =
-      reinterpret_cast<const float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16 + (warp ^ 1) * kXchWarpBytes);
+      reinterpret_cast<const float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + (warp ^ 1) * kXchWarpBytes);
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[kNJ][4];
@@ -256,15 +268,22 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   if (tid == 0) {
     mbar_init(bar0, 1);
     mbar_init(bar0 + 8, 1);
+    mbar_init(bar0 + 16, nwarps);
+    mbar_init(bar0 + 24, nwarps);
     fence_barrier_init();
   }
   __syncthreads();
 
-  // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy) and the v tile.
+  // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy) and the v tile. The wgmma
+  // path has no block barrier: each warpgroup loads its own 64 v columns and syncs on its own
+  // named barrier, and the record's refill waits for the stage's empty barrier (chunk ci - 2
+  // released by every warp), so that the two warpgroups drift apart by up to a chunk and their
+  // waits on the tensor cores interleave.
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
     if (tid == 0) {
+      if (kWgmma && ci >= 2) mbar_wait(bar0 + 16 + 8 * st, static_cast<uint32_t>(((ci - 2) >> 1) & 1));
       const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
       const uint32_t bar = bar0 + 8 * st;
       mbar_arrive_expect_tx(bar, kRecordBytes);
@@ -274,9 +293,11 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       }
     }
     const int cpr = vs >> 3;  // 16-byte chunks per row
+    const int nch = kWgmma ? 8 : cpr, ch0 = kWgmma ? 8 * wg : 0;  // this thread's share of the chunks
+    const int t0 = kWgmma ? (tid & 127) : tid, tstep = kWgmma ? 128 : nthreads;
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
-    for (int task = tid; task < kChunk * cpr; task += nthreads) {
-      const int r = task / cpr, ch = task % cpr;
+    for (int task = t0; task < kChunk * nch; task += tstep) {
+      const int r = task / nch, ch = ch0 + task % nch;
       const int64_t tl = ci * kChunk + r;
       const bool valid = tl < sp.len;
       const int soff = kRecordBytes + swizzle_vtile(r, ch, vs);
@@ -300,9 +321,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     const int st = static_cast<int>(ci & 1);
     uint8_t* sb = smem + st * sbytes;
     cp_async_wait<0>();
-    mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
-    __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
-    if (ci + 1 < nchunks) issue(ci + 1);
+    if constexpr (kWgmma) {
+      named_barrier_sync(1 + wg, 128);  // this warpgroup's v columns of chunk ci in; its reads of stage st^1 done
+      if (ci + 1 < nchunks) issue(ci + 1);
+      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
+    } else {
+      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
+      __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
+      if (ci + 1 < nchunks) issue(ci + 1);
+    }
     const int L = static_cast<int>(sp.len - ci * kChunk < kChunk ? sp.len - ci * kChunk : kChunk);
 
     float accO[8][4];
@@ -371,7 +398,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // from the v tile by ldmatrix.trans: 16-bit pairs (s = 2c, 2c+1) are the k-slots c, c+4.
       {
         const uint32_t v_base = smem_u32(sb + kRecordBytes);
-        const float* tm = reinterpret_cast<const float*>(sb + kOffTm);
+        const uint32_t tm_base = smem_u32(sb + kOffTm);
   #pragma unroll
         for (int hh = 0; hh < 4; ++hh) {
           const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
@@ -386,8 +413,9 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   #pragma unroll
             for (int j = 0; j < 8; ++j) {
               if (j >= sj) {
-                const float b0 = tm[rec_f32(8 * j + g, 8 * sj + 2 * c)], b1 = tm[rec_f32(8 * j + g, 8 * sj + 2 * c + 1)];
-                mma_tf32(accU[j], a, __float_as_uint(b0), __float_as_uint(b1));
+                uint32_t b[2];
+                ldmatrix_x2(b, tm_base + rec_f32_block_offset(8 * j, 8 * sj, lane));
+                mma_tf32(accU[j], a, b[0], b[1]);
               }
             }
           }
@@ -407,14 +435,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal). s-step outer, t-tile
       // inner: consecutive mma go to different accumulators (no back-to-back dependency).
       {
-        const float* aqk = reinterpret_cast<const float*>(sb + kOffAqk);
+        const uint32_t aqk_base = smem_u32(sb + kOffAqk);
   #pragma unroll
         for (int sj = 0; sj < 8; ++sj)
   #pragma unroll
           for (int j = 0; j < 8; ++j) {
             if (j >= sj && (!kKSplit || owns_token_pair(j >> 1, kh))) {
-              const float b0 = aqk[rec_f32(8 * j + g, 8 * sj + 2 * c)], b1 = aqk[rec_f32(8 * j + g, 8 * sj + 2 * c + 1)];
-              mma_tf32(accO[j], ua[sj], __float_as_uint(b0), __float_as_uint(b1));
+              uint32_t b[2];
+              ldmatrix_x2(b, aqk_base + rec_f32_block_offset(8 * j, 8 * sj, lane));
+              mma_tf32(accO[j], ua[sj], b[0], b[1]);
             }
           }
       }
@@ -485,6 +514,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       }
     }
     fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
+    if constexpr (kWgmma) {
+      __syncwarp();
+      if (lane == 0) mbar_arrive(bar0 + 16 + 8 * st);  // this warp is done with stage st
+    }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
     if (p.ckpt_every > 0 && L == kChunk) {

@@ -50,11 +50,11 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 inline uint16_t ld16(uint32_t a) { uint16_t v; std::memcpy(&v, sptr(a, 2), 2); return v; }
-inline void ldmatrix_impl(uint32_t (&r)[4], uint32_t addr, bool trans) {
+inline void ldmatrix_impl(uint32_t* r, uint32_t addr, bool trans, int count = 4) {
   auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
-  EMU_CHECK(addr % 16 == 0, "ldmatrix row address not 16-byte aligned");
+  if (l < 8 * count) EMU_CHECK(addr % 16 == 0, "ldmatrix row address not 16-byte aligned");
   s[l][0] = addr; emu::warp_sync();
-  for (int i = 0; i < 4; ++i) {
+  for (int i = 0; i < count; ++i) {
     uint32_t lo, hi;
     if (!trans) { const uint32_t A = (uint32_t)s[8 * i + l / 4][0]; lo = ld16(A + 4 * (l % 4)); hi = ld16(A + 4 * (l % 4) + 2); }
     else { lo = ld16((uint32_t)s[8 * i + 2 * (l % 4)][0] + 2 * (l / 4)); hi = ld16((uint32_t)s[8 * i + 2 * (l % 4) + 1][0] + 2 * (l / 4)); }
@@ -63,6 +63,7 @@ inline void ldmatrix_impl(uint32_t (&r)[4], uint32_t addr, bool trans) {
   emu::warp_sync();
 }
 inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) { ldmatrix_impl(r, addr, false); }
+inline void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) { ldmatrix_impl(r, addr, false, 2); }
 inline void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) { ldmatrix_impl(r, addr, true); }
 inline void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2, uint32_t r3) {
   auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
@@ -92,6 +93,8 @@ inline void fence_barrier_init() {}
 inline void fence_proxy_async() {}
 inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t) { sptr(bar, 8); }
 inline void mbar_wait(uint32_t bar, uint32_t) { sptr(bar, 8); }
+inline void mbar_arrive(uint32_t bar) { sptr(bar, 8); }
+inline void named_barrier_sync(int id, int count) { emu::named_sync(id, count); }
 inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "bulk copy misaligned");
   std::memcpy(sptr(dst, bytes), src, bytes); sptr(bar, 8);
