@@ -72,6 +72,11 @@ if has racecheck; then
     rc=$?
     grep -E "RACECHECK SUMMARY|ERROR SUMMARY|hazard|PASSED|FAILED" "$OUT/racecheck.log" | head -8
     note "racecheck rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck.log" | tail -1)"
+    # The wgmma recurrence (named barriers, empty/full mbarriers) with the value split forced to 128.
+    KDA_CUDA_PREFILL_VS=128 timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+      ./$B/tests/kda_gpu_tests --gtest_filter='*PrefillSmoke*:GpuPrefillWgmma.*' --gtest_brief=1 >"$OUT/racecheck_vs128.log" 2>&1
+    rc=$?
+    note "racecheck (vs = 128: wgmma) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_vs128.log" | tail -1)"
   else
     note "racecheck: compute-sanitizer not found"
   fi
