@@ -31,38 +31,8 @@
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
+#include "fibers.h"
 
-namespace emu {
-dim3 threadIdx_, blockIdx_, blockDim_, gridDim_;
-uint8_t* smem_base; size_t smem_size;
-WarpCtx* warp_ctx; int lane_id;
-struct Fiber { ucontext_t ctx; std::vector<char> stack; bool done = false; };
-static ucontext_t sched_ctx;
-static std::vector<Fiber>* fibers;
-static int cur = -1;
-static std::vector<WarpCtx>* warps;
-static int block_arrived = 0; static long block_gen = 0; static int nthreads = 0;
-static void yield() { swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
-void warp_sync() {
-  WarpCtx* w = warp_ctx; const long g = w->gen;
-  if (++w->arrived == 32) { w->arrived = 0; ++w->gen; return; }
-  while (w->gen == g) yield();
-}
-void block_sync() {
-  const long g = block_gen;
-  if (++block_arrived == nthreads) { block_arrived = 0; ++block_gen; return; }
-  while (block_gen == g) yield();
-}
-static int named_arrived[16]; static long named_gen[16];
-void named_sync(int id, int count) {  // bar.sync id, count: the first `count` arrivals release
-  if (id < 1 || id > 15 || count % 32 != 0) { std::fprintf(stderr, "EMU: bad named barrier\n"); std::abort(); }
-  const long g = named_gen[id];
-  if (++named_arrived[id] == count) { named_arrived[id] = 0; ++named_gen[id]; return; }
-  while (named_gen[id] == g) yield();
-}
-static void (*entry_fn)(void*); static void* entry_arg;
-static void trampoline() { entry_fn(entry_arg); (*fibers)[cur].done = true; swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
-}  // namespace emu
 namespace kda::cuda::pf {
 alignas(1024) uint8_t emu_smem_alias[240000];
 extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
@@ -75,32 +45,9 @@ template <typename K>
 static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const Params& p) {
   emu::smem_base = emu_smem_alias; emu::smem_size = smem_bytes;
   if (smem_bytes > (int)sizeof(emu_smem_alias)) { std::fprintf(stderr, "smem too big\n"); std::abort(); }
-  struct Arg { K kernel; const Params* p; } arg{kernel, &p};
-  emu::entry_fn = [](void* a) { auto* x = static_cast<Arg*>(a); x->kernel(*x->p); };
-  emu::entry_arg = &arg;
   for (int64_t b = 0; b < blocks; ++b) {
     std::memset(emu_smem_alias, 0xff, smem_bytes);  // uninitialized shared memory reads as NaN
-    std::vector<emu::Fiber> fib(threads);
-    std::vector<emu::WarpCtx> wc((threads + 31) / 32);
-    emu::fibers = &fib; emu::warps = &wc; emu::nthreads = threads; emu::block_arrived = 0;
-    for (int t = 0; t < threads; ++t) {
-      fib[t].stack.resize(1 << 18);
-      getcontext(&fib[t].ctx);
-      fib[t].ctx.uc_stack.ss_sp = fib[t].stack.data(); fib[t].ctx.uc_stack.ss_size = fib[t].stack.size();
-      fib[t].ctx.uc_link = nullptr;
-      makecontext(&fib[t].ctx, emu::trampoline, 0);
-    }
-    bool any = true;
-    while (any) {
-      any = false;
-      for (int t = 0; t < threads; ++t) {
-        if (fib[t].done) continue;
-        any = true;
-        emu::cur = t; emu::threadIdx_.x = t; emu::blockIdx_.x = (unsigned)b; emu::blockDim_.x = threads; emu::gridDim_.x = (unsigned)blocks;
-        emu::warp_ctx = &wc[t / 32]; emu::lane_id = t % 32;
-        swapcontext(&emu::sched_ctx, &fib[t].ctx);
-      }
-    }
+    emu::run_block(threads, (unsigned)b, (unsigned)blocks, [&] { kernel(p); });
   }
 }
 

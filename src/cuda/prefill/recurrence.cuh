@@ -84,6 +84,17 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
 
+// U^T's accumulator tiles as tf32 A operands of the products over tokens (k-slot c <-> token 2c,
+// c + 4 <-> 2c + 1 of each 8-token step).
+__device__ __forceinline__ void u_tf32_operands(const float (&acc)[8][4], uint32_t (&ua)[8][4]) {
+#pragma unroll
+  for (int sj = 0; sj < 8; ++sj) {
+    ua[sj][0] = f32_to_tf32(acc[sj][0]);
+    ua[sj][1] = f32_to_tf32(acc[sj][2]);
+    ua[sj][2] = f32_to_tf32(acc[sj][1]);
+    ua[sj][3] = f32_to_tf32(acc[sj][3]);
+  }
+}
 // Byte offset of this lane's ldmatrix_x2 row address for the mma.sync B fragment of the Aqk / Tm
 // tile at (rows t0.., tokens s0..; multiples of 8): lanes 0-7 address rows t0 + l at k-slots 0-3
 // (tokens 2c), lanes 8-15 at k-slots 4-7 (tokens 2c + 1), so that lane 4g + c receives (b0, b1) =
@@ -160,13 +171,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   // U^T as A operands: tf32 in k-slot order (slot c <-> token 2c, c + 4 <-> 2c + 1), and bf16 hi +
   // lo per 16-token step (registers: rows g / g + 8 x tokens 2c.. / 2c + 8..).
   uint32_t ua[8][4], uh[4][4], ul[4][4];
-#pragma unroll
-  for (int sj = 0; sj < 8; ++sj) {
-    ua[sj][0] = f32_to_tf32(accU[sj][0]);
-    ua[sj][1] = f32_to_tf32(accU[sj][2]);
-    ua[sj][2] = f32_to_tf32(accU[sj][1]);
-    ua[sj][3] = f32_to_tf32(accU[sj][3]);
-  }
+  u_tf32_operands(accU, ua);
 #pragma unroll
   for (int q = 0; q < 4; ++q)
 #pragma unroll
@@ -343,18 +348,18 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
       // the K split, partial sums over this warp's key half).
       float accU[8][4];
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 8; ++j)
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
       {
         const uint32_t w_base = smem_u32(sb + kOffW), q_base = smem_u32(sb + kOffQg);
-  #pragma unroll
+#pragma unroll
         for (int kq = 0; kq < kNJ / 2; ++kq) {
           const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
                                  pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
                                  pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
-  #pragma unroll
+#pragma unroll
           for (int pp = 0; pp < 4; ++pp) {
             // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
             const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
@@ -373,25 +378,25 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       if constexpr (kKSplit) {
         // The pair's partial sums: a + b in both warps (the same U^T bit for bit in both). Both
         // areas were last read in the previous chunk, before this chunk's first block barrier.
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 8; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
             xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
           }
         __syncthreads();
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < 8; ++j)
-  #pragma unroll
+#pragma unroll
           for (int e = 0; e < 4; ++e) {
             accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
             if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
           }
       }
-  #pragma unroll
+#pragma unroll
       for (int j = 0; j < 8; ++j)
-  #pragma unroll
+#pragma unroll
         for (int e = 0; e < 4; ++e) accU[j][e] = -accU[j][e];
 
       // ---- U^T += v^T Tm^T (tf32, Tm lower triangular: t-tile j needs s-steps sj <= j). v^T comes
@@ -399,18 +404,18 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       {
         const uint32_t v_base = smem_u32(sb + kRecordBytes);
         const uint32_t tm_base = smem_u32(sb + kOffTm);
-  #pragma unroll
+#pragma unroll
         for (int hh = 0; hh < 4; ++hh) {
           const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
           const int chunk = 2 * rg + ((lane >> 3) & 1);
           uint32_t va[4];
           ldmatrix_x4_trans(va, v_base + swizzle_vtile(row, chunk, vs));
-  #pragma unroll
+#pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int sj = 2 * hh + half;
             const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])), __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
                                    __float_as_uint(hi_f32<kFp16>(va[2 * half])), __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
-  #pragma unroll
+#pragma unroll
             for (int j = 0; j < 8; ++j) {
               if (j >= sj) {
                 uint32_t b[2];
@@ -422,23 +427,17 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         }
       }
 
-      // ---- U^T as tf32 A operands (k-slot c <-> token 2c, c+4 <-> 2c+1 of each 8-token step).
+      // ---- U^T as tf32 A operands.
       uint32_t ua[8][4];
-  #pragma unroll
-      for (int sj = 0; sj < 8; ++sj) {
-        ua[sj][0] = f32_to_tf32(accU[sj][0]);
-        ua[sj][1] = f32_to_tf32(accU[sj][2]);
-        ua[sj][2] = f32_to_tf32(accU[sj][1]);
-        ua[sj][3] = f32_to_tf32(accU[sj][3]);
-      }
+      u_tf32_operands(accU, ua);
 
       // ---- O^T += U^T Aqk^T (tf32, lower triangular incl. the diagonal). s-step outer, t-tile
       // inner: consecutive mma go to different accumulators (no back-to-back dependency).
       {
         const uint32_t aqk_base = smem_u32(sb + kOffAqk);
-  #pragma unroll
+#pragma unroll
         for (int sj = 0; sj < 8; ++sj)
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < 8; ++j) {
             if (j >= sj && (!kKSplit || owns_token_pair(j >> 1, kh))) {
               uint32_t b[2];
@@ -451,7 +450,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // ---- S^T <- S^T diag(exp(G_L)) + U^T kb (tf32).
       {
         const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
-  #pragma unroll
+#pragma unroll
         for (int j = 0; j < kNJ; ++j) {
           const float2 d = *reinterpret_cast<const float2*>(gl + k0 + 8 * j + 2 * c);
           accS[j][0] *= d.x;
@@ -460,9 +459,9 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
           accS[j][3] *= d.y;
         }
         // s-step outer, key tile inner: 16 independent accumulators between dependent mma.
-  #pragma unroll
+#pragma unroll
         for (int sj = 0; sj < 8; ++sj) {
-  #pragma unroll
+#pragma unroll
           for (int j = 0; j < kNJ; ++j) {
             if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
               const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);

@@ -160,7 +160,7 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
   for (int j = 0; j < NJ; ++j)
     for (int e = 0; e < 4; ++e) d[j][e] = out[j][e];
 }
-// src/cuda/prefill/ptx.cuh's generic forms: bf16 NJ = 8 or 16 (n64, n128); tf32 NJ = 1..8 (n8 .. n64).
+// src/cuda/prefill/ptx.cuh's products: bf16 NJ = 8 or 16 (n64, n128); tf32 NJ = 8 (n64).
 template <int NJ, int kScaleA = 1>
 inline void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
   static_assert(NJ == 8 || NJ == 16, "wgmma_bf16: n64 or n128");
@@ -168,21 +168,8 @@ inline void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_des
 }
 template <int NJ, int kScaleA = 1>
 inline void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  static_assert(NJ >= 1 && NJ <= 8, "wgmma_tf32: n8 .. n64");
+  static_assert(NJ == 8, "wgmma_tf32: n64");
   wgmma_impl<NJ, true, kScaleA>(d, a, b_desc, accumulate);
-}
-// The fixed-shape names (same products).
-template <int kScaleA = 1>
-inline void wgmma_bf16_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  wgmma_impl<8, false, kScaleA>(d, a, b_desc, accumulate);
-}
-template <int kScaleA = 1>
-inline void wgmma_bf16_n128(float (&d)[16][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  wgmma_impl<16, false, kScaleA>(d, a, b_desc, accumulate);
-}
-template <int kScaleA = 1>
-inline void wgmma_tf32_n64(float (&d)[8][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  wgmma_impl<8, true, kScaleA>(d, a, b_desc, accumulate);
 }
 inline uint4 ld_global_16(const void* p) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "ld16 misaligned"); uint4 r; std::memcpy(&r, p, 16); return r; }
 }  // namespace kda::cuda::pf
