@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# racecheck profile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -140,6 +140,18 @@ if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
     timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 5 --launch-count 1 \
       ./$B/bench/bench_gpu_decode --filter $c --no-check --iters 10 --warmup 2 >"$OUT/ncu_dec_$c.log" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_dec_$c.log" | head -12
+  done
+fi
+
+if has srcprofile && command -v ncu >/dev/null; then
+  # Per-SASS-instruction stall samples of one kernel (PROFILE_KERNEL regex, default prepare) on
+  # PROFILE_CASES, exported as CSV (source page; the lines map to the source through -lineinfo).
+  for c in ${PROFILE_CASES-P1}; do
+    timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:${PROFILE_KERNEL:-prepare}" \
+      --launch-skip 1 --launch-count 1 -f -o "$OUT/src_$c" ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/src_$c.log" 2>&1
+    ncu --import "$OUT/src_$c.ncu-rep" --page source --csv --print-source sass >"$OUT/src_${c}_sass.csv" 2>>"$OUT/src_$c.log"
+    note "source profile $c (${PROFILE_KERNEL:-prepare}): $(wc -l <"$OUT/src_${c}_sass.csv") lines"
+    rm -f "$OUT/src_$c.ncu-rep"
   done
 fi
 
