@@ -111,9 +111,8 @@ __device__ __forceinline__ uint64_t rec_desc(uint32_t sbase, int off, int rows, 
 // One chunk of a warpgroup (4 warps = 64 value rows; vs >= 64) on wgmma: the products of the
 // mma.sync path below with B read from the stage's record by descriptor (sbase: the stage's shared
 // address) and A from registers, in two commit groups, each waited before the next is issued:
-//   1. U^T = -S^T W^T + v^T Tm^T                  (S^T bf16 from the accumulators; v^T tf32)
-//   2. O^T = S^T qg^T + U^T Aqk^T (U^T tf32),  S^T <- S^T diag(gL) + U^T kb
-// (U^T, which the second group needs, comes out of a group of 16 products instead of 24).
+//   1. U^T = -S^T W^T + v^T Tm^T,  O^T = S^T qg^T     (S^T bf16 from the accumulators; v^T tf32)
+//   2. O^T += U^T Aqk^T (U^T tf32),  S^T <- S^T diag(gL) + U^T kb
 // The triangular products (Tm, Aqk) run over all 64 tokens (zero above the diagonal): with n =
 // 64 - 8 sj per k-step, ptxas serialized every wgmma (register allocation of the sub-tiles). The state
 // update takes U^T as two bf16 terms (hi + lo: ~16 significant bits, finer than tf32) against the
@@ -159,6 +158,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
     wgmma_bf16<8, -1>(accU, sa[ks], rec_desc(sbase, kOffW, kChunk, 32 * ks), 1);
+    wgmma_bf16<8>(accO, sa[ks], rec_desc(sbase, kOffQg, kChunk, 32 * ks), 1);
   }
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)  // all 64 rows of Tm (zero above the diagonal blocks)
@@ -194,10 +194,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   wgmma_fence_acc(ua);
   wgmma_fence_acc(uh);
   wgmma_fence_acc(ul);
-  wgmma_fence_acc(sa);
   wgmma_fence();
-#pragma unroll
-  for (int ks = 0; ks < 8; ++ks) wgmma_bf16<8>(accO, sa[ks], rec_desc(sbase, kOffQg, kChunk, 32 * ks), 1);
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)
     wgmma_tf32<8>(accO, ua[sj], rec_desc(sbase, kOffAqk, kChunk, 32 * sj), 1);
