@@ -8,13 +8,14 @@
 //   * output fp16: the result rounding is ~2.5e-4, but the kernel keeps the state operand of
 //     S^T W^T and S^T qg^T and the W / qg operands in bf16 (docs/perf_notes.md, "Precision"),
 //     which adds up to ~1.5e-3 under weak decay (long memory): 2.5e-3;
-//   * states: the update is a tf32 product whose kb operand is stored in bf16 (kKbTBf16), which
+//   * states: the update's kb operand is stored in bf16 (the record's kbT; tf32 or bf16 hi + lo U^T), which
 //     alone gives ~1.6e-3 (strong decay) .. 1.8e-3 (weak decay): fp32 / fp16 states 3e-3; a bf16
 //     state adds its own rounding (1.7e-3): 4e-3.
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <set>
@@ -280,8 +281,30 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
 // KDA_CUDA_PREFILL_KSPLIT=0 turns it off): vs = 16 (2 warps) under weak decay, where the state's
 // contribution to every chunk is large, and vs = 32 (4 warps) through a pool, checkpoints, K-first
 // states and varlen with an empty sequence.
+// Restores an environment variable's value (or its absence) at scope exit.
+class EnvRestore {
+ public:
+  explicit EnvRestore(const char* name) : name_(name) {
+    const char* v = std::getenv(name);
+    had_ = v != nullptr;
+    if (had_) value_ = v;
+  }
+  ~EnvRestore() {
+    if (had_) setenv(name_, value_.c_str(), 1);
+    else unsetenv(name_);
+  }
+  EnvRestore(const EnvRestore&) = delete;
+  EnvRestore& operator=(const EnvRestore&) = delete;
+
+ private:
+  const char* name_;
+  bool had_ = false;
+  std::string value_;
+};
+
 TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore("KDA_CUDA_PREFILL_KSPLIT");
   for (const char* env : {static_cast<const char*>(nullptr), "0"}) {  // the default (split), then off
     SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_KSPLIT=") + (env ? env : "(unset)"));
     if (env) setenv("KDA_CUDA_PREFILL_KSPLIT", env, 1);
@@ -309,15 +332,16 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
       check_against_reference(c);
     }
   }
-  unsetenv("KDA_CUDA_PREFILL_KSPLIT");
 }
 
 // The wgmma recurrence (vs >= 64: the many-head cases) and its mma.sync baseline
 // (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
-// here (96 value heads -> vs = 128, 48 -> 64 on 132 SMs) and forced by KDA_CUDA_PREFILL_VS in the
-// device script's second sweep.
+// here (on 132 SMs: 96 or 4 x 48 (sequence, value head) pairs -> vs = 128, two warpgroups; 48 ->
+// vs = 64, one) and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in
+// the device script's second pass.
 TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA");
   for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
     SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
     if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
@@ -342,7 +366,7 @@ TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
     c.weak_decay = true;
     c.gate = GateForm::kPrecomputed;
     {
-      SCOPED_TRACE("48 value heads (vs = 64), grouped, varlen, pool, checkpoints, K-first, bf16 state");
+      SCOPED_TRACE("4 sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, K-first, bf16 state");
       check_against_reference(c);
     }
     c = base_case();
@@ -350,11 +374,10 @@ TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
     c.dtype = DType::kFloat16;
     c.seqlens = {200};
     {
-      SCOPED_TRACE("48 heads, fp16");
+      SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16");
       check_against_reference(c);
     }
   }
-  unsetenv("KDA_CUDA_PREFILL_WGMMA");
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),

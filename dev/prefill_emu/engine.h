@@ -2,12 +2,14 @@
 // built by CMake and not part of the library: a tool that runs the real kernel source
 // (prepare.cuh, recurrence.cuh, common.cuh, host.h) on the host.
 //
-// Every CUDA thread of a block is a ucontext fiber, scheduled round-robin on one OS thread;
-// __syncthreads and the warp collectives (shuffles, ballot, mma.sync, ldmatrix, stmatrix) yield
-// until all participants arrive, then compute what the hardware does (PTX ISA fragment layouts).
-// Copies (cp.async, bulk copies) complete at once, so the emulation checks the kernels' math,
-// indexing, fragment layouts and swizzles, not their asynchronous ordering. Shared memory of every
-// block starts as 0xff bytes (NaN), and so does the workspace: reads of unwritten data show up.
+// Every CUDA thread of a block is a ucontext fiber (fibers.h), scheduled round-robin on one OS
+// thread; __syncthreads, named barriers and the warp collectives (shuffles, ballot, mma.sync,
+// wgmma, ldmatrix, stmatrix) yield until all participants arrive, then compute what the hardware
+// does (PTX ISA fragment layouts). Copies (cp.async, bulk copies) complete at once, so the
+// emulation checks the kernels' math, indexing, fragment layouts and swizzles and their barrier
+// protocol (mbarriers keep counts, transaction bytes and phases; a wait that can never complete
+// aborts), not the copies' timing. Shared memory of every block starts as 0xff bytes (NaN), and
+// so does the workspace: reads of unwritten data show up.
 //
 // shim/ replaces <cuda_runtime.h>, <cuda_runtime_api.h>, <cuda_bf16.h>, <cuda_fp16.h> and
 // "cuda/prefill/ptx.cuh"; it must come first on the include path. From the repository root:

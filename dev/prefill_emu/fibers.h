@@ -18,6 +18,7 @@ static std::vector<Fiber>* fibers;
 static int cur = -1;
 static int block_arrived = 0; static long block_gen = 0; static int nthreads = 0;
 static void yield() { swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
+void yield_fiber() { yield(); }
 void warp_sync() {
   WarpCtx* w = warp_ctx; const long g = w->gen;
   if (++w->arrived == 32) { w->arrived = 0; ++w->gen; return; }

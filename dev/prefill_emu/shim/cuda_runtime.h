@@ -36,6 +36,7 @@ extern int lane_id;
 void warp_sync();
 void block_sync();
 void named_sync(int id, int count);
+void yield_fiber();  // let the other fibers of the block run (spin-waits)
 }
 #define threadIdx emu::threadIdx_
 #define blockIdx emu::blockIdx_

@@ -32,32 +32,27 @@ inline constexpr int kChunk = 64;     // tokens per chunk (kda::kChunkSize)
 inline constexpr int kSub = 16;       // tokens per sub-chunk (row block of Akk/Aqk)
 inline constexpr int kHeadDim = 128;  // K == V == 128
 
-// kbT storage: bf16 (default) or fp32. The state update is a tf32 product either way; bf16 storage
-// saves 16 KB of the record (17% of the workspace traffic, half of kernel B's shared-memory reads
-// for the update) for a final-state error of ~1.6e-3 instead of ~4e-4 rel L2 (docs/perf_notes.md).
-inline constexpr bool kKbTBf16 = true;
-
 // One record per (chunk slot, value head), written by the prepare kernel and read (one bulk copy)
 // by the recurrence kernel. Every matrix is stored as the recurrence's tensor-core B operand in the
 // 128-byte swizzle layout of wgmma (sw128_offset; K-major: a row holds the product's K index):
 //   W    [64 t][128 k] bf16   Tm (exp(G) k)                       rec_b16
 //   qg   [64 t][128 k] bf16   exp(G_t) q_t (q normalized, scaled)  rec_b16
-//   kbT  [128 k][64 s]        exp(G_L - G_s) k_s, transposed: bf16 (rec_kbt) or fp32
-//                             tf32-rounded (swizzle_f32, mma.sync path only), see kKbTBf16
+//   kbT  [128 k][64 s] bf16   exp(G_L - G_s) k_s, transposed (rec_kbt). bf16, not fp32: 16 KB less
+//                             record traffic for a final-state error of ~1.6e-3 instead of ~4e-4
+//                             (docs/perf_notes.md, precision)
 //   Aqk  [64 t][64 s]  fp32   lower triangle incl. diagonal, tf32-rounded, zero above; s in tf32
 //                             k-slot order (rec_f32)
 //   Tm   [64 t][64 s]  fp32   (I + diag(b) Akk)^-1 diag(b), tf32-rounded (rec_f32), zero above
 //                             the diagonal blocks
 //   gL   [128]         fp32   exp(G_L), the per-channel decay of the state over the chunk
 // Every matrix starts 1024-byte aligned within the record (the swizzle's period).
-inline constexpr int kKbTBytes = kHeadDim * kChunk * (kKbTBf16 ? 2 : 4);
 inline constexpr int kOffW = 0;
 inline constexpr int kOffQg = kOffW + kChunk * kHeadDim * 2;
 inline constexpr int kOffKbT = kOffQg + kChunk * kHeadDim * 2;
-inline constexpr int kOffAqk = kOffKbT + kKbTBytes;
+inline constexpr int kOffAqk = kOffKbT + kHeadDim * kChunk * 2;
 inline constexpr int kOffTm = kOffAqk + kChunk * kChunk * 4;
 inline constexpr int kOffGL = kOffTm + kChunk * kChunk * 4;
-inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 82,432 (98,816 with fp32 kbT)
+inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 82,432
 static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
 static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 && kOffTm % 1024 == 0,
               "record matrices start at the swizzle period");
@@ -80,12 +75,6 @@ __host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kH
 __host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
 __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
-// fp32 matrix with 64 columns (256-byte rows; the fp32 kbT of kKbTBf16 = false): 16-byte chunk
-// index XOR 2 (row % 4). A half-warp reading float2 at (row 8j + g, col 8s + 2c) covers all 32
-// banks once.
-__host__ __device__ __forceinline__ int swizzle_f32(int row, int col) {
-  return row * kChunk + ((((col >> 2) ^ ((row & 3) << 1)) << 2) | (col & 3));
-}
 // bf16 tile [64 rows][vs columns] (vs = 16, 32, 64, 128; rows of vs/8 16-byte chunks): byte offset
 // of 16-byte chunk `chunk` of `row`, swizzled so that 8 consecutive rows at one chunk are
 // conflict-free for ldmatrix/stmatrix.

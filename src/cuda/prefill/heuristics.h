@@ -10,7 +10,7 @@ namespace kda::cuda::pf {
 // per value column, so V = 128 may be split across 128 / vs blocks of vs / 16 warps each. Splitting
 // re-reads the chunk's shared operands (W, qg, kbT, Aqk, Tm: ~80 KB) once per slice, so split only
 // as far as needed to fill the GPU: the largest vs in {128, 64, 32, 16} whose block count reaches
-// 70% of the multiprocessors (one block per SM: ~193 KB of shared memory at vs = 128).
+// 70% of the multiprocessors (one block per SM: ~211 KB of shared memory at vs = 128).
 // Worked examples on 132 SMs (threshold 92.4 blocks):
 //   P1 1x8192, HV=96:  96 pairs -> vs = 128 (96 blocks: one wave, 8 warps each)
 //   P2 1x8192, HV=64:  64 pairs -> vs = 64  (128 blocks)

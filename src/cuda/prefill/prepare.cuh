@@ -746,17 +746,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         const int s = 8 * sg + e;
         v[e] = in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
       }
-      if constexpr (kKbTBf16) {
-        uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
-        *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
-            make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
-      } else {
-        float* kbt_out = reinterpret_cast<float*>(rec + kOffKbT);
-        *reinterpret_cast<float4*>(kbt_out + swizzle_f32(kk, 8 * sg)) =
-            make_float4(tf32_round(v[0]), tf32_round(v[1]), tf32_round(v[2]), tf32_round(v[3]));
-        *reinterpret_cast<float4*>(kbt_out + swizzle_f32(kk, 8 * sg + 4)) =
-            make_float4(tf32_round(v[4]), tf32_round(v[5]), tf32_round(v[6]), tf32_round(v[7]));
-      }
+      uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
+      *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
+          make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
     }
     if (tid < kHeadDim)
       reinterpret_cast<float*>(rec + kOffGL)[tid] = exp2f(G[(kChunk - 1) * kGPitch + tid]);

@@ -5,17 +5,22 @@
 // [V][K] is the accumulator of every product that updates it; S^T rows = value columns):
 //   U^T  = v^T Tm^T - S^T W^T                    (bf16 S^T W^T; tf32 v^T Tm^T)
 //   O^T  = S^T qg^T + U^T Aqk^T                  (bf16; tf32, Aqk lower triangular)
-//   S^T <- S^T diag(exp(G_L)) + U^T kb           (tf32)
+//   S^T <- S^T diag(exp(G_L)) + U^T kb           (tf32; on wgmma U^T as bf16 hi + lo)
 // Warp w owns 16 value rows of S^T: accumulators S^T 16x128 (64 fp32 per thread), U^T and O^T
 // 16x64 (32 each). Warps never exchange data (except the pairs of the K split below); they share
-// the chunk's operands in shared memory.
+// the chunk's operands in shared memory. Blocks of vs >= 64 run the products on wgmma (one
+// warpgroup per 64 value rows; chunk_wgmma), the others on mma.sync.
 //
-// Pipeline: two stages, each = the chunk's workspace record (one bulk copy, mbarrier) + the v tile
-// [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in flight
-// while chunk c computes; one block barrier per chunk (two with the K split). Each warp stages its output columns in its
+// Pipeline: two stages, each = the chunk's workspace record (one bulk copy, "full" mbarrier) + the
+// v tile [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in
+// flight while chunk c computes. mma.sync paths: one block barrier per chunk (two with the K
+// split). wgmma path: none; each warpgroup loads its own v columns behind its own named barrier,
+// every warp arrives on the stage's "empty" mbarrier when done with it, and thread 0 waits on that
+// before refilling the stage (warpgroup 1 may run up to a chunk ahead; warpgroup 0, which holds
+// thread 0, waits for warpgroup 1 before each refill). Each warp stages its output columns in its
 // own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
-// Shared memory: 2 x (record + 128 vs) + 128 vs + 16 bytes (214,032 at vs = 128 with the bf16 kbT
-// record): one block per SM.
+// Shared memory: 1024 (alignment slack) + 2 x round1024(record + 128 vs) + 128 vs + 32 bytes
+// (216,096 at vs = 128): one block per SM.
 //
 // K split (kKSplit, Params::ksplit; vs <= 32, the few-head cases P5 / P7 whose blocks have only
 // 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
@@ -25,7 +30,7 @@
 // add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
 // {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
 // Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
-// per warp (output tile): 214,032 bytes at vs = 32.
+// per warp (output tile): 216,096 bytes at vs = 32.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -213,7 +218,6 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 template <bool kFp16, bool kKSplit, bool kWgmma>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
-  static_assert(!kWgmma || kKbTBf16, "the wgmma state update reads a bf16 kbT");
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The stages start at the first 1024-byte aligned address (the record's swizzle period).
@@ -282,8 +286,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy) and the v tile. The wgmma
   // path has no block barrier: each warpgroup loads its own 64 v columns and syncs on its own
   // named barrier, and the record's refill waits for the stage's empty barrier (chunk ci - 2
-  // released by every warp), so that the two warpgroups drift apart by up to a chunk and their
-  // waits on the tensor cores interleave.
+  // released by every warp), so that the warpgroups drift apart (warpgroup 1 up to a chunk ahead)
+  // and their waits on the tensor cores interleave.
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
@@ -463,15 +467,9 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         for (int sj = 0; sj < 8; ++sj) {
 #pragma unroll
           for (int j = 0; j < kNJ; ++j) {
-            if constexpr (kKbTBf16) {  // bf16 pair (s, s+1) -> two tf32 (exact)
-              const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);
-              const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + rec_kbt(k0 + 8 * j + g, 8 * sj + 2 * c));
-              mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
-            } else {
-              const float* kbt = reinterpret_cast<const float*>(sb + kOffKbT);
-              const float2 b = *reinterpret_cast<const float2*>(kbt + swizzle_f32(k0 + 8 * j + g, 8 * sj + 2 * c));
-              mma_tf32(accS[j], ua[sj], __float_as_uint(b.x), __float_as_uint(b.y));
-            }
+            const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);  // bf16 pair (s, s+1) -> two tf32 (exact)
+            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + rec_kbt(k0 + 8 * j + g, 8 * sj + 2 * c));
+            mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
           }
         }
       }

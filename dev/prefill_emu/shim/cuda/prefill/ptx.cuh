@@ -88,16 +88,45 @@ inline void pdl_prologue() {}  // no dependent grids on the CPU
 }  // namespace kda::cuda
 namespace kda::cuda::pf {
 template <int kPending> inline void cp_async_wait() {}
-inline void mbar_init(uint32_t bar, uint32_t) { sptr(bar, 8); }
 inline void fence_barrier_init() {}
 inline void fence_proxy_async() {}
-inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t) { sptr(bar, 8); }
-inline void mbar_wait(uint32_t bar, uint32_t) { sptr(bar, 8); }
-inline void mbar_arrive(uint32_t bar) { sptr(bar, 8); }
 inline void named_barrier_sync(int id, int count) { emu::named_sync(id, count); }
+// mbarriers with their hardware semantics, kept in their 8 bytes of shared memory: expected
+// arrivals, pending arrivals, phase bit, transaction bytes. A phase completes when its arrivals
+// and bytes are all in; mbar_wait(parity) returns once the phase of that parity has completed
+// (the current phase bit differs), yielding to the other fibers meanwhile, and aborts on a
+// deadlock. Bulk copies land at once, so the protocol (counts, parities, who waits for whom) is
+// what this checks, not the timing.
+struct EmuMbar { uint32_t count : 12, pending : 12, phase : 1, init : 7; int32_t tx; };
+static_assert(sizeof(EmuMbar) == 8, "mbarrier is 8 bytes");
+inline EmuMbar* mbar_at(uint32_t bar) {
+  EMU_CHECK(bar % 8 == 0, "mbarrier not 8-byte aligned");
+  return reinterpret_cast<EmuMbar*>(sptr(bar, 8));
+}
+inline void mbar_complete_if_done(EmuMbar* m) {
+  if (m->pending == 0 && m->tx == 0) { m->phase ^= 1; m->pending = m->count; }
+}
+inline void mbar_init(uint32_t bar, uint32_t count) {
+  EMU_CHECK(count >= 1 && count < 4096, "mbarrier count");
+  EmuMbar* m = mbar_at(bar); m->count = count; m->pending = count; m->phase = 0; m->init = 0x5a; m->tx = 0;
+}
+inline EmuMbar* mbar_live(uint32_t bar) { EmuMbar* m = mbar_at(bar); EMU_CHECK(m->init == 0x5a, "mbarrier used before init"); return m; }
+inline void mbar_arrive(uint32_t bar) {
+  EmuMbar* m = mbar_live(bar); EMU_CHECK(m->pending > 0, "mbarrier: more arrivals than expected");
+  --m->pending; mbar_complete_if_done(m);
+}
+inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) { mbar_live(bar)->tx += static_cast<int32_t>(bytes); mbar_arrive(bar); }
+inline void mbar_wait(uint32_t bar, uint32_t parity) {
+  for (long spins = 0; mbar_live(bar)->phase == (parity & 1); ++spins) {
+    EMU_CHECK(spins < 1000000, "mbarrier wait: deadlock (the phase never completes)");
+    emu::yield_fiber();
+  }
+}
 inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "bulk copy misaligned");
-  std::memcpy(sptr(dst, bytes), src, bytes); sptr(bar, 8);
+  std::memcpy(sptr(dst, bytes), src, bytes);
+  EmuMbar* m = mbar_live(bar); m->tx -= static_cast<int32_t>(bytes);
+  EMU_CHECK(m->tx >= 0, "bulk copy: more bytes than the barrier expects"); mbar_complete_if_done(m);
 }
 inline void prefetch_l2(const void* src, uint32_t bytes) {
   EMU_CHECK(reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "prefetch misaligned");
