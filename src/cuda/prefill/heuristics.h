@@ -6,6 +6,20 @@
 
 namespace kda::cuda::pf {
 
+// The launch knobs' environment values. env_off: exactly "0" (a feature that is on by default,
+// turned off). env_digits: a string of decimal digits as a number (saturating at 1e6); -1 for
+// null, empty or anything else.
+inline bool env_off(const char* env) { return env != nullptr && env[0] == '0' && env[1] == '\0'; }
+inline long env_digits(const char* env) {
+  if (env == nullptr || env[0] == '\0') return -1;
+  long v = 0;
+  for (const char* c = env; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') return -1;
+    if (v < 1000000) v = 10 * v + (*c - '0');
+  }
+  return v;
+}
+
 // Value columns per recurrence block. The recurrence of one (sequence, value head) is independent
 // per value column, so V = 128 may be split across 128 / vs blocks of vs / 16 warps each. Splitting
 // re-reads the chunk's shared operands (W, qg, kbT, Aqk, Tm: ~80 KB) once per slice, so split only
@@ -25,14 +39,8 @@ inline int recurrence_value_split(int64_t pairs, int num_sms) {
 // Forced value split for tests and timing (env KDA_CUDA_PREFILL_VS): 16, 32, 64 or 128 replace
 // recurrence_value_split's choice; anything else (or unset) returns 0 = no override.
 inline int recurrence_value_split_override(const char* env) {
-  if (env == nullptr) return 0;
-  for (int vs = 16; vs <= 128; vs *= 2) {
-    const char* want = vs == 16 ? "16" : vs == 32 ? "32" : vs == 64 ? "64" : "128";
-    int i = 0;
-    while (want[i] != '\0' && env[i] == want[i]) ++i;
-    if (want[i] == '\0' && env[i] == '\0') return vs;
-  }
-  return 0;
+  const long v = env_digits(env);
+  return (v == 16 || v == 32 || v == 64 || v == 128) && env[0] != '0' ? static_cast<int>(v) : 0;
 }
 
 // The recurrence's K split (two warps per 16 value rows, each half of the key columns; see
@@ -42,19 +50,13 @@ inline int recurrence_value_split_override(const char* env) {
 // KDA_CUDA_PREFILL_KSPLIT) turns it off, for differential tests and timing. At vs = 64 (P2: 4 ->
 // 8 warps, in a compact shared-memory layout) it was measured slower (session 4: P2 1.327 vs
 // 1.232 ms) and removed.
-inline bool recurrence_k_split(int vs, const char* env) {
-  const bool off = env != nullptr && env[0] == '0' && env[1] == '\0';
-  return vs <= 32 && !off;
-}
+inline bool recurrence_k_split(int vs, const char* env) { return vs <= 32 && !env_off(env); }
 
 // The recurrence on wgmma (one warpgroup per 64 value rows, record operands read from shared
 // memory once per warpgroup instead of once per warp) for blocks of vs >= 64 columns; the
 // mma.sync path stays for vs <= 32 (the K split) and as the differential baseline. On by default;
 // env = "0" (from KDA_CUDA_PREFILL_WGMMA) turns it off.
-inline bool recurrence_wgmma(int vs, const char* env) {
-  const bool off = env != nullptr && env[0] == '0' && env[1] == '\0';
-  return vs >= 64 && !off;
-}
+inline bool recurrence_wgmma(int vs, const char* env) { return vs >= 64 && !env_off(env); }
 
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,
 // g rows of block (its index + this). Off by default: at 2 x SMs (about one block life ahead)
@@ -63,14 +65,10 @@ inline bool recurrence_wgmma(int vs, const char* env) {
 // set the distance ("264": the measured setting; tests: "1" exercises it on small grids), "auto"
 // means 2 x SMs, anything else is off.
 inline int prepare_prefetch_blocks(int num_sms, const char* env) {
-  if (env == nullptr) return 0;
-  if (env[0] == 'a' && env[1] == 'u' && env[2] == 't' && env[3] == 'o' && env[4] == '\0') return 2 * num_sms;
-  long v = 0;
-  for (const char* c = env; *c != '\0'; ++c) {
-    if (*c < '0' || *c > '9') return 0;
-    if (v < 1000000) v = 10 * v + (*c - '0');
-  }
-  return static_cast<int>(v);
+  if (env != nullptr && env[0] == 'a' && env[1] == 'u' && env[2] == 't' && env[3] == 'o' && env[4] == '\0')
+    return 2 * num_sms;
+  const long v = env_digits(env);
+  return v > 0 ? static_cast<int>(v) : 0;
 }
 
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
