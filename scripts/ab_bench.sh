@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# A/B timing of prefill builds in one device run: builds the benchmark (and the GPU tests) of each
+# tree in parallel, then times them interleaved, ROUNDS times, so that clock drift hits all alike.
+#   scripts/snapshot_head.sh; scripts/snapshot_head.sh <ref> .deps/exp
+#   run: scripts/ab_bench.sh .deps/head .deps/exp        (carry [".deps"])
+# Round 1 checks against the reference, later rounds only time. Env: ROUNDS (default 2), BENCH_ARGS (extra bench_gpu_prefill arguments), AB_ENV (space-separated
+# VAR=value list applied to every timing), AB_TESTS=1 also runs each tree's prefill GPU tests.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+export PATH="$PATH:/usr/local/cuda/bin"
+root=$PWD
+trees=("$@")
+jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -lt 1 ] && jobs=1
+for t in "${trees[@]}"; do
+  ( cd "$t" && n=$(basename "$t") &&
+    cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.deps/gtest" >"$OUT/build_$n.log" 2>&1 &&
+    cmake --build build-gpu --parallel $jobs --target bench_gpu_prefill kda_gpu_tests >>"$OUT/build_$n.log" 2>&1 ||
+    { echo "build $t FAILED"; tail -30 "$OUT/build_$n.log"; } ) &
+done
+wait
+for r in $(seq 1 "${ROUNDS:-2}"); do
+  for t in "${trees[@]}"; do
+    n=$(basename "$t")
+    extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
+    env ${AB_ENV:-} timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/bench_${n}_r$r.log" 2>&1
+    echo "---- $n round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/bench_${n}_r$r.log"
+  done
+done
+if [ "${AB_TESTS:-0}" = 1 ]; then
+  for t in "${trees[@]}"; do
+    n=$(basename "$t")
+    for vs in "" 128 64; do
+      KDA_CUDA_PREFILL_VS=$vs timeout 200 "$t/build-gpu/tests/kda_gpu_tests" --gtest_brief=1 \
+        --gtest_filter='*Prefill*' >"$OUT/tests_${n}_vs${vs:-auto}.log" 2>&1
+      echo "tests $n vs=${vs:-auto} rc=$?: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/tests_${n}_vs${vs:-auto}.log" | tr '\n' ' ')"
+      grep -E "^\[  FAILED" "$OUT/tests_${n}_vs${vs:-auto}.log" | head -5
+    done
+  done
+fi
