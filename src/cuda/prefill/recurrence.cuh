@@ -498,7 +498,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
           const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
-            *reinterpret_cast<uint4*>(obase + goff) = x;
+            st_global_16(obase + goff, x);
           } else {
             const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -510,10 +510,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         }
       }
     }
-    fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
     if constexpr (kWgmma) {
+      // This warp is done with stage st. Its only generic-proxy reads of the record (gL) were
+      // consumed long before; like the consumer release of CUTLASS's TMA pipelines, the empty
+      // barrier's release / acquire orders them before the refill, without a proxy fence (whose
+      // MEMBAR waited here for the output stores to drain: ~10% of the kernel's stall samples).
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar0 + 16 + 8 * st);  // this warp is done with stage st
+      if (lane == 0) mbar_arrive(bar0 + 16 + 8 * st);
+    } else {
+      fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
     }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
