@@ -13,11 +13,12 @@
 //
 // Pipeline: two stages, each = the chunk's workspace record (one bulk copy, "full" mbarrier) + the
 // v tile [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in
-// flight while chunk c computes. mma.sync paths: one block barrier per chunk (two with the K
-// split). wgmma path: none; each warpgroup loads its own v columns behind its own named barrier,
-// and the last warp done with a stage (a counter per stage) refills its record at once, so the
-// warpgroups wait for each other only through the data. Each warp stages its output columns in its
-// own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
+// flight while chunk c computes. The mma.sync path without K split: one block barrier per chunk.
+// wgmma and K split paths: none; each group (warpgroup; pair of the K split) loads its own v
+// columns behind its own named barrier, and the last warp done with a stage (a counter per stage)
+// refills its record at once, so the groups wait for each other only through the data. Each warp
+// stages its output columns in its own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per
+// token row.
 // Shared memory: 1024 (alignment slack) + 2 x round1024(record + 128 vs) + 128 vs + 32 bytes
 // (216,096 at vs = 128): one block per SM.
 //
@@ -25,7 +26,7 @@
 // 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
 // [64 kh, 64 kh + 64) of S^T (32 fp32 per thread). Per chunk each computes the partial S^T W^T
 // and S^T qg^T over its half of K, the pair adds the partner's partials through shared memory
-// (one extra block barrier; a + b in both warps, so both hold the same U^T bit for bit), both
+// (one extra barrier of the pair; a + b in both warps, so both hold the same U^T bit for bit), both
 // add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
 // {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
 // Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
@@ -245,6 +246,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // of the warps done with stage 0 / 1.
   const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;
   const int wg = warp >> 2;  // warpgroup (wgmma path)
+  // Grouped paths (wgmma, K split): no block barrier per chunk. A group (the warpgroup; the pair of
+  // the K split) loads its own v columns and syncs on its own named barrier.
+  constexpr bool kGrouped = kWgmma || kKSplit;
+  const int grp = kWgmma ? wg : rg, grp_threads = kWgmma ? 128 : 64;
   // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
   float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + warp * kXchWarpBytes);
   const float* xch_partner =
@@ -302,10 +307,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
-    if (!kWgmma && tid == 0) issue_record(ci);
+    if (!kGrouped && tid == 0) issue_record(ci);
     const int cpr = vs >> 3;  // 16-byte chunks per row
-    const int nch = kWgmma ? 8 : cpr, ch0 = kWgmma ? 8 * wg : 0;  // this thread's share of the chunks
-    const int t0 = kWgmma ? (tid & 127) : tid, tstep = kWgmma ? 128 : nthreads;
+    const int nch = kWgmma ? 8 : (kKSplit ? 2 : cpr), ch0 = kGrouped ? nch * grp : 0;  // this group's chunks
+    const int t0 = kGrouped ? tid % grp_threads : tid, tstep = kGrouped ? grp_threads : nthreads;
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
     for (int task = t0; task < kChunk * nch; task += tstep) {
       const int r = task / nch, ch = ch0 + task % nch;
@@ -327,7 +332,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     cp_async_commit();
   };
 
-  if constexpr (kWgmma) {  // both stages are free: chunks 0 and 1 at once
+  if constexpr (kGrouped) {  // both stages are free: chunks 0 and 1 at once
     if (tid == 0)
       for (int64_t ci = 0; ci < 2 && ci < nchunks; ++ci) issue_record(ci);
   }
@@ -336,8 +341,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     const int st = static_cast<int>(ci & 1);
     uint8_t* sb = smem + st * sbytes;
     cp_async_wait<0>();
-    if constexpr (kWgmma) {
-      named_barrier_sync(1 + wg, 128);  // this warpgroup's v columns of chunk ci in; its reads of stage st^1 done
+    if constexpr (kGrouped) {
+      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads of stage st^1 done
       if (ci + 1 < nchunks) issue(ci + 1);
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
     } else {
@@ -395,7 +400,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
             xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
             xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
           }
-        __syncthreads();
+        named_barrier_sync(1 + rg, 64);  // the pair's partials written
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -482,6 +487,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
     }
 
+    // The K split's generic reads of the record (ldmatrix, LDS) are all done here: its proxy
+    // fence before the output stores, whose drain the fence's MEMBAR would otherwise wait for.
+    if constexpr (kKSplit) fence_proxy_async();
+
     // ---- Output: O^T -> this warp's tile [t][16] (stmatrix.trans) -> out, 32 bytes per token row.
     {
       __syncwarp();  // the previous chunk's copy-out of this tile is done
@@ -516,11 +525,11 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         }
       }
     }
-    if constexpr (kWgmma) {
-      // This warp is done with stage st (its wgmma reads waited for, its only generic reads of
-      // the record, gL, consumed long before); the last of the block's warps refills the stage
-      // with chunk ci + 2. No proxy fence (its MEMBAR waited for the output stores to drain: ~10%
-      // of the kernel's stall samples): like the consumer release of CUTLASS's TMA pipelines.
+    if constexpr (kGrouped) {
+      // This warp is done with stage st (wgmma: its products waited for, its only generic reads
+      // of the record, gL, consumed long before, no proxy fence: like the consumer release of
+      // CUTLASS's TMA pipelines; K split: fenced above); the last of the block's warps refills the
+      // stage with chunk ci + 2.
       __syncwarp();
       if (lane == 0) {
         unsigned* done = reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16) + st;
