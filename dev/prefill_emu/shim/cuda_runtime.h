@@ -44,6 +44,8 @@ void yield_fiber();  // let the other fibers of the block run (spin-waits)
 #define gridDim emu::gridDim_
 inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
+inline void __threadfence_block() {}  // fibers run one at a time: shared memory is always coherent
+inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
   static_assert(sizeof(T) <= 8);
   uint64_t u = 0; std::memcpy(&u, &v, sizeof(T));

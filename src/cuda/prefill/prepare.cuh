@@ -740,6 +740,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     for (int m = 0; m < 4; ++m) {
       const int task = tid + kPrepareThreads * m, kk = task & 127, sg = task >> 7;
       const float gl = G[(kChunk - 1) * kGPitch + kk];
+      if (m == 0 && tid < kHeadDim) reinterpret_cast<float*>(rec + kOffGL)[kk] = exp2f(gl);  // kk == tid
       float v[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -750,8 +751,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
           make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
     }
-    if (tid < kHeadDim)
-      reinterpret_cast<float*>(rec + kOffGL)[tid] = exp2f(G[(kChunk - 1) * kGPitch + tid]);
   }
   KDA_PF_PHASE(7);  // qg, kbT, gL (thread 0's warp)
 }

@@ -217,6 +217,11 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a
 #undef KDA_WG_D64
 #undef KDA_WG_IN
 
+// 16-byte global store (p 16-byte aligned): one instruction (a plain uint4 store through a 16-bit
+// pointer compiled to four 4-byte stores).
+__device__ __forceinline__ void st_global_16(void* p, uint4 v) {
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
 // 16-byte read-only global load (p 16-byte aligned).
 __device__ __forceinline__ uint4 ld_global_16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 

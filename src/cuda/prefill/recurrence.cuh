@@ -13,12 +13,12 @@
 //
 // Pipeline: two stages, each = the chunk's workspace record (one bulk copy, "full" mbarrier) + the
 // v tile [64][vs] (cp.async 16 B, or plain loads when v is not 16-byte aligned); chunk c+1 is in
-// flight while chunk c computes. mma.sync paths: one block barrier per chunk (two with the K
-// split). wgmma path: none; each warpgroup loads its own v columns behind its own named barrier,
-// every warp arrives on the stage's "empty" mbarrier when done with it, and thread 0 waits on that
-// before refilling the stage (warpgroup 1 may run up to a chunk ahead; warpgroup 0, which holds
-// thread 0, waits for warpgroup 1 before each refill). Each warp stages its output columns in its
-// own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per token row.
+// flight while chunk c computes. The mma.sync path without K split: one block barrier per chunk.
+// wgmma and K split paths: none; each group (warpgroup; pair of the K split) loads its own v
+// columns behind its own named barrier, and the last warp done with a stage (a counter per stage)
+// refills its record at once, so the groups wait for each other only through the data. Each warp
+// stages its output columns in its own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per
+// token row.
 // Shared memory: 1024 (alignment slack) + 2 x round1024(record + 128 vs) + 128 vs + 32 bytes
 // (216,096 at vs = 128): one block per SM.
 //
@@ -26,7 +26,7 @@
 // 2 warps on 4 schedulers): two warps per 16 value rows, warp (rg, kh) holding key columns
 // [64 kh, 64 kh + 64) of S^T (32 fp32 per thread). Per chunk each computes the partial S^T W^T
 // and S^T qg^T over its half of K, the pair adds the partner's partials through shared memory
-// (one extra block barrier; a + b in both warps, so both hold the same U^T bit for bit), both
+// (one extra barrier of the pair; a + b in both warps, so both hold the same U^T bit for bit), both
 // add v^T Tm^T (redundant: 36 mma), each does half of the U^T Aqk^T tiles (token pairs {0, 3} /
 // {1, 2} of 16: 18 mma each) and stores those outputs, and each updates its own half of S^T.
 // Per warp and chunk 182 mma instead of 328; shared memory + 8 KB per warp (exchange) and 2 KB
@@ -43,7 +43,8 @@ __host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return
 // Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
 // Two stages (from the first 1024-byte aligned address: + 1024 bytes of slack), then one output
-// tile [64 t][16 v] (2 KB) per warp, then four mbarriers (stage full x 2, stage empty x 2), then
+// tile [64 t][16 v] (2 KB) per warp, then two mbarriers (stage full) and two counters (wgmma
+// path: warps done with a stage), then
 // (K split) the exchange area.
 inline constexpr int kBarBytes = 32;
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
@@ -241,10 +242,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
   uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
-  // mbarriers: bar0 + 8 st = stage st full (record bytes arrived), bar0 + 16 + 8 st = stage st
-  // empty (every warp done with it; the wgmma path only).
+  // mbarriers: bar0 + 8 st = stage st full (record bytes arrived); then (wgmma path) two counters
+  // of the warps done with stage 0 / 1.
   const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;
   const int wg = warp >> 2;  // warpgroup (wgmma path)
+  // Grouped paths (wgmma, K split): no block barrier per chunk. A group (the warpgroup; the pair of
+  // the K split) loads its own v columns and syncs on its own named barrier.
+  constexpr bool kGrouped = kWgmma || kKSplit;
+  const int grp = kWgmma ? wg : rg, grp_threads = kWgmma ? 128 : 64;
   // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
   float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + warp * kXchWarpBytes);
   const float* xch_partner =
@@ -277,33 +282,35 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   if (tid == 0) {
     mbar_init(bar0, 1);
     mbar_init(bar0 + 8, 1);
-    mbar_init(bar0 + 16, nwarps);
-    mbar_init(bar0 + 24, nwarps);
+    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[0] = 0u;  // wgmma: warps done
+    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[1] = 0u;  // with stage 0 / 1
     fence_barrier_init();
   }
   __syncthreads();
 
-  // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy) and the v tile. The wgmma
-  // path has no block barrier: each warpgroup loads its own 64 v columns and syncs on its own
-  // named barrier, and the record's refill waits for the stage's empty barrier (chunk ci - 2
-  // released by every warp), so that the warpgroups drift apart (warpgroup 1 up to a chunk ahead)
-  // and their waits on the tensor cores interleave.
+  // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy, one thread) and the v tile.
+  // The wgmma path has no block barrier: each warpgroup loads its own 64 v columns and syncs on
+  // its own named barrier, and the last warp to finish with a stage (a counter per stage in
+  // shared memory) refills its record with chunk ci + 2 at once, so that neither warpgroup waits
+  // for the other except through the data and their waits on the tensor cores interleave.
+  auto issue_record = [&](int64_t ci) {
+    const int st = static_cast<int>(ci & 1);
+    const uint32_t sdst = smem0 + st * sbytes;
+    const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
+    const uint32_t bar = bar0 + 8 * st;
+    mbar_arrive_expect_tx(bar, kRecordBytes);
+    for (int off = 0; off < kRecordBytes; off += 32768) {
+      const int bytes = kRecordBytes - off < 32768 ? kRecordBytes - off : 32768;
+      bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
+    }
+  };
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
-    if (tid == 0) {
-      if (kWgmma && ci >= 2) mbar_wait(bar0 + 16 + 8 * st, static_cast<uint32_t>(((ci - 2) >> 1) & 1));
-      const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
-      const uint32_t bar = bar0 + 8 * st;
-      mbar_arrive_expect_tx(bar, kRecordBytes);
-      for (int off = 0; off < kRecordBytes; off += 32768) {
-        const int bytes = kRecordBytes - off < 32768 ? kRecordBytes - off : 32768;
-        bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
-      }
-    }
+    if (!kGrouped && tid == 0) issue_record(ci);
     const int cpr = vs >> 3;  // 16-byte chunks per row
-    const int nch = kWgmma ? 8 : cpr, ch0 = kWgmma ? 8 * wg : 0;  // this thread's share of the chunks
-    const int t0 = kWgmma ? (tid & 127) : tid, tstep = kWgmma ? 128 : nthreads;
+    const int nch = kWgmma ? 8 : (kKSplit ? 2 : cpr), ch0 = kGrouped ? nch * grp : 0;  // this group's chunks
+    const int t0 = kGrouped ? tid % grp_threads : tid, tstep = kGrouped ? grp_threads : nthreads;
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
     for (int task = t0; task < kChunk * nch; task += tstep) {
       const int r = task / nch, ch = ch0 + task % nch;
@@ -325,13 +332,17 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     cp_async_commit();
   };
 
+  if constexpr (kGrouped) {  // both stages are free: chunks 0 and 1 at once
+    if (tid == 0)
+      for (int64_t ci = 0; ci < 2 && ci < nchunks; ++ci) issue_record(ci);
+  }
   if (nchunks > 0) issue(0);
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const int st = static_cast<int>(ci & 1);
     uint8_t* sb = smem + st * sbytes;
     cp_async_wait<0>();
-    if constexpr (kWgmma) {
-      named_barrier_sync(1 + wg, 128);  // this warpgroup's v columns of chunk ci in; its reads of stage st^1 done
+    if constexpr (kGrouped) {
+      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads of stage st^1 done
       if (ci + 1 < nchunks) issue(ci + 1);
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
     } else {
@@ -389,7 +400,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
             xch_mine[(j * 4 + e) * 32 + lane] = accU[j][e];
             xch_mine[1024 + (j * 4 + e) * 32 + lane] = accO[j][e];
           }
-        __syncthreads();
+        named_barrier_sync(1 + rg, 64);  // the pair's partials written
 #pragma unroll
         for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -476,6 +487,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
     }
 
+    // The K split's generic reads of the record (ldmatrix, LDS) are all done here: its proxy
+    // fence before the output stores, whose drain the fence's MEMBAR would otherwise wait for.
+    if constexpr (kKSplit) fence_proxy_async();
+
     // ---- Output: O^T -> this warp's tile [t][16] (stmatrix.trans) -> out, 32 bytes per token row.
     {
       __syncwarp();  // the previous chunk's copy-out of this tile is done
@@ -498,7 +513,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
           const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
-            *reinterpret_cast<uint4*>(obase + goff) = x;
+            st_global_16(obase + goff, x);
           } else {
             const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -510,10 +525,23 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         }
       }
     }
-    fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
-    if constexpr (kWgmma) {
+    if constexpr (kGrouped) {
+      // This warp is done with stage st (wgmma: its products waited for, its only generic reads
+      // of the record, gL, consumed long before, no proxy fence: like the consumer release of
+      // CUTLASS's TMA pipelines; K split: fenced above); the last of the block's warps refills the
+      // stage with chunk ci + 2.
       __syncwarp();
-      if (lane == 0) mbar_arrive(bar0 + 16 + 8 * st);  // this warp is done with stage st
+      if (lane == 0) {
+        unsigned* done = reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16) + st;
+        __threadfence_block();
+        if (atomicAdd(done, 1u) == static_cast<unsigned>(nwarps - 1)) {
+          *done = 0u;
+          __threadfence_block();
+          if (ci + 2 < nchunks) issue_record(ci + 2);
+        }
+      }
+    } else {
+      fence_proxy_async();  // generic accesses of this stage before the bulk copy that refills it
     }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).

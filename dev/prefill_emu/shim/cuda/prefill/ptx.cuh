@@ -200,5 +200,6 @@ inline void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_des
   static_assert(NJ == 8, "wgmma_tf32: n64");
   wgmma_impl<NJ, true, kScaleA>(d, a, b_desc, accumulate);
 }
+inline void st_global_16(void* p, uint4 v) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "st16 misaligned"); std::memcpy(p, &v, 16); }
 inline uint4 ld_global_16(const void* p) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "ld16 misaligned"); uint4 r; std::memcpy(&r, p, 16); return r; }
 }  // namespace kda::cuda::pf
