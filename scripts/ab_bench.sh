@@ -4,7 +4,7 @@
 #   scripts/snapshot_head.sh; scripts/snapshot_head.sh <ref> .deps/exp
 #   run: scripts/ab_bench.sh .deps/head .deps/exp        (carry [".deps"])
 # Round 1 checks against the reference, later rounds only time. Env: ROUNDS (default 2), BENCH_ARGS (extra bench_gpu_prefill arguments), AB_ENV (space-separated
-# VAR=value list applied to every timing), AB_TESTS=1 also runs each tree's prefill GPU tests.
+# VAR=value list applied to every timing); AB_TESTS, AB_PROFILE: see the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -27,14 +27,22 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     echo "---- $n round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/bench_${n}_r$r.log"
   done
 done
+# The last tree (the candidate) only: its prefill GPU tests (AB_TESTS=1; value splits AB_TEST_VS,
+# default the automatic one) and a per-instruction source profile of its prepare kernel
+# (AB_PROFILE=P1 ...: ncu SourceCounters exported as CSV).
+t=${trees[$((${#trees[@]} - 1))]}; n=$(basename "$t")
 if [ "${AB_TESTS:-0}" = 1 ]; then
-  for t in "${trees[@]}"; do
-    n=$(basename "$t")
-    for vs in "" 128 64; do
-      KDA_CUDA_PREFILL_VS=$vs timeout 200 "$t/build-gpu/tests/kda_gpu_tests" --gtest_brief=1 \
-        --gtest_filter='*Prefill*' >"$OUT/tests_${n}_vs${vs:-auto}.log" 2>&1
-      echo "tests $n vs=${vs:-auto} rc=$?: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/tests_${n}_vs${vs:-auto}.log" | tr '\n' ' ')"
-      grep -E "^\[  FAILED" "$OUT/tests_${n}_vs${vs:-auto}.log" | head -5
-    done
+  for vs in ${AB_TEST_VS:-auto}; do
+    [ "$vs" = auto ] && v= || v=$vs
+    KDA_CUDA_PREFILL_VS=$v timeout 200 "$t/build-gpu/tests/kda_gpu_tests" --gtest_brief=1 \
+      --gtest_filter="${AB_TEST_FILTER:-*Prefill*}" >"$OUT/tests_${n}_vs$vs.log" 2>&1
+    echo "tests $n vs=$vs rc=$?: $(grep -E '^\[  PASSED|^\[  FAILED  \] [0-9]+ test' "$OUT/tests_${n}_vs$vs.log" | tr '\n' ' ')"
+    grep -E "^\[  FAILED|case A" "$OUT/tests_${n}_vs$vs.log" | head -8
   done
 fi
+for c in ${AB_PROFILE:-}; do
+  timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:${PROFILE_KERNEL:-prepare}" \
+    --launch-skip 1 --launch-count 1 -f -o "$OUT/src_$c" "$t/build-gpu/bench/bench_gpu_prefill" --case $c --no-check --iters 20 >"$OUT/src_$c.log" 2>&1
+  ncu --import "$OUT/src_$c.ncu-rep" --page source --csv --print-source sass >"$OUT/src_${c}_sass.csv" 2>>"$OUT/src_$c.log"
+  echo "source profile $c: $(wc -l <"$OUT/src_${c}_sass.csv") lines"; rm -f "$OUT/src_$c.ncu-rep"
+done

@@ -28,15 +28,15 @@ namespace kda::cuda::pf {
 // Shared memory of the prepare kernel. Pitches are chosen for conflict-free fragment reads.
 // G is kept in log2 units (G * log2 e) so that every exp() below is one MUFU.EX2.
 inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr int kQkPitch = 136;  // bf16/fp16 per row of raw q, k (272 B)
+inline constexpr int kQkPitch = 136;  // f16 per row of q^, k^ (272 B)
 inline constexpr int kGPitch = 136;   // fp32 per row of G (544 B)
 inline constexpr int kMPitch = 72;    // fp32 per row of M = I + diag(b) Akk and X = M^-1 (288 B)
-inline constexpr int kSmQr = 0;                                   // raw q  [64][136] 16-bit
-inline constexpr int kSmKr = kSmQr + kChunk * kQkPitch * 2;       // raw k  [64][136] 16-bit
+inline constexpr int kSmQr = 0;                                   // q^ [64][136] f16
+inline constexpr int kSmKr = kSmQr + kChunk * kQkPitch * 2;       // k^ [64][136] f16
 inline constexpr int kSmG = kSmKr + kChunk * kQkPitch * 2;        // G      [64][132] fp32
-inline constexpr int kSmInvQ = kSmG + kChunk * kGPitch * 4;       // scale / ||q_t||  [64]
-inline constexpr int kSmInvK = kSmInvQ + kChunk * 4;              // 1 / ||k_t||      [64]
-inline constexpr int kSmBeta = kSmInvK + kChunk * 4;              // b_t              [64]
+inline constexpr int kSmFq = kSmG + kChunk * kGPitch * 4;         // q_t = q^_t fq_t  [64]
+inline constexpr int kSmFk = kSmFq + kChunk * 4;                  // k_t = k^_t fk_t  [64]
+inline constexpr int kSmBeta = kSmFk + kChunk * 4;                // b_t              [64]
 inline constexpr int kSmM = kSmBeta + kChunk * 4;                 // M      [64][72] fp32
 inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X, then Tm [64][72] fp32
 inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // inverse partial sums [3][16][16]
@@ -76,12 +76,11 @@ __device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, 
   return lo;
 }
 
-// 8 consecutive 16-bit elements (16 bytes) of a token tensor at element offset `off`; kVec: the
+// 8 consecutive 16-bit elements (16 bytes) of a token tensor at p; kVec: the
 // caller checked t.vec (a separate instantiation, so that the scalar fallback's packing is not
 // predicated into the vector path, where it would wait for the load).
 template <bool kVec>
-__device__ __forceinline__ uint4 load8_b16(const TokenView& t, int64_t off) {
-  const uint16_t* p = static_cast<const uint16_t*>(t.data) + off;
+__device__ __forceinline__ uint4 load8_b16(const uint16_t* p) {
   if constexpr (kVec) {
     return ld_global_16(p);
   } else {
@@ -97,9 +96,9 @@ __device__ __forceinline__ uint4 load8_b16(const TokenView& t, int64_t off) {
 // conversion right behind its load inside the dtype branch makes the warp wait for that load
 // before issuing the next (measured: the load phase ran as several serial memory round trips).
 template <bool kVec>
-__device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, uint32_t (&w)[8]) {
-  if (t.dtype == kF32) {
-    const uint32_t* p = static_cast<const uint32_t*>(t.data) + off;
+__device__ __forceinline__ void load8_gate_raw(const uint8_t* at, bool f32, uint32_t (&w)[8]) {
+  if (f32) {
+    const uint32_t* p = reinterpret_cast<const uint32_t*>(at);
     if constexpr (kVec) {
       const uint4 a = ld_global_16(p), b = ld_global_16(p + 4);
       w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
@@ -108,7 +107,7 @@ __device__ __forceinline__ void load8_gate_raw(const TokenView& t, int64_t off, 
       for (int i = 0; i < 8; ++i) w[i] = p[i];
     }
   } else {
-    const uint4 r = load8_b16<kVec>(t, off);
+    const uint4 r = load8_b16<kVec>(reinterpret_cast<const uint16_t*>(at));
     w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
   }
 }
@@ -128,13 +127,38 @@ __device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], fl
   }
 }
 
-// Akk / Aqk tiles of row block i (rows 16i..16i+15) against column tiles [tile0, tile0 + kTiles)
-// (8 columns each), factored around reference token r: operands k_t exp(G_t - G_r) and
-// k_s exp(G_r - G_s), normalized (q also scaled), rounded to tf32 (G in log2 units). Results go to M (b_t Akk, s < t)
-// and to the Aqk record (s <= t; zero above the diagonal).
-template <int kTiles, bool kFp16>
-__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t* kr, const float* G,
-                                              const float* invq, const float* invk, const float* bet,
+// Akk / Aqk results of row block i against column tiles [tile0, tile0 + kTiles) (accumulator
+// fragments of q-hat / k-hat products) with the per-row factors applied: into M (b_t Akk, s < t)
+// and the Aqk record (s <= t; zero above the diagonal).
+template <int kTiles>
+__device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], const float (&acc_q)[kTiles][4],
+                                              const float* fq, const float* fk, const float* bet, float* M,
+                                              float* rec_aqk, int i, int tile0, int g, int c) {
+  const int ta = 16 * i + g, tb = ta + 8;
+#pragma unroll
+  for (int jt = 0; jt < kTiles; ++jt) {
+    const int s = 8 * (tile0 + jt) + 2 * c;
+    const float fs0 = fk[s], fs1 = fk[s + 1];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
+      const int t = h ? tb : ta;
+      const float kt = bet[t] * fk[t], qt = fq[t];
+      const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
+      const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
+      if (s < t) M[t * kMPitch + s] = kt * fs0 * k0;
+      if (s + 1 < t) M[t * kMPitch + s + 1] = kt * fs1 * k1;
+      rec_aqk[rec_f32(t, s)] = s <= t ? tf32_round(qt * fs0 * q0) : 0.f;  // s, s + 1: k-slots c, c + 4
+      rec_aqk[rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
+    }
+  }
+}
+
+// Diagonal tiles of row block i (tf32): factored around reference token r (the block's middle),
+// operands k^_t exp(G_t - G_r) and k^_s exp(G_r - G_s) (q^_t for Aqk) in fp32, rounded to tf32
+// (G in log2 units). The factors reach e^+-45 here, beyond fp16, hence tf32.
+template <int kTiles>
+__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh, const float* G,
+                                              const float* fq, const float* fk, const float* bet,
                                               float* M, float* rec_aqk, int i, int r, int tile0,
                                               int g, int c) {
   float acc_k[kTiles][4], acc_q[kTiles][4];
@@ -143,11 +167,10 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
   const int ta = 16 * i + g, tb = ta + 8;
-  const float ika = invk[ta], ikb = invk[tb], iqa = invq[ta], iqb = invq[tb];
   // Paired k mapping: k-slot c <-> channel 8ks + 2c, k-slot c+4 <-> 8ks + 2c + 1 (one 32-bit load
-  // of two 16-bit inputs, one float2 of G per row).
-  auto lo = [](uint32_t x) { return lo_f32<kFp16>(x); };
-  auto hi = [](uint32_t x) { return hi_f32<kFp16>(x); };
+  // of two f16 values, one float2 of G per row).
+  auto lo = [](uint32_t x) { return lo_f32<true>(x); };
+  auto hi = [](uint32_t x) { return hi_f32<true>(x); };
 #pragma unroll 4
   for (int ks = 0; ks < 16; ++ks) {
     const int ch = 8 * ks + 2 * c;
@@ -156,46 +179,82 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qr, const uint16_t
     const float2 gtb = *reinterpret_cast<const float2*>(G + tb * kGPitch + ch);
     const float ea0 = fast_exp2(gta.x - gr.x), eb0 = fast_exp2(gtb.x - gr.x);
     const float ea1 = fast_exp2(gta.y - gr.y), eb1 = fast_exp2(gtb.y - gr.y);
-    const uint32_t ka = *reinterpret_cast<const uint32_t*>(kr + ta * kQkPitch + ch);
-    const uint32_t kb = *reinterpret_cast<const uint32_t*>(kr + tb * kQkPitch + ch);
-    const uint32_t qa = *reinterpret_cast<const uint32_t*>(qr + ta * kQkPitch + ch);
-    const uint32_t qb = *reinterpret_cast<const uint32_t*>(qr + tb * kQkPitch + ch);
-    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ika * ea0), f32_to_tf32(lo(kb) * ikb * eb0),
-                            f32_to_tf32(hi(ka) * ika * ea1), f32_to_tf32(hi(kb) * ikb * eb1)};
-    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * iqa * ea0), f32_to_tf32(lo(qb) * iqb * eb0),
-                            f32_to_tf32(hi(qa) * iqa * ea1), f32_to_tf32(hi(qb) * iqb * eb1)};
+    const uint32_t ka = *reinterpret_cast<const uint32_t*>(kh + ta * kQkPitch + ch);
+    const uint32_t kb = *reinterpret_cast<const uint32_t*>(kh + tb * kQkPitch + ch);
+    const uint32_t qa = *reinterpret_cast<const uint32_t*>(qh + ta * kQkPitch + ch);
+    const uint32_t qb = *reinterpret_cast<const uint32_t*>(qh + tb * kQkPitch + ch);
+    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ea0), f32_to_tf32(lo(kb) * eb0), f32_to_tf32(hi(ka) * ea1),
+                            f32_to_tf32(hi(kb) * eb1)};
+    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * ea0), f32_to_tf32(lo(qb) * eb0), f32_to_tf32(hi(qa) * ea1),
+                            f32_to_tf32(hi(qb) * eb1)};
 #pragma unroll
     for (int jt = 0; jt < kTiles; ++jt) {
       const int s = 8 * (tile0 + jt) + g;
-      const float iks = invk[s];
       const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + ch);
-      const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kr + s * kQkPitch + ch);
-      const uint32_t b0 = f32_to_tf32(lo(ks2) * iks * fast_exp2(gr.x - gs.x));
-      const uint32_t b1 = f32_to_tf32(hi(ks2) * iks * fast_exp2(gr.y - gs.y));
+      const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kh + s * kQkPitch + ch);
+      const uint32_t b0 = f32_to_tf32(lo(ks2) * fast_exp2(gr.x - gs.x));
+      const uint32_t b1 = f32_to_tf32(hi(ks2) * fast_exp2(gr.y - gs.y));
       mma_tf32(acc_k[jt], ak, b0, b1);
       mma_tf32(acc_q[jt], aq, b0, b1);
     }
   }
+  akk_aqk_store<kTiles>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
+}
+
+// Off-diagonal tiles of row block i (fp16, m16n8k16): reference token r = 16 i, the block's first,
+// so that every column s < r and both factors exp(G_t - G_r), exp(G_r - G_s) are <= 1: operands
+// k^ (|k^| <= 1, f16 in shared memory) times the factor rounded to f16, one HMUL2 per pair. An
+// f16 operand carries 11 significant bits like tf32; the exponent range ends at 2^-24, where a
+// factor's absolute error (<= 2^-25, products bounded by 1) is far below the tf32 rounding of the
+// large entries. Natural k mapping: k-index j of step ks <-> channel 16 ks + j.
+template <int kTiles>
+__device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint16_t* kh, const float* G,
+                                                  const float* fq, const float* fk, const float* bet,
+                                                  float* M, float* rec_aqk, int i, int tile0, int g, int c) {
+  float acc_k[kTiles][4], acc_q[kTiles][4];
 #pragma unroll
-  for (int jt = 0; jt < kTiles; ++jt) {
-    const int s = 8 * (tile0 + jt) + 2 * c;
+  for (int jt = 0; jt < kTiles; ++jt)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
-      const int t = h ? tb : ta;
-      const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
-      const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
-      if (s < t) M[t * kMPitch + s] = bet[t] * k0;
-      if (s + 1 < t) M[t * kMPitch + s + 1] = bet[t] * k1;
-      rec_aqk[rec_f32(t, s)] = s <= t ? tf32_round(q0) : 0.f;  // s, s + 1: k-slots c, c + 4
-      rec_aqk[rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(q1) : 0.f;
+    for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
+  const int r = 16 * i, ta = r + g, tb = ta + 8;
+  auto ld2 = [](const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
+  auto gld = [&](int t, int ch) { return *reinterpret_cast<const float2*>(G + t * kGPitch + ch); };
+#pragma unroll 2
+  for (int ks = 0; ks < 8; ++ks) {
+    uint32_t ak[4], aq[4];
+    float2 gr[2];
+#pragma unroll
+    for (int hh = 0; hh < 2; ++hh) {  // registers a0, a1 (hh = 0: k 2c, 2c + 1) and a2, a3 (hh = 1: + 8)
+      const int ch = 16 * ks + 8 * hh + 2 * c;
+      gr[hh] = gld(r, ch);
+      const float2 gta = gld(ta, ch), gtb = gld(tb, ch);
+      const uint32_t ea = pack_f16(fast_exp2(gta.x - gr[hh].x), fast_exp2(gta.y - gr[hh].y));
+      const uint32_t eb = pack_f16(fast_exp2(gtb.x - gr[hh].x), fast_exp2(gtb.y - gr[hh].y));
+      ak[2 * hh] = mul_f16x2(ld2(kh + ta * kQkPitch + ch), ea);
+      ak[2 * hh + 1] = mul_f16x2(ld2(kh + tb * kQkPitch + ch), eb);
+      aq[2 * hh] = mul_f16x2(ld2(qh + ta * kQkPitch + ch), ea);
+      aq[2 * hh + 1] = mul_f16x2(ld2(qh + tb * kQkPitch + ch), eb);
+    }
+#pragma unroll
+    for (int jt = 0; jt < kTiles; ++jt) {
+      const int s = 8 * (tile0 + jt) + g;
+      uint32_t b[2];
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {  // b0: k 2c, 2c + 1; b1: + 8
+        const int ch = 16 * ks + 8 * hh + 2 * c;
+        const float2 gs = gld(s, ch);
+        b[hh] = mul_f16x2(ld2(kh + s * kQkPitch + ch), pack_f16(fast_exp2(gr[hh].x - gs.x), fast_exp2(gr[hh].y - gs.y)));
+      }
+      mma_f16(acc_k[jt], ak, b[0], b[1]);
+      mma_f16(acc_q[jt], aq, b[0], b[1]);
     }
   }
+  akk_aqk_store<kTiles>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
 }
 
 // Diagonal block i by pairwise differences (any decay): lanes = 16 columns s x 2 channel halves.
-template <bool kFp16>
-__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const uint16_t* kr, const float* G,
-                                                      const float* invq, const float* invk, const float* bet,
+__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const uint16_t* kh, const float* G,
+                                                      const float* fq, const float* fk, const float* bet,
                                                       float* M, float* rec_aqk, int i, int lane) {
   const int sl = lane & 15, hc = lane >> 4, s = 16 * i + sl;
   for (int tl = 0; tl < 16; ++tl) {
@@ -205,16 +264,16 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qr, const 
       for (int m = 0; m < 64; ++m) {
         const int cc = 64 * hc + ((m + (sl >> 3) + 2 * hc) & 63);  // rotated: fewer bank conflicts
         const float e = fast_exp2(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
-        const float ks = in_to_f32<kFp16>(kr[s * kQkPitch + cc]) * e;
-        sk = fmaf(in_to_f32<kFp16>(kr[t * kQkPitch + cc]), ks, sk);
-        sq = fmaf(in_to_f32<kFp16>(qr[t * kQkPitch + cc]), ks, sq);
+        const float ks = in_to_f32<true>(kh[s * kQkPitch + cc]) * e;
+        sk = fmaf(in_to_f32<true>(kh[t * kQkPitch + cc]), ks, sk);
+        sq = fmaf(in_to_f32<true>(qh[t * kQkPitch + cc]), ks, sq);
       }
     }
     sk += __shfl_xor_sync(0xffffffffu, sk, 16);
     sq += __shfl_xor_sync(0xffffffffu, sq, 16);
     if (hc == 0) {
-      if (sl < tl) M[t * kMPitch + s] = bet[t] * sk * invk[t] * invk[s];
-      rec_aqk[rec_f32(t, s)] = sl <= tl ? tf32_round(sq * invq[t] * invk[s]) : 0.f;
+      if (sl < tl) M[t * kMPitch + s] = bet[t] * fk[t] * fk[s] * sk;
+      rec_aqk[rec_f32(t, s)] = sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
     }
   }
 }
@@ -439,8 +498,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   uint16_t* qr = reinterpret_cast<uint16_t*>(smem + kSmQr);
   uint16_t* kr = reinterpret_cast<uint16_t*>(smem + kSmKr);
   float* G = reinterpret_cast<float*>(smem + kSmG);
-  float* invq = reinterpret_cast<float*>(smem + kSmInvQ);
-  float* invk = reinterpret_cast<float*>(smem + kSmInvK);
+  float* fq = reinterpret_cast<float*>(smem + kSmFq);
+  float* fk = reinterpret_cast<float*>(smem + kSmFk);
   float* bet = reinterpret_cast<float*>(smem + kSmBeta);
   float* M = reinterpret_cast<float*>(smem + kSmM);
   float* X = reinterpret_cast<float*>(smem + kSmX);
@@ -498,6 +557,15 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     for (int i = 0; i < 8; ++i) bias[i] = p.dt_bias ? p.dt_bias[hv * p.dt_bias_s + 8 * ch + i] : 0.f;
     uint4 qv[4], kv[4];
     uint32_t gw[4][8], bw[4];
+    // Row pointers of token t0 + rr, advanced by 16 tokens per pass (the 64-bit offset products
+    // once per tensor, not once per pass and tensor).
+    const bool g32 = p.g.dtype == kF32, b32 = p.beta.dtype == kF32;
+    const uint16_t* qp = static_cast<const uint16_t*>(p.q.data) + p.q.offset(b, t0 + rr, h) + 8 * ch;
+    const uint16_t* kp = static_cast<const uint16_t*>(p.k.data) + p.k.offset(b, t0 + rr, h) + 8 * ch;
+    const uint8_t* gp = static_cast<const uint8_t*>(p.g.data) + (p.g.offset(b, t0 + rr, hv) + 8 * ch) * (g32 ? 4 : 2);
+    const uint8_t* bp = static_cast<const uint8_t*>(p.beta.data) + p.beta.offset(b, t0 + rr, hv) * (b32 ? 4 : 2);
+    const int64_t qstep = 16 * p.q.s1, kstep = 16 * p.k.s1, gstep = 16 * p.g.s1 * (g32 ? 4 : 2),
+                  bstep = 16 * p.beta.s1 * (b32 ? 4 : 2);
     auto issue_loads = [&](auto vec) {
       constexpr bool kVec = decltype(vec)::value;
 #pragma unroll
@@ -505,11 +573,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         const int row = 16 * pass + rr;
         bw[pass] = 0u;
         if (row < L) {
-          const int64_t tok = t0 + row;
-          qv[pass] = load8_b16<kVec>(p.q, p.q.offset(b, tok, h) + 8 * ch);
-          kv[pass] = load8_b16<kVec>(p.k, p.k.offset(b, tok, h) + 8 * ch);
-          load8_gate_raw<kVec>(p.g, p.g.offset(b, tok, hv) + 8 * ch, gw[pass]);
-          if (ch == 0) bw[pass] = load_bits_any(p.beta.data, p.beta.dtype, p.beta.offset(b, tok, hv));
+          qv[pass] = load8_b16<kVec>(qp + pass * qstep);
+          kv[pass] = load8_b16<kVec>(kp + pass * kstep);
+          load8_gate_raw<kVec>(gp + pass * gstep, g32, gw[pass]);
+          if (ch == 0) bw[pass] = load_bits_any(bp + pass * bstep, p.beta.dtype, 0);
         } else {
           qv[pass] = kv[pass] = make_uint4(0, 0, 0, 0);
 #pragma unroll
@@ -520,32 +587,74 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     if (p.q.vec && p.k.vec && p.g.vec) issue_loads(std::true_type{});
     else issue_loads(std::false_type{});
     const float exp_a = p.A_log ? expf(a_log) : 1.f;
-    // q, k to shared memory and their squared norms (four independent passes), then the half-warp
-    // sums of all of them together (the 16 threads of a row are one half-warp).
-    float ssq[4], ssk[4];
+    // Row statistics of q and k (four independent passes): the squared norm (l2norm) or the
+    // largest magnitude, then their half-warp reductions (the 16 threads of a row are one half-warp).
+    float sq[4], sk[4];
+    auto row_stats = [&](auto l2) {
+      constexpr bool kL2 = decltype(l2)::value;
+#pragma unroll
+      for (int pass = 0; pass < 4; ++pass) {
+        const uint32_t wq[4] = {qv[pass].x, qv[pass].y, qv[pass].z, qv[pass].w};
+        const uint32_t wk[4] = {kv[pass].x, kv[pass].y, kv[pass].z, kv[pass].w};
+        sq[pass] = sk[pass] = 0.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float q0 = lo_f32<kFp16>(wq[i]), q1 = hi_f32<kFp16>(wq[i]);
+          const float k0 = lo_f32<kFp16>(wk[i]), k1 = hi_f32<kFp16>(wk[i]);
+          if constexpr (kL2) {
+            sq[pass] = fmaf(q0, q0, fmaf(q1, q1, sq[pass]));
+            sk[pass] = fmaf(k0, k0, fmaf(k1, k1, sk[pass]));
+          } else {
+            sq[pass] = fmaxf(sq[pass], fmaxf(fabsf(q0), fabsf(q1)));
+            sk[pass] = fmaxf(sk[pass], fmaxf(fabsf(k0), fabsf(k1)));
+          }
+        }
+      }
+#pragma unroll
+      for (int o = 8; o >= 1; o >>= 1)
+#pragma unroll
+        for (int pass = 0; pass < 4; ++pass) {
+          const float oq = __shfl_xor_sync(0xffffffffu, sq[pass], o), ok = __shfl_xor_sync(0xffffffffu, sk[pass], o);
+          sq[pass] = kL2 ? sq[pass] + oq : fmaxf(sq[pass], oq);
+          sk[pass] = kL2 ? sk[pass] + ok : fmaxf(sk[pass], ok);
+        }
+    };
+    if (p.l2norm) row_stats(std::true_type{});
+    else row_stats(std::false_type{});
+    // q^ = q / ||q||, k^ = k / ||k|| (l2norm; factors fq = scale, fk = 1) or q / max|q|, k / max|k|
+    // (factors scale max|q|, max|k|), as f16 in shared memory: |q^|, |k^| <= 1 whatever the input
+    // range, so that the fp16 products of the Akk / Aqk phase cannot overflow. The division of the
+    // second form is exact for any magnitude (a reciprocal of a tiny maximum would overflow).
+    float fqr[4], fkr[4];
+    const float eps = static_cast<float>(detail::kL2NormEps);
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
       const int row = 16 * pass + rr;
-      *reinterpret_cast<uint4*>(qr + row * kQkPitch + 8 * ch) = qv[pass];
-      *reinterpret_cast<uint4*>(kr + row * kQkPitch + 8 * ch) = kv[pass];
       const uint32_t wq[4] = {qv[pass].x, qv[pass].y, qv[pass].z, qv[pass].w};
       const uint32_t wk[4] = {kv[pass].x, kv[pass].y, kv[pass].z, kv[pass].w};
-      ssq[pass] = ssk[pass] = 0.f;
+      uint32_t oq[4], ok[4];
+      if (p.l2norm) {
+        const float rq = rsqrtf(sq[pass] + eps), rk = rsqrtf(sk[pass] + eps);
 #pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const float q0 = lo_f32<kFp16>(wq[i]), q1 = hi_f32<kFp16>(wq[i]);
-        const float k0 = lo_f32<kFp16>(wk[i]), k1 = hi_f32<kFp16>(wk[i]);
-        ssq[pass] = fmaf(q0, q0, fmaf(q1, q1, ssq[pass]));
-        ssk[pass] = fmaf(k0, k0, fmaf(k1, k1, ssk[pass]));
+        for (int i = 0; i < 4; ++i) {
+          oq[i] = pack_f16(lo_f32<kFp16>(wq[i]) * rq, hi_f32<kFp16>(wq[i]) * rq);
+          ok[i] = pack_f16(lo_f32<kFp16>(wk[i]) * rk, hi_f32<kFp16>(wk[i]) * rk);
+        }
+        fqr[pass] = p.scale;
+        fkr[pass] = 1.f;
+      } else {
+        const float mq = sq[pass] > 0.f ? sq[pass] : 1.f, mk = sk[pass] > 0.f ? sk[pass] : 1.f;
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          oq[i] = pack_f16(__fdiv_rn(lo_f32<kFp16>(wq[i]), mq), __fdiv_rn(hi_f32<kFp16>(wq[i]), mq));
+          ok[i] = pack_f16(__fdiv_rn(lo_f32<kFp16>(wk[i]), mk), __fdiv_rn(hi_f32<kFp16>(wk[i]), mk));
+        }
+        fqr[pass] = p.scale * mq;
+        fkr[pass] = mk;
       }
+      *reinterpret_cast<uint4*>(qr + row * kQkPitch + 8 * ch) = make_uint4(oq[0], oq[1], oq[2], oq[3]);
+      *reinterpret_cast<uint4*>(kr + row * kQkPitch + 8 * ch) = make_uint4(ok[0], ok[1], ok[2], ok[3]);
     }
-#pragma unroll
-    for (int o = 8; o >= 1; o >>= 1)
-#pragma unroll
-      for (int pass = 0; pass < 4; ++pass) {
-        ssq[pass] += __shfl_xor_sync(0xffffffffu, ssq[pass], o);
-        ssk[pass] += __shfl_xor_sync(0xffffffffu, ssk[pass], o);
-      }
     // Log decays of this thread's 32 gate inputs: one uniform branch on the gate form around all
     // of them; padded rows (row >= L) get a = 0.
     float a[4][8];
@@ -562,10 +671,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
         for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_other(p.gate_form, a[pass][i], exp_a, bias[i], p.lower_bound);
     }
-    // Per-row factors, computed by every thread (branch-free, so that the four passes interleave)
-    // and stored by the lanes ch == 0: rsqrt and a fast sigmoid (relative error ~1e-7, far below
-    // the tf32 rounding of every operand they scale).
-    const float eps = static_cast<float>(detail::kL2NormEps);
+    // Per-row values, computed by every thread (branch-free, so that the four passes interleave)
+    // and stored by the lanes ch == 0: b_t by a fast sigmoid (relative error ~1e-7, far below the
+    // tf32 rounding of every operand it scales).
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) {
       const int row = 16 * pass + rr;
@@ -573,12 +681,10 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       float* gr = G + row * kGPitch + 8 * ch;
       *reinterpret_cast<float4*>(gr) = valid ? make_float4(a[pass][0], a[pass][1], a[pass][2], a[pass][3]) : make_float4(0.f, 0.f, 0.f, 0.f);
       *reinterpret_cast<float4*>(gr + 4) = valid ? make_float4(a[pass][4], a[pass][5], a[pass][6], a[pass][7]) : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float iq = p.l2norm ? p.scale * rsqrtf(ssq[pass] + eps) : p.scale;
-      const float ik = p.l2norm ? rsqrtf(ssk[pass] + eps) : 1.f;
       const float bt = valid ? beta_fast(p.beta_logits, p.neg_eig, bits_to_f32(bw[pass], p.beta.dtype)) : 0.f;
       if (ch == 0) {
-        invq[row] = iq;
-        invk[row] = ik;
+        fq[row] = fqr[pass];
+        fk[row] = fkr[pass];
         bet[row] = bt;
       }
     }
@@ -621,18 +727,18 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
     if (span <= 45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
-      akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, m, 2 * i, g, c);
+      akk_aqk_tiles<2>(qr, kr, G, fq, fk, bet, M, rec_aqk, i, m, 2 * i, g, c);
     } else {
-      akk_aqk_diag_pairwise<kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, i, lane);
+      akk_aqk_diag_pairwise(qr, kr, G, fq, fk, bet, M, rec_aqk, i, lane);
     }
   } else {
     // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2). The tile count is a
     // template argument (warp-uniform branch here): a runtime count put every tile behind its own
     // branch in the k loop, which kept the tiles' operand chains from interleaving.
     const int w = warp - 4;
-    if (w < 2) akk_aqk_tiles<3, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 3, 48, 3 * w, g, c);
-    else if (w == 2) akk_aqk_tiles<4, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 2, 32, 0, g, c);
-    else akk_aqk_tiles<2, kFp16>(qr, kr, G, invq, invk, bet, M, rec_aqk, 1, 16, 0, g, c);
+    if (w < 2) akk_aqk_tiles_f16<3>(qr, kr, G, fq, fk, bet, M, rec_aqk, 3, 3 * w, g, c);
+    else if (w == 2) akk_aqk_tiles_f16<4>(qr, kr, G, fq, fk, bet, M, rec_aqk, 2, 0, g, c);
+    else akk_aqk_tiles_f16<2>(qr, kr, G, fq, fk, bet, M, rec_aqk, 1, 0, g, c);
   }
   __syncthreads();
 
@@ -689,8 +795,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * warp + 8 * nt + g;
-        bb[nt][0] = f32_to_tf32(in_to_f32<kFp16>(kr[s0 * kQkPitch + col]) * invk[s0] * fast_exp2(G[s0 * kGPitch + col]));
-        bb[nt][1] = f32_to_tf32(in_to_f32<kFp16>(kr[s1 * kQkPitch + col]) * invk[s1] * fast_exp2(G[s1 * kGPitch + col]));
+        bb[nt][0] = f32_to_tf32(in_to_f32<true>(kr[s0 * kQkPitch + col]) * fk[s0] * fast_exp2(G[s0 * kGPitch + col]));
+        bb[nt][1] = f32_to_tf32(in_to_f32<true>(kr[s1 * kQkPitch + col]) * fk[s1] * fast_exp2(G[s1 * kGPitch + col]));
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -727,13 +833,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       const uint4 raw = *reinterpret_cast<const uint4*>(qr + t * kQkPitch + col);
       const float4 ga = *reinterpret_cast<const float4*>(G + t * kGPitch + col);
       const float4 gb = *reinterpret_cast<const float4*>(G + t * kGPitch + col + 4);
-      const float iq = invq[t];
+      const float iq = fq[t];
       const float gg[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
       const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
       uint32_t o[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        o[e] = pack_bf16(lo_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<kFp16>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
+        o[e] = pack_bf16(lo_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
       *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
     }
 #pragma unroll
@@ -745,7 +851,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int s = 8 * sg + e;
-        v[e] = in_to_f32<kFp16>(kr[s * kQkPitch + kk]) * invk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
+        v[e] = in_to_f32<true>(kr[s * kQkPitch + kk]) * fk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
       }
       uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
       *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =

@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include "cuda_runtime.h"
+#include "core/kda_math.h"
 namespace kda::cuda::pf {
 #define EMU_CHECK(cond, msg) do { if (!(cond)) { std::fprintf(stderr, "EMU: %s (%s:%d)\n", msg, __FILE__, __LINE__); std::abort(); } } while (0)
 inline uint32_t f32_to_tf32(float x) { uint32_t u = __float_as_uint(x); if ((u & 0x7f800000u) != 0x7f800000u) { u += 0x1000u; u &= 0xffffe000u; } return u; }
@@ -30,6 +31,30 @@ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
   emu::warp_sync();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
+inline float h16(uint32_t r, int hi) { return kda::detail::fp16_bits_to_float(static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu)); }
+inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
+  for (int i = 0; i < 4; ++i) s[l][i] = a[i]; s[l][4] = b0; s[l][5] = b1;
+  emu::warp_sync();
+  float out[4];
+  for (int e = 0; e < 4; ++e) {
+    const int r = l / 4 + 8 * (e >> 1), n = 2 * (l % 4) + (e & 1);
+    double acc = d[e];
+    for (int k = 0; k < 16; ++k) {
+      const int al = 4 * (r % 8) + (k % 8) / 2, ar = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
+      const int bl = 4 * n + (k % 8) / 2, br = k >= 8 ? 1 : 0;
+      acc += (double)h16((uint32_t)s[al][ar], k & 1) * h16((uint32_t)s[bl][4 + br], k & 1);
+    }
+    out[e] = (float)acc;
+  }
+  emu::warp_sync();
+  for (int e = 0; e < 4; ++e) d[e] = out[e];
+}
+inline uint32_t pack_f16(float lo, float hi) {
+  return static_cast<uint32_t>(kda::detail::float_to_fp16_bits(lo)) | (static_cast<uint32_t>(kda::detail::float_to_fp16_bits(hi)) << 16);
+}
+// The product of two f16 values is exact in fp32 (11 x 11 significant bits); one rounding to f16.
+inline uint32_t mul_f16x2(uint32_t a, uint32_t b) { return pack_f16(h16(a, 0) * h16(b, 0), h16(a, 1) * h16(b, 1)); }
 inline float tf(uint32_t r) { return __uint_as_float(r & 0xffffe000u); }
 inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
