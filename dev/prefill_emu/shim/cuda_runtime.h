@@ -47,6 +47,7 @@ inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
 inline void __threadfence_block() {}  // fibers run one at a time: shared memory is always coherent
 inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
+inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
 template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
   static_assert(sizeof(T) <= 8);
   uint64_t u = 0; std::memcpy(&u, &v, sizeof(T));
@@ -55,6 +56,9 @@ template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
   T out; std::memcpy(&out, &r, sizeof(T)); return out;
 }
 template <typename T> inline T __shfl_xor_sync(unsigned m, T v, int x) { return __shfl_sync(m, v, emu::lane_id ^ x); }
+template <typename T> inline T __shfl_up_sync(unsigned m, T v, int d) {
+  return __shfl_sync(m, v, emu::lane_id >= d ? emu::lane_id - d : emu::lane_id);
+}
 inline unsigned __ballot_sync(unsigned, bool pred) {
   emu::warp_ctx->slot[emu::lane_id][0] = pred; emu::warp_sync();
   unsigned r = 0; for (int i = 0; i < 32; ++i) if (emu::warp_ctx->slot[i][0]) r |= 1u << i;

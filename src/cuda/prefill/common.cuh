@@ -141,6 +141,8 @@ struct Params {
   float scale = 1.f, lower_bound = -5.f;
 
   uint8_t* ws = nullptr;            // records [num_slots][HV][kRecordBytes], 128-byte aligned
+  int32_t* order = nullptr;         // varlen, N > 1: sequences longest first (after the records;
+                                    // written by prepare block 0, read by the recurrence)
 
   // States (kernel B only).
   StateView h0, ht, pool, ckpt;

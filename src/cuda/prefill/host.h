@@ -65,10 +65,15 @@ inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
   return prefill_chunk_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N);
 }
 
+// Varlen batches of several sequences also keep the recurrence's sequence order (int32 [N]) after
+// the records: blocks of the longest sequences start first, so that a long sequence does not run
+// alone at the end of the grid (prepare_kernel builds it; recurrence_kernel reads it).
+inline bool uses_sequence_order(const detail::PrefillProblem& pr) { return pr.d.varlen && pr.d.N > 1; }
 inline size_t workspace_bytes(const detail::PrefillProblem& pr) {
   const int64_t records = chunk_slots(pr) * pr.d.HV;
   if (records <= 0 || pr.d.N <= 0) return 0;
-  return static_cast<size_t>(records) * kRecordBytes + 128;  // + alignment slack
+  const size_t order = uses_sequence_order(pr) ? (static_cast<size_t>(pr.d.N) * 4 + 127) & ~static_cast<size_t>(127) : 0;
+  return static_cast<size_t>(records) * kRecordBytes + order + 128;  // + alignment slack
 }
 
 // Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
@@ -119,6 +124,8 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   if (need > 0) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
     p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));
+    if (uses_sequence_order(pr))
+      p.order = reinterpret_cast<int32_t*>(p.ws + static_cast<size_t>(slots * d.HV) * kRecordBytes);
   }
   p.h0 = state_view(pr.initial_state);
   p.ht = state_view(pr.final_state);

@@ -12,11 +12,15 @@
 // token m only when both factors stay within e^+-45 (always for the lower-bound gate, |a| <= 5);
 // other blocks take pairwise differences exp(G_t - G_s) (t >= s, argument <= 0).
 //
-// Products use tf32 mma.sync (m16n8k8, fp32 accumulate): operands are fp32 values rounded to
-// tf32 (10-bit mantissa); Tm and Aqk leave this kernel tf32-rounded so kernel B sees exactly the
-// matrices used here. The inverse alone splits its operands in two tf32 terms (3xTF32) and stays
-// ~fp32 accurate, so that Tm carries one tf32 rounding and not the errors of chained tf32 products.
-// 256 threads, ~107 KB shared memory: two blocks per SM.
+// q and k are normalized to |x| <= 1 on load (by their L2 norm, or without l2norm by their largest
+// magnitude; the row factors fq, fk multiply the results) and kept as f16. Products use mma.sync
+// with fp32 accumulation: the off-diagonal Akk / Aqk blocks fp16 (m16n8k16; operands q^, k^ times
+// factors <= 1, 11 significant bits like tf32), the diagonal blocks and W tf32 (m16n8k8; fp32
+// operands rounded to tf32: their factors exceed the f16 range); Tm and Aqk leave this kernel
+// tf32-rounded so kernel B sees exactly the matrices used here. The inverse alone splits its
+// operands in two tf32 terms (3xTF32) and stays ~fp32 accurate, so that Tm carries one tf32
+// rounding and not the errors of chained tf32 products.
+// 256 threads, ~108 KB shared memory: two blocks per SM.
 #pragma once
 
 #include <type_traits>
@@ -491,6 +495,47 @@ __device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slo
   prefetch_l2(static_cast<const uint8_t*>(tv.data) + off * esize, static_cast<uint32_t>(kHeadDim * esize));
 }
 
+// Varlen batches (p.order set): the recurrence's sequence order, longest first, by a counting sort
+// of the chunk counts (capped at 1023: longer sequences tie) in one block. Ties land in any order:
+// every (sequence, value head) is computed by one recurrence block whatever its index, so results
+// do not depend on it. cnt: 1024 + 8 ints of shared scratch. Ends with a barrier.
+__device__ __forceinline__ void order_sequences(const Params& p, int* cnt, int tid) {
+  constexpr int kKeys = 1024;
+  static_assert(kKeys == 4 * kPrepareThreads, "four keys per thread");
+  auto key = [&](int64_t n) {  // more chunks -> smaller key
+    const int64_t ch = (seq_span(p, n).len + kChunk - 1) / kChunk;
+    return kKeys - 1 - static_cast<int>(ch < kKeys - 1 ? ch : kKeys - 1);
+  };
+  for (int i = tid; i < kKeys; i += kPrepareThreads) cnt[i] = 0;
+  __syncthreads();
+  for (int64_t n = tid; n < p.N; n += kPrepareThreads) atomicAdd(&cnt[key(n)], 1);
+  __syncthreads();
+  // Exclusive prefix sums of the counts: four keys per thread, a warp scan, the warp totals.
+  int* wsum = cnt + kKeys;
+  const int lane = tid & 31, warp = tid >> 5;
+  int v[4], local = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) local += (v[j] = cnt[4 * tid + j]);
+  int incl = local;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int x = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += x;
+  }
+  if (lane == 31) wsum[warp] = incl;
+  __syncthreads();
+  int base = incl - local;
+  for (int w = 0; w < warp; ++w) base += wsum[w];
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    cnt[4 * tid + j] = base;
+    base += v[j];
+  }
+  __syncthreads();
+  for (int64_t n = tid; n < p.N; n += kPrepareThreads) p.order[atomicAdd(&cnt[key(n)], 1)] = static_cast<int32_t>(n);
+  __syncthreads();
+}
+
 template <bool kFp16>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -512,6 +557,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #endif
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+  if (p.order != nullptr && blockIdx.x == 0) order_sequences(p, reinterpret_cast<int*>(M), tid);  // M: unused yet
 
   // ---- Locate the chunk: slot -> (sequence n, chunk j) -> tokens [t0, t0 + L) of batch row b.
   int64_t b, t0;
@@ -842,20 +888,29 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         o[e] = pack_bf16(lo_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
       *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
     }
+    // kbT: a task is two adjacent channels kk, kk + 1 (one 32-bit k^ pair and one float2 of G per
+    // token) over 8 tokens: two 16-byte rows of the record.
+    uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
 #pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int task = tid + kPrepareThreads * m, kk = task & 127, sg = task >> 7;
-      const float gl = G[(kChunk - 1) * kGPitch + kk];
-      if (m == 0 && tid < kHeadDim) reinterpret_cast<float*>(rec + kOffGL)[kk] = exp2f(gl);  // kk == tid
-      float v[8];
+    for (int m = 0; m < 2; ++m) {
+      const int task = tid + kPrepareThreads * m, kk = 2 * (task & 63), sg = task >> 6;
+      const float2 gl = *reinterpret_cast<const float2*>(G + (kChunk - 1) * kGPitch + kk);
+      if (m == 0 && tid < kHeadDim / 2)  // sg == 0
+        *reinterpret_cast<float2*>(rec + kOffGL + 4 * kk) = make_float2(exp2f(gl.x), exp2f(gl.y));
+      float v0[8], v1[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
         const int s = 8 * sg + e;
-        v[e] = in_to_f32<true>(kr[s * kQkPitch + kk]) * fk[s] * fast_exp2(gl - G[s * kGPitch + kk]);
+        const uint32_t kp = *reinterpret_cast<const uint32_t*>(kr + s * kQkPitch + kk);
+        const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + kk);
+        const float f = fk[s];
+        v0[e] = lo_f32<true>(kp) * f * fast_exp2(gl.x - gs.x);
+        v1[e] = hi_f32<true>(kp) * f * fast_exp2(gl.y - gs.y);
       }
-      uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
       *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
-          make_uint4(pack_bf16(v[0], v[1]), pack_bf16(v[2], v[3]), pack_bf16(v[4], v[5]), pack_bf16(v[6], v[7]));
+          make_uint4(pack_bf16(v0[0], v0[1]), pack_bf16(v0[2], v0[3]), pack_bf16(v0[4], v0[5]), pack_bf16(v0[6], v0[7]));
+      *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk + 1, 8 * sg)) =
+          make_uint4(pack_bf16(v1[0], v1[1]), pack_bf16(v1[2], v1[3]), pack_bf16(v1[4], v1[5]), pack_bf16(v1[6], v1[7]));
     }
   }
   KDA_PF_PHASE(7);  // qg, kbT, gL (thread 0's warp)

@@ -233,7 +233,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int slice = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.nslices));
   const int64_t pair = blockIdx.x / static_cast<unsigned>(p.nslices);
   const int hv = static_cast<int>(pair % p.HV);
-  const int64_t n = pair / p.HV;
+  const int64_t n = p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
   const SeqSpan sp = seq_span(p, n);
   const int64_t nchunks = (sp.len + kChunk - 1) / kChunk;
   const int vcol0 = slice * vs;        // first value column of this block
