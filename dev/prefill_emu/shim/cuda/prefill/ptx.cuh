@@ -13,7 +13,9 @@ inline float fast_exp2(float x) { float r = std::exp2(x); return r < 1.17549435e
 inline uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 inline uint8_t* sptr(uint32_t a, int bytes) { EMU_CHECK(a + bytes <= emu::smem_size, "shared address out of range"); return emu::smem_base + a; }
 inline float bf(uint32_t r, int hi) { return __uint_as_float(hi ? (r & 0xffff0000u) : (r << 16)); }
-inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+// m16n8k16 with 16-bit inputs (bf16 or f16: elem decodes the half `hi` of a register), fp32 accumulate.
+template <typename Elem>
+inline void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Elem elem) {
   auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
   for (int i = 0; i < 4; ++i) s[l][i] = a[i]; s[l][4] = b0; s[l][5] = b1;
   emu::warp_sync();
@@ -24,32 +26,16 @@ inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
     for (int k = 0; k < 16; ++k) {
       const int al = 4 * (r % 8) + (k % 8) / 2, ar = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
       const int bl = 4 * n + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      acc += (double)bf((uint32_t)s[al][ar], k & 1) * bf((uint32_t)s[bl][4 + br], k & 1);
+      acc += (double)elem((uint32_t)s[al][ar], k & 1) * elem((uint32_t)s[bl][4 + br], k & 1);
     }
     out[e] = (float)acc;
   }
   emu::warp_sync();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
+inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_k16(d, a, b0, b1, bf); }
 inline float h16(uint32_t r, int hi) { return kda::detail::fp16_bits_to_float(static_cast<uint16_t>(hi ? r >> 16 : r & 0xffffu)); }
-inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
-  for (int i = 0; i < 4; ++i) s[l][i] = a[i]; s[l][4] = b0; s[l][5] = b1;
-  emu::warp_sync();
-  float out[4];
-  for (int e = 0; e < 4; ++e) {
-    const int r = l / 4 + 8 * (e >> 1), n = 2 * (l % 4) + (e & 1);
-    double acc = d[e];
-    for (int k = 0; k < 16; ++k) {
-      const int al = 4 * (r % 8) + (k % 8) / 2, ar = (r >= 8 ? 1 : 0) + (k >= 8 ? 2 : 0);
-      const int bl = 4 * n + (k % 8) / 2, br = k >= 8 ? 1 : 0;
-      acc += (double)h16((uint32_t)s[al][ar], k & 1) * h16((uint32_t)s[bl][4 + br], k & 1);
-    }
-    out[e] = (float)acc;
-  }
-  emu::warp_sync();
-  for (int e = 0; e < 4; ++e) d[e] = out[e];
-}
+inline void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) { mma_k16(d, a, b0, b1, h16); }
 inline uint32_t pack_f16(float lo, float hi) {
   return static_cast<uint32_t>(kda::detail::float_to_fp16_bits(lo)) | (static_cast<uint32_t>(kda::detail::float_to_fp16_bits(hi)) << 16);
 }
