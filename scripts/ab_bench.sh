@@ -23,8 +23,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
   for t in "${trees[@]}"; do
     n=$(basename "$t")
     extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
-    env ${AB_ENV:-} timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/bench_${n}_r$r.log" 2>&1
-    echo "---- $n round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/bench_${n}_r$r.log"
+    env ${AB_ENV:-} timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
+    echo "---- $n round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
+    cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree: a device call returns at most 8 files
   done
 done
 # The last tree (the candidate) only: its prefill GPU tests (AB_TESTS=1; value splits AB_TEST_VS,
@@ -40,9 +41,6 @@ if [ "${AB_TESTS:-0}" = 1 ]; then
     grep -E "^\[  FAILED|case A" "$OUT/tests_${n}_vs$vs.log" | head -8
   done
 fi
-for c in ${AB_PROFILE:-}; do
-  timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:${PROFILE_KERNEL:-prepare}" \
-    --launch-skip 1 --launch-count 1 -f -o "$OUT/src_$c" "$t/build-gpu/bench/bench_gpu_prefill" --case $c --no-check --iters 20 >"$OUT/src_$c.log" 2>&1
-  ncu --import "$OUT/src_$c.ncu-rep" --page source --csv --print-source sass >"$OUT/src_${c}_sass.csv" 2>>"$OUT/src_$c.log"
-  echo "source profile $c: $(wc -l <"$OUT/src_${c}_sass.csv") lines"; rm -f "$OUT/src_$c.ncu-rep"
-done
+if [ -n "${AB_PROFILE:-}" ]; then  # the tree's own srcprofile stage (its build-gpu), logs into $OUT
+  (cd "$t" && OUT=$OUT PROFILE_CASES="$AB_PROFILE" scripts/gpu_check.sh srcprofile | grep -E "^== source profile")
+fi

@@ -2,7 +2,7 @@
 // on the state, for one (chunk slot, value head), written to the workspace record (common.cuh).
 //
 // Mirrors src/cpu/prefill_chunked.cpp (same chunk, same 16-token sub-chunks, same exactness rules):
-//   q, k  <- l2norm (scale folded into q);  a = log decay (gate form);  G = cumsum_t a  (fp32)
+//   q, k  <- l2norm (scale applied with q's row factor);  a = log decay (gate form);  G = cumsum_t a
 //   Akk[t,s] = sum_k k_t k_s exp(G_t - G_s)  (s < t),  Aqk[t,s] = same with q_t (s <= t)
 //   Tm = (I + diag(b) Akk)^-1 diag(b)   (block inversion of the unit lower triangle M: diagonal
 //        16x16 blocks by forward substitution, the others from them by 3xTF32 products, invert_m)
