@@ -19,13 +19,18 @@ for t in "${trees[@]}"; do
     { echo "build $t FAILED"; tail -30 "$OUT/build_$n.log"; } ) &
 done
 wait
+# AB_VARIANTS: space-separated VAR=value settings; every tree is then timed once per setting
+# (e.g. a launch knob's sweep within one build).
+read -ra variants <<<"${AB_VARIANTS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for t in "${trees[@]}"; do
-    n=$(basename "$t")
-    extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
-    env ${AB_ENV:-} timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
-    echo "---- $n round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
-    cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree: a device call returns at most 8 files
+    for var in "${variants[@]}"; do
+      n=$(basename "$t")
+      extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
+      env ${AB_ENV:-} $var timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
+      echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
+      cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree: a device call returns at most 8 files
+    done
   done
 done
 # The last tree (the candidate) only: its prefill GPU tests (AB_TESTS=1; value splits AB_TEST_VS,
@@ -43,4 +48,22 @@ if [ "${AB_TESTS:-0}" = 1 ]; then
 fi
 if [ -n "${AB_PROFILE:-}" ]; then  # the tree's own srcprofile stage (its build-gpu), logs into $OUT
   (cd "$t" && OUT=$OUT PROFILE_CASES="$AB_PROFILE" scripts/gpu_check.sh srcprofile | grep -E "^== source profile")
+fi
+# AB_NCU="P4 P6": duration, DRAM traffic and throughput of each kernel of the last tree on those
+# cases (ncu, clocks not locked; AB_NCU_ENV: settings for these runs).
+if [ -n "${AB_NCU:-}" ] && command -v ncu >/dev/null; then
+  for c in $AB_NCU; do
+    env ${AB_NCU_ENV:-} timeout 120 ncu --clock-control none -k "regex:prepare|recurrence" --launch-count 4 --csv \
+      --metrics gpu__time_duration.sum,dram__bytes_read.sum,dram__bytes_write.sum,dram__throughput.avg.pct_of_peak_sustained_elapsed,sm__inst_executed.sum,smsp__issue_active.avg.pct_of_peak_sustained_active \
+      "$t/build-gpu/bench/bench_gpu_prefill" --case "$c" --no-check --iters 1 >"$OUT/ncu_$c.csv" 2>&1
+    echo "---- ncu $c (rc=$?)"
+    python3 - "$OUT/ncu_$c.csv" <<'PY'
+import csv, sys
+rows = [r for r in csv.reader(open(sys.argv[1])) if len(r) > 10]
+if not rows: sys.exit(print(open(sys.argv[1]).read()[-1500:]))
+h = rows[0]; ki, mi, vi, ui = h.index("Kernel Name"), h.index("Metric Name"), h.index("Metric Value"), h.index("Metric Unit")
+for r in rows[1:]:
+    print(f"{r[ki][:40]:40s} {r[mi]:58s} {r[vi]:>14s} {r[ui]}")
+PY
+  done
 fi
