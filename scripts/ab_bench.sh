@@ -13,6 +13,9 @@ root=$PWD
 trees=("$@")
 jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -lt 1 ] && jobs=1
 for t in "${trees[@]}"; do
+  # AB_PREBUILT=1: trees whose build-gpu was built on the CPU machine and carried (no device time
+  # spent compiling) are used as they are.
+  [ "${AB_PREBUILT:-0}" = 1 ] && [ -x "$t/build-gpu/bench/bench_gpu_prefill" ] && continue
   ( cd "$t" && n=$(basename "$t") &&
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.deps/gtest" >"$OUT/build_$n.log" 2>&1 &&
     cmake --build build-gpu --parallel $jobs --target bench_gpu_prefill kda_gpu_tests >>"$OUT/build_$n.log" 2>&1 ||

@@ -44,8 +44,7 @@ inline constexpr int kSmBeta = kSmFk + kChunk * 4;                // b_t        
 inline constexpr int kSmM = kSmBeta + kChunk * 4;                 // M      [64][72] fp32
 inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X, then Tm [64][72] fp32
 inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // inverse partial sums [3][16][16]
-inline constexpr int kSmInfo = kSmP + 3 * 256 * 4;                // chunk location (int64 x 4)
-inline constexpr int kPrepareSmemBytes = kSmInfo + 64;            // 110,400
+inline constexpr int kPrepareSmemBytes = kSmP + 3 * 256 * 4;      // 110,336
 inline constexpr int kPrepareThreads = 256;
 
 // Log decay in log2 units (a * log2 e) of one channel. The lower-bound form (the common one)
@@ -63,21 +62,36 @@ __device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a
   return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
 }
 
-// Largest sequence n with slot_base(n) <= slot (varlen): a 32-ary search by one warp.
-__device__ __forceinline__ int64_t find_sequence(const Params& p, int64_t slot, int lane) {
+// The sequence of chunk slot `slot` (varlen): the largest n with varlen_base(n) <= slot, and its
+// span, in every lane of the calling warp. A 32-ary search: rounds over spans of more than 32
+// sequences load one cu_seqlens value per lane; the last round (at most 32 candidates, the only
+// one for N <= 32) loads each candidate's start and end together, so a short batch costs one
+// dependent round trip to L2.
+__device__ __forceinline__ SeqSpan find_span(const Params& p, int64_t slot, int lane) {
   int64_t lo = 0, hi = p.N;  // the answer lies in [lo, hi); slot_base(0) = 0 <= slot
-  while (hi - lo > 1) {
+  while (hi - lo > 32) {
     const int64_t span = hi - lo;
-    const int64_t cand = span <= 32 ? lo + lane : lo + (span * lane) / 32;  // lane 0 -> lo
-    const bool ok = cand < hi && varlen_base(p, cand) <= slot;
-    const unsigned m = __ballot_sync(0xffffffffu, ok);
+    const int64_t cand = lo + (span * lane) / 32;  // < hi; lane 0 -> lo
+    const unsigned m = __ballot_sync(0xffffffffu, varlen_base(p, cand) <= slot);
     const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
-    const int64_t new_lo = __shfl_sync(0xffffffffu, cand, i);
     const int64_t next = __shfl_sync(0xffffffffu, cand, i < 31 ? i + 1 : 31);
-    hi = span <= 32 ? new_lo + 1 : (i < 31 ? next : hi);
-    lo = new_lo;
+    lo = __shfl_sync(0xffffffffu, cand, i);
+    hi = i < 31 ? next : hi;
   }
-  return lo;
+  const int64_t cand = lo + lane;
+  int64_t bos = 0, eos = 0;
+  if (cand < hi) {  // cand + 1 <= N: cu_seqlens holds N + 1 values
+    bos = clamp64(p.cu.load(cand), 0, p.T);
+    eos = clamp64(p.cu.load(cand + 1), bos, p.T);
+  }
+  const unsigned m = __ballot_sync(0xffffffffu, cand < hi && bos / kChunk + cand <= slot);
+  const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
+  SeqSpan s;
+  s.b = 0;
+  s.bos = __shfl_sync(0xffffffffu, bos, i);
+  s.len = __shfl_sync(0xffffffffu, eos, i) - s.bos;
+  s.base = s.bos / kChunk + lo + i;
+  return s;
 }
 
 // 8 consecutive 16-bit elements (16 bytes) of a token tensor at p; kVec: the
@@ -549,7 +563,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   float* M = reinterpret_cast<float*>(smem + kSmM);
   float* X = reinterpret_cast<float*>(smem + kSmX);
   float* P = reinterpret_cast<float*>(smem + kSmP);
-  int64_t* info = reinterpret_cast<int64_t*>(smem + kSmInfo);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   if (blockIdx.x >= p.stagger_lo && blockIdx.x < p.stagger_hi) {  // heuristics.h: prepare_stagger_ns
@@ -572,20 +585,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     b = n;
     t0 = j * kChunk;
     L = static_cast<int>(clamp64(p.T - t0, 0, kChunk));
-  } else {
-    if (warp == 0) {
-      const int64_t n = find_sequence(p, slot, lane);
-      if (lane == 0) {
-        const SeqSpan sp = seq_span(p, n);
-        const int64_t j = slot - sp.base;
-        info[0] = sp.bos + j * kChunk;
-        info[1] = (j < 0 || j * kChunk >= sp.len) ? 0 : clamp64(sp.len - j * kChunk, 0, kChunk);
-      }
-    }
-    __syncthreads();
+  } else {  // every warp locates the chunk itself: no block barrier behind one warp's loads
+    const SeqSpan sp = find_span(p, slot, lane);
+    const int64_t j = slot - sp.base;
     b = 0;
-    t0 = info[0];
-    L = static_cast<int>(info[1]);
+    t0 = sp.bos + j * kChunk;
+    L = (j < 0 || j * kChunk >= sp.len) ? 0 : static_cast<int>(clamp64(sp.len - j * kChunk, 0, kChunk));
   }
   if (L <= 0) return;  // an unused slot of a varlen batch
 #ifdef KDA_PREFILL_TRACE
