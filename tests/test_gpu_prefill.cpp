@@ -719,16 +719,6 @@ TEST(PrefillHeuristics, PrefetchDistance) {
   for (const char* off : {"", "off", "false", "-1", "12x", "autox"}) EXPECT_EQ(prepare_prefetch_blocks(132, off), 0) << off;
 }
 
-TEST(PrefillHeuristics, PrepareStagger) {
-  using cuda::pf::kPrepareStaggerNs;
-  using cuda::pf::prepare_stagger_ns;
-  EXPECT_EQ(prepare_stagger_ns(12288, 132, nullptr), kPrepareStaggerNs);
-  EXPECT_EQ(prepare_stagger_ns(12288, 132, "8000"), 8000u);
-  EXPECT_EQ(prepare_stagger_ns(12288, 132, "0"), 0u);
-  EXPECT_EQ(prepare_stagger_ns(264, 132, "8000"), 0u);  // two waves or fewer: nothing to shift
-  EXPECT_EQ(prepare_stagger_ns(265, 132, "x"), kPrepareStaggerNs);
-}
-
 TEST(PrefillHeuristics, ChunkSlots) {
   using cuda::pf::prefill_chunk_slots;
   EXPECT_EQ(prefill_chunk_slots(false, 2, 130, 2), 6);

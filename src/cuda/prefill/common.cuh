@@ -154,7 +154,6 @@ struct Params {
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
   bool wgmma = false;               // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
   int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
-  uint32_t stagger_lo = 0, stagger_hi = 0, stagger_ns = 0;  // prepare: blocks [lo, hi) start ns later
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read

@@ -71,20 +71,6 @@ inline int prepare_prefetch_blocks(int num_sms, const char* env) {
   return v > 0 ? static_cast<int>(v) : 0;
 }
 
-// Start stagger of the prepare kernel, in ns (0: off). Two prepare blocks share an SM and are
-// launched together; with equal work they stay in step, both waiting for their loads at the same
-// time and competing for issue slots in the compute phases after. Delaying the start of the
-// first wave's second blocks (indices [SMs, 2 SMs)) by about half a block life shifts the two
-// chains of blocks on each SM against each other for the rest of the kernel (each block starts
-// when its predecessor in the same slot ends). Only for grids of more than two waves. env
-// (KDA_CUDA_PREFILL_STAGGER): digits override the default.
-inline constexpr uint32_t kPrepareStaggerNs = 0;
-inline uint32_t prepare_stagger_ns(int64_t blocks, int num_sms, const char* env) {
-  if (blocks <= 2 * static_cast<int64_t>(num_sms)) return 0;
-  const long v = env_digits(env);
-  return v >= 0 ? static_cast<uint32_t>(v) : kPrepareStaggerNs;
-}
-
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
 // ceil(T / 64) slots; varlen, sequence n owns slots from cu[n] / 64 + n on, which stays below
 // T / 64 + N whatever the (device-side, unread) cu_seqlens values are.

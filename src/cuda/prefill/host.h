@@ -142,11 +142,6 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
   p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
-  p.stagger_ns = prepare_stagger_ns(prep_blocks, num_sms, std::getenv("KDA_CUDA_PREFILL_STAGGER"));
-  if (p.stagger_ns > 0) {
-    p.stagger_lo = static_cast<uint32_t>(num_sms);
-    p.stagger_hi = static_cast<uint32_t>(2 * num_sms);
-  }
 
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;

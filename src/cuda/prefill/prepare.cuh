@@ -565,10 +565,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   float* P = reinterpret_cast<float*>(smem + kSmP);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  if (blockIdx.x >= p.stagger_lo && blockIdx.x < p.stagger_hi) {  // heuristics.h: prepare_stagger_ns
-    if (tid == 0) pause_ns(p.stagger_ns);
-    __syncthreads();
-  }
 #ifdef KDA_PREFILL_TRACE
   long long trace_prev_ = clock64();
 #endif

@@ -247,15 +247,4 @@ __device__ __forceinline__ void st_global_16(void* p, uint4 v) {
 // 16-byte read-only global load (p 16-byte aligned).
 __device__ __forceinline__ uint4 ld_global_16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
-// Global nanosecond timer; a pause of about `ns` (the issuing thread only).
-__device__ __forceinline__ uint64_t globaltimer_ns() {
-  uint64_t t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-__device__ __forceinline__ void pause_ns(uint32_t ns) {
-  const uint64_t t0 = globaltimer_ns();
-  while (globaltimer_ns() - t0 < ns) __nanosleep(256);
-}
-
 }  // namespace kda::cuda::pf

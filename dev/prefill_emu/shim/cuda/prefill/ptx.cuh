@@ -96,7 +96,6 @@ inline void cp_async_commit() {}
 }  // namespace kda::cuda::pf
 namespace kda::cuda {
 inline void pdl_prologue() {}  // no dependent grids on the CPU
-inline void pause_ns(uint32_t) {}  // no co-resident blocks to stagger on the CPU
 }  // namespace kda::cuda
 namespace kda::cuda::pf {
 template <int kPending> inline void cp_async_wait() {}
