@@ -4,8 +4,10 @@
 # bench_gpu_prefill and kda_gpu_tests for sm_90a, then everything but those two executables
 # removed (a device call carries at most 64 MiB). Then: scripts/ab_bench.sh with AB_PREBUILT=1.
 #   scripts/prebuild.sh <ref> <dir>      e.g. scripts/prebuild.sh main .deps/base
-# The executables link the CUDA runtime statically; GoogleTest comes from .deps/gtest
-# (scripts/carry_gtest.sh) or the system.
+# PREBUILD_ALL=1 also keeps the demo CLI (kda) and the decode benchmark, so that
+# `scripts/gpu_check.sh demo tests sanitize racecheck bench` runs from the carried tree without its
+# build stage (~24 MB a tree instead of ~12). The executables link the CUDA runtime statically;
+# GoogleTest comes from .deps/gtest (scripts/carry_gtest.sh) or the system.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?ref}
@@ -13,7 +15,11 @@ dir=${2:?dir under .deps/}
 scripts/snapshot_head.sh "$ref" "$dir"
 extra=()
 [ -d "$PWD/.deps/gtest" ] && extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
+keep=(bench/bench_gpu_prefill tests/kda_gpu_tests)  # executables kept; their CMake targets:
+targets=(bench_gpu_prefill kda_gpu_tests)
+[ "${PREBUILD_ALL:-0}" = 1 ] && keep+=(kda bench/bench_gpu_decode) && targets+=(kda_cli bench_gpu_decode)
 (cd "$dir" && cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" >/dev/null &&
-  cmake --build build-gpu --parallel "$(nproc)" --target bench_gpu_prefill kda_gpu_tests >/dev/null)
-find "$dir/build-gpu" -type f ! -path "*/bench/bench_gpu_prefill" ! -path "*/tests/kda_gpu_tests" -delete
+  cmake --build build-gpu --parallel "$(nproc)" --target "${targets[@]}" >/dev/null)
+args=(); for k in "${keep[@]}"; do args+=(! -path "$dir/build-gpu/$k"); done
+find "$dir/build-gpu" -type f "${args[@]}" -delete
 du -sh "$dir/build-gpu" | sed "s|^|prebuild.sh: $ref -> |"
