@@ -173,6 +173,15 @@ __device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) {
   return clamp64(p.cu.load(n), 0, p.T) / kChunk + n;
 }
 
+// Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T].
+__device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n, int64_t cu_n1) {
+  SeqSpan s;
+  s.b = 0;
+  s.bos = clamp64(cu_n, 0, p.T);
+  s.len = clamp64(cu_n1, s.bos, p.T) - s.bos;
+  s.base = s.bos / kChunk + n;
+  return s;
+}
 __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
   SeqSpan s;
   if (!p.varlen) {
@@ -181,11 +190,7 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
     s.len = p.T;
     s.base = n * p.chunks_per_seq;
   } else {
-    s.b = 0;
-    s.bos = clamp64(p.cu.load(n), 0, p.T);
-    const int64_t eos = clamp64(p.cu.load(n + 1), s.bos, p.T);
-    s.len = eos - s.bos;
-    s.base = s.bos / kChunk + n;
+    s = varlen_span(p, n, p.cu.load(n), p.cu.load(n + 1));
   }
   return s;
 }

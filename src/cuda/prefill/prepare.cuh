@@ -79,18 +79,15 @@ __device__ __forceinline__ SeqSpan find_span(const Params& p, int64_t slot, int 
     hi = i < 31 ? next : hi;
   }
   const int64_t cand = lo + lane;
-  int64_t bos = 0, eos = 0;
-  if (cand < hi) {  // cand + 1 <= N: cu_seqlens holds N + 1 values
-    bos = clamp64(p.cu.load(cand), 0, p.T);
-    eos = clamp64(p.cu.load(cand + 1), bos, p.T);
-  }
-  const unsigned m = __ballot_sync(0xffffffffu, cand < hi && bos / kChunk + cand <= slot);
+  SeqSpan c = {};
+  if (cand < hi) c = varlen_span(p, cand, p.cu.load(cand), p.cu.load(cand + 1));  // cand + 1 <= N
+  const unsigned m = __ballot_sync(0xffffffffu, cand < hi && c.base <= slot);
   const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
   SeqSpan s;
   s.b = 0;
-  s.bos = __shfl_sync(0xffffffffu, bos, i);
-  s.len = __shfl_sync(0xffffffffu, eos, i) - s.bos;
-  s.base = s.bos / kChunk + lo + i;
+  s.bos = __shfl_sync(0xffffffffu, c.bos, i);
+  s.len = __shfl_sync(0xffffffffu, c.len, i);
+  s.base = __shfl_sync(0xffffffffu, c.base, i);
   return s;
 }
 
