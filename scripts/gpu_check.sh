@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -110,9 +110,25 @@ fi
 if has fla; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
-    for b in ${FLA_BENCHES:-decode prefill}; do  # FLA's prefill on P1-P7 takes minutes
-      [ -f scripts/fla_${b}_bench.py ] && timeout 200 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
-      note "fla $b rc=$?"
+    for b in ${FLA_BENCHES:-decode prefill}; do
+      [ -f scripts/fla_${b}_bench.py ] || continue
+      if [ "$b" = prefill ]; then
+        # One case per process, each with its own limit: Triton compiles FLA's kernels for every
+        # case (session 8: P1 and P2 took most of 200 s, P3-P7 one by one ~350 s: all seven need
+        # a device call of their own, or FLA_CASES for a subset).
+        rcs=""
+        for c in ${FLA_CASES:-P1 P2 P3 P4 P5 P6 P7}; do
+          timeout 150 python3 scripts/fla_prefill_bench.py --case "$c" >"$OUT/fla_case.log" 2>&1
+          rcs="$rcs $c:$?"
+          [ -s "$OUT/fla_prefill.log" ] || head -2 "$OUT/fla_case.log" | grep -E "^(device|case)" >"$OUT/fla_prefill.log"
+          grep -E "^P[0-9]" "$OUT/fla_case.log" >>"$OUT/fla_prefill.log"
+        done
+        rm -f "$OUT/fla_case.log"
+        note "fla prefill rc per case:$rcs"
+      else
+        timeout 200 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
+        note "fla $b rc=$?"
+      fi
     done
   else
     note "fla: no wheel in .whl (carry .whl)"
