@@ -168,6 +168,7 @@ std::string PrefillCase::name() const {
   if (layout == StateLayout::kKFirst) s << "_kfirst";
   s << "_st" << short_dtype(state_dtype);
   if (strided) s << "_strided";
+  if (gate_beta_fp32) s << "_gbf32";
   if (pool) s << "_pool";
   if (checkpoint_every) s << "_ckpt" << checkpoint_every;
   if (gate_extreme != 0) s << "_extreme";
@@ -223,6 +224,10 @@ PrefillData make_prefill(const PrefillCase& c) {
   }
   if (c.beta == BetaForm::kLogits) d.beta.fill_normal(rng, 1.0);
   else d.beta.fill_uniform(rng, 0.0, 1.0);
+  if (c.gate_beta_fp32) {  // the same values, widened
+    d.g = d.g.to(DType::kFloat32, s);
+    d.beta = d.beta.to(DType::kFloat32, s);
+  }
   d.out = HostTensor(c.dtype, {d.B, d.T, c.HV, c.V});
   d.out.fill_bytes(0xff);  // poison: every element must be written
   auto init_state = [&](HostTensor& t) {

@@ -54,6 +54,7 @@ struct PrefillCase {
   StateLayout layout = StateLayout::kVFirst;
   DType state_dtype = DType::kFloat32;
   bool strided = false;
+  bool gate_beta_fp32 = false;    // g and beta in fp32 (the spec allows it with 16-bit q, k, v)
   bool pool = false;              // state pool with shuffled indices (and one padding slot)
   int64_t checkpoint_every = 0;
   double lower_bound = -5.0;

@@ -232,6 +232,10 @@ std::vector<PrefillCase> sweep_cases() {
   // Strided q/k/v/g/beta (rows not 16-byte aligned: the scalar load paths).
   add([](PrefillCase& c) { c.strided = true; c.seqlens = {100}; c.H = 2; c.HV = 4; });
   add([](PrefillCase& c) { c.strided = true; c.varlen = true; c.seqlens = {33, 70}; c.gate = GateForm::kLowerBound; });
+  // Gate and beta in fp32 with bf16 / fp16 q, k, v (vector and scalar gate loads).
+  add([](PrefillCase& c) { c.gate_beta_fp32 = true; c.gate = GateForm::kLowerBound; c.varlen = true; c.seqlens = {70, 0, 130}; });
+  add([](PrefillCase& c) { c.gate_beta_fp32 = true; c.dtype = DType::kFloat16; c.seqlens = {150}; });
+  add([](PrefillCase& c) { c.gate_beta_fp32 = true; c.strided = true; c.gate = GateForm::kPrecomputed; c.seqlens = {100}; });
   // fp16.
   add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.seqlens = {150}; });
   add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.varlen = true; c.seqlens = {1, 64, 99}; c.state_dtype = DType::kFloat16; });
