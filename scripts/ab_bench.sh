@@ -3,7 +3,7 @@
 # tree in parallel, then times them interleaved, ROUNDS times, so that clock drift hits all alike.
 #   scripts/snapshot_head.sh; scripts/snapshot_head.sh <ref> .deps/exp
 #   run: scripts/ab_bench.sh .deps/head .deps/exp        (carry [".deps"])
-# Round 1 checks against the reference, later rounds only time. Env: ROUNDS (default 2), BENCH_ARGS (extra bench_gpu_prefill arguments), AB_ENV (space-separated
+# Round 1 checks against the reference, later rounds only time; a table of the medians over the rounds (and their ratios to the first tree) comes last. Env: ROUNDS (default 2), BENCH_ARGS (extra bench_gpu_prefill arguments), AB_ENV (space-separated
 # VAR=value list applied to every timing); AB_TESTS, AB_PROFILE: see the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,10 +32,35 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
       env ${AB_ENV:-} $var timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
       echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
+      # case and median ms per run, for the table at the end (columns: tree, setting)
+      awk -v col="$n${var:+ $var}" '/^P[0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print col "\t" $1 "\t" $i; break}}' "$OUT/round.log" >>"$OUT/ab_medians.tsv"
       cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree: a device call returns at most 8 files
     done
   done
 done
+# Table: per case, each tree / setting's median over the rounds (ms) and its ratio to the first column.
+if [ -s "$OUT/ab_medians.tsv" ]; then
+  echo "---- medians over rounds (ms; ratio to the first column)"
+  python3 - "$OUT/ab_medians.tsv" <<'PY'
+import collections, statistics, sys
+runs = collections.OrderedDict()
+for line in open(sys.argv[1]):
+    col, case, ms = line.rstrip("\n").split("\t")
+    runs.setdefault(col, collections.defaultdict(list))[case].append(float(ms))
+cols = list(runs)
+cases = sorted({c for r in runs.values() for c in r})
+print("case  " + "  ".join(f"{c[:24]:>24}" for c in cols))
+for case in cases:
+    base = statistics.median(runs[cols[0]][case]) if runs[cols[0]].get(case) else None
+    cells = []
+    for c in cols:
+        v = runs[c].get(case)
+        if not v: cells.append(f"{'-':>24}"); continue
+        m = statistics.median(v)
+        cells.append(f"{m:>14.3f} ({m / base:5.3f})" if base else f"{m:>24.3f}")
+    print(f"{case:5} " + "  ".join(cells))
+PY
+fi
 # The last tree (the candidate) only: its prefill GPU tests (AB_TESTS=1; value splits AB_TEST_VS,
 # default the automatic one) and a per-instruction source profile of its prepare kernel
 # (AB_PROFILE=P1 ...: ncu SourceCounters exported as CSV).
