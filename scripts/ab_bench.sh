@@ -7,7 +7,7 @@
 # VAR=value list applied to every timing); AB_TESTS, AB_PROFILE: see the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
+OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"; rm -f "$OUT/ab_medians.tsv"
 export PATH="$PATH:/usr/local/cuda/bin"
 root=$PWD
 trees=("$@")
