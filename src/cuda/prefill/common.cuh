@@ -169,9 +169,10 @@ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
 // Chunk slots: dense, sequence n owns [n * ceil(T/64), (n+1) * ceil(T/64)); varlen, sequence n
 // owns [bos/64 + n, bos/64 + n + ceil(len/64)), disjoint for non-decreasing cu_seqlens and always
 // below T/64 + N (the workspace bound) even for arbitrary values.
-__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) {
-  return clamp64(p.cu.load(n), 0, p.T) / kChunk + n;
+__device__ __forceinline__ int64_t varlen_base_at(const Params& p, int64_t n, int64_t cu_n) {
+  return clamp64(cu_n, 0, p.T) / kChunk + n;
 }
+__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu.load(n)); }
 
 // Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T].
 __device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n, int64_t cu_n1) {
@@ -179,7 +180,7 @@ __device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64
   s.b = 0;
   s.bos = clamp64(cu_n, 0, p.T);
   s.len = clamp64(cu_n1, s.bos, p.T) - s.bos;
-  s.base = s.bos / kChunk + n;
+  s.base = varlen_base_at(p, n, cu_n);
   return s;
 }
 __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
