@@ -54,6 +54,16 @@ inline constexpr int kOffTm = kOffAqk + kChunk * kChunk * 4;
 inline constexpr int kOffGL = kOffTm + kChunk * kChunk * 4;
 inline constexpr int kRecordBytes = kOffGL + kHeadDim * 4;  // 82,432
 static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
+// Two always-zero parts of the record are neither written by the prepare kernel nor copied by
+// the recurrence: the second 128-byte column block (s = 32..63) of rows 0..31 of Aqk and of Tm
+// (above their diagonal blocks), 4 KB each, contiguous in the swizzle layout. The recurrence's
+// stages hold zeros there from its start. The copied spans: [0, kHoleAqk),
+// [kHoleAqk + kHoleBytes, kHoleTm), [kHoleTm + kHoleBytes, kRecordBytes).
+inline constexpr int kHoleBytes = 32 * 128;
+inline constexpr int kHoleAqk = kOffAqk + kChunk * 128;
+inline constexpr int kHoleTm = kOffTm + kChunk * 128;
+inline constexpr int kRecordCopyBytes = kRecordBytes - 2 * kHoleBytes;  // 74,240
+
 static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 && kOffTm % 1024 == 0,
               "record matrices start at the swizzle period");
 

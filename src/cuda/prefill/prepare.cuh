@@ -811,14 +811,17 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
       *reinterpret_cast<float4*>(X + row * kMPitch + col) = make_float4(v[0], v[1], v[2], v[3]);
       *reinterpret_cast<float4*>(X + row * kMPitch + col + 4) = make_float4(v[4], v[5], v[6], v[7]);
-      *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[0], v[2], v[4], v[6]);
-      *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[1], v[3], v[5], v[7]);
+      if (row >= 32 || col < 32) {  // rows 0..31, columns 32..63: the record's zero part (common.cuh)
+        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[0], v[2], v[4], v[6]);
+        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[1], v[3], v[5], v[7]);
+      }
     }
     // Aqk's 16 x 16 blocks above the diagonal (row block i, column block jb > i: never computed)
-    // are zero: the wgmma recurrence reads all 64 columns. 6 blocks x 16 rows x 4 float4.
-    for (int task = tid; task < 6 * 64; task += kPrepareThreads) {
-      const int blk = task >> 6, i = blk < 3 ? 0 : (blk < 5 ? 1 : 2), jb = blk < 3 ? blk + 1 : (blk < 5 ? blk - 1 : 3);
-      const int row = 16 * i + ((task >> 2) & 15), col = 16 * jb + 4 * (task & 3);  // 4 consecutive positions
+    // are zero: the recurrence reads all 64 columns. Blocks (0, 1) and (2, 3) here; the other four
+    // (rows 0..31, columns 32..63) are the record's zero part, not stored (common.cuh).
+    if (tid < 2 * 64) {
+      const int i = tid < 64 ? 0 : 2, jb = i + 1;
+      const int row = 16 * i + ((tid >> 2) & 15), col = 16 * jb + 4 * (tid & 3);  // 4 consecutive positions
       *reinterpret_cast<float4*>(rec_aqk + (sw128_offset(kChunk, row, 4 * col) >> 2)) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }

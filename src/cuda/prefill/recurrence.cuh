@@ -279,6 +279,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     ck_hi = hi < p.ckpt.rows ? hi : p.ckpt.rows;
   }
 
+  // The record's zero parts in both stages (never copied: common.cuh), before the barrier below;
+  // the tensor cores read them through the async proxy.
+  for (int i = tid; i < 4 * kHoleBytes / 16; i += nthreads) {
+    const int part = i / (kHoleBytes / 16), st = part >> 1;
+    *reinterpret_cast<uint4*>(smem + st * sbytes + ((part & 1) ? kHoleTm : kHoleAqk) + 16 * (i % (kHoleBytes / 16))) =
+        make_uint4(0u, 0u, 0u, 0u);
+  }
+  fence_proxy_async();
   if (tid == 0) {
     mbar_init(bar0, 1);
     mbar_init(bar0 + 8, 1);
@@ -298,11 +306,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     const uint32_t sdst = smem0 + st * sbytes;
     const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
     const uint32_t bar = bar0 + 8 * st;
-    mbar_arrive_expect_tx(bar, kRecordBytes);
-    for (int off = 0; off < kRecordBytes; off += 32768) {
-      const int bytes = kRecordBytes - off < 32768 ? kRecordBytes - off : 32768;
-      bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
-    }
+    mbar_arrive_expect_tx(bar, kRecordCopyBytes);
+    constexpr int kSpans[3][2] = {{0, kHoleAqk}, {kHoleAqk + kHoleBytes, kHoleTm}, {kHoleTm + kHoleBytes, kRecordBytes}};
+#pragma unroll
+    for (int sp = 0; sp < 3; ++sp)  // the record less its two zero parts (common.cuh)
+      for (int off = kSpans[sp][0]; off < kSpans[sp][1]; off += 32768) {
+        const int bytes = kSpans[sp][1] - off < 32768 ? kSpans[sp][1] - off : 32768;
+        bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
+      }
   };
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
