@@ -54,9 +54,11 @@ inline constexpr int kPrepareThreads = 256;
 // interleave: a branch per channel serialized them (SASS of session 3).
 // 1 / (1 + e^-x) by ex2 and an approximate reciprocal: 0 for x -> -inf, 1 for x -> +inf.
 __device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e)); }
-__device__ __forceinline__ float log2_decay_lower_bound(float g, float exp_a, float bias, float lower_bound) {
-  const float x = fmaxf(exp_a * (g + bias), -80.f);
-  return lower_bound * kLog2e * fast_sigmoid(x);
+// Folded per channel: y = ca g + cb = -x log2 e with ca = -exp(A_log) log2 e, cb = ca dt_bias (one
+// FFMA; the clamp x >= -80 becomes y <= 80 log2 e), lb2 = lower_bound log2 e.
+__device__ __forceinline__ float log2_decay_lower_bound(float g, float ca, float cb, float lb2) {
+  const float y = fminf(fmaf(ca, g, cb), 80.f * kLog2e);
+  return lb2 * __fdividef(1.f, 1.f + fast_exp2(y));
 }
 __device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias, float lower_bound) {
   return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
@@ -709,10 +711,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) gate_to_f32<kFp16>(p.g.dtype == kF32, gw[pass], a[pass]);
     if (p.gate_form == detail::kGateLowerBound) {
+      const float ca = -exp_a * kLog2e, lb2 = p.lower_bound * kLog2e;
+      float cb[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) cb[i] = ca * bias[i];
 #pragma unroll
       for (int pass = 0; pass < 4; ++pass)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_lower_bound(a[pass][i], exp_a, bias[i], p.lower_bound);
+        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_lower_bound(a[pass][i], ca, cb[i], lb2);
     } else {
 #pragma unroll
       for (int pass = 0; pass < 4; ++pass)
@@ -825,9 +831,38 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       *reinterpret_cast<float4*>(rec_aqk + (sw128_offset(kChunk, row, 4 * col) >> 2)) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
+  // ---- qg = exp(G) q (bf16, into the record) and kg = exp(G) k^ (f16, into M's place, dead since
+  // the inverse: W's operand), one exponential per element for both. kg <= 1 in magnitude; an f16
+  // carries 11 significant bits like the tf32 operand W used to build from k^ and G, and below
+  // 2^-14 its absolute error (<= 2^-25) is far under W's bf16 rounding.
+  uint16_t* kg = reinterpret_cast<uint16_t*>(smem + kSmM);
+  static_assert(kChunk * kQkPitch * 2 <= kChunk * kMPitch * 4, "kg fits in M's place");
+  {
+    uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
+#pragma unroll
+    for (int m = 0; m < 4; ++m) {
+      const int task = tid + kPrepareThreads * m, t = task >> 4, col = (task & 15) * 8;
+      const uint4 rq = *reinterpret_cast<const uint4*>(qr + t * kQkPitch + col);
+      const uint4 rk = *reinterpret_cast<const uint4*>(kr + t * kQkPitch + col);
+      const float4 ga = *reinterpret_cast<const float4*>(G + t * kGPitch + col);
+      const float4 gb = *reinterpret_cast<const float4*>(G + t * kGPitch + col + 4);
+      const float iq = fq[t];
+      const float gg[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
+      const uint32_t wq[4] = {rq.x, rq.y, rq.z, rq.w}, wk[4] = {rk.x, rk.y, rk.z, rk.w};
+      uint32_t oq[4], ok[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const float e0 = fast_exp2(gg[2 * e]), e1 = fast_exp2(gg[2 * e + 1]);
+        oq[e] = pack_bf16(lo_f32<true>(wq[e]) * iq * e0, hi_f32<true>(wq[e]) * iq * e1);
+        ok[e] = mul_f16x2(wk[e], pack_f16(e0, e1));
+      }
+      *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(oq[0], oq[1], oq[2], oq[3]);
+      *reinterpret_cast<uint4*>(kg + t * kQkPitch + col) = make_uint4(ok[0], ok[1], ok[2], ok[3]);
+    }
+  }
   __syncthreads();
 
-  KDA_PF_PHASE(5);  // Tm
+  KDA_PF_PHASE(5);  // Tm, qg, kg
 
   // ---- W = Tm (exp(G) k): warp w owns channels [16w, 16w + 16); k-steps over tokens s with the
   // paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
@@ -846,8 +881,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * warp + 8 * nt + g;
-        bb[nt][0] = f32_to_tf32(in_to_f32<true>(kr[s0 * kQkPitch + col]) * fk[s0] * fast_exp2(G[s0 * kGPitch + col]));
-        bb[nt][1] = f32_to_tf32(in_to_f32<true>(kr[s1 * kQkPitch + col]) * fk[s1] * fast_exp2(G[s1 * kGPitch + col]));
+        bb[nt][0] = f32_to_tf32(in_to_f32<true>(kg[s0 * kQkPitch + col]) * fk[s0]);
+        bb[nt][1] = f32_to_tf32(in_to_f32<true>(kg[s1 * kQkPitch + col]) * fk[s1]);
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
@@ -875,24 +910,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 
   KDA_PF_PHASE(6);  // W (thread 0's warp; no barrier)
 
-  // ---- qg = exp(G) q (bf16), kbT = (exp(G_L - G) k)^T (bf16 or tf32), gL = exp(G_L).
+  // ---- kbT = (exp(G_L - G) k)^T (bf16), gL = exp(G_L).
   {
-    uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
-#pragma unroll
-    for (int m = 0; m < 4; ++m) {
-      const int task = tid + kPrepareThreads * m, t = task >> 4, col = (task & 15) * 8;
-      const uint4 raw = *reinterpret_cast<const uint4*>(qr + t * kQkPitch + col);
-      const float4 ga = *reinterpret_cast<const float4*>(G + t * kGPitch + col);
-      const float4 gb = *reinterpret_cast<const float4*>(G + t * kGPitch + col + 4);
-      const float iq = fq[t];
-      const float gg[8] = {ga.x, ga.y, ga.z, ga.w, gb.x, gb.y, gb.z, gb.w};
-      const uint32_t w[4] = {raw.x, raw.y, raw.z, raw.w};
-      uint32_t o[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        o[e] = pack_bf16(lo_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e]), hi_f32<true>(w[e]) * iq * fast_exp2(gg[2 * e + 1]));
-      *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(o[0], o[1], o[2], o[3]);
-    }
     // kbT: a task is two adjacent channels kk, kk + 1 (one 32-bit k^ pair and one float2 of G per
     // token) over 8 tokens: two 16-byte rows of the record.
     uint16_t* kbt_out = reinterpret_cast<uint16_t*>(rec + kOffKbT);
@@ -918,7 +937,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
           make_uint4(pack_bf16(v1[0], v1[1]), pack_bf16(v1[2], v1[3]), pack_bf16(v1[4], v1[5]), pack_bf16(v1[6], v1[7]));
     }
   }
-  KDA_PF_PHASE(7);  // qg, kbT, gL (thread 0's warp)
+  KDA_PF_PHASE(7);  // kbT, gL (thread 0's warp)
 }
 
 }  // namespace kda::cuda::pf
