@@ -864,8 +864,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 
   KDA_PF_PHASE(5);  // Tm, qg, kg
 
-  // ---- W = Tm kg (kg = exp(G) k^ from the pass above, times fk): warp w owns channels [16w, 16w + 16); k-steps over tokens s with the
-  // paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
+  // ---- W = Tm (kg fk), kg = exp(G) k^ from the pass above: warp w owns channels [16w, 16w + 16);
+  // k-steps over tokens s with the paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
   {
     float acc[4][2][4];
 #pragma unroll
