@@ -309,9 +309,9 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     mbar_arrive_expect_tx(bar, kRecordCopyBytes);
     constexpr int kSpans[3][2] = {{0, kHoleAqk}, {kHoleAqk + kHoleBytes, kHoleTm}, {kHoleTm + kHoleBytes, kRecordBytes}};
 #pragma unroll
-    for (int sp = 0; sp < 3; ++sp)  // the record less its two zero parts (common.cuh)
-      for (int off = kSpans[sp][0]; off < kSpans[sp][1]; off += 32768) {
-        const int bytes = kSpans[sp][1] - off < 32768 ? kSpans[sp][1] - off : 32768;
+    for (int part = 0; part < 3; ++part)  // the record less its two zero parts (common.cuh)
+      for (int off = kSpans[part][0]; off < kSpans[part][1]; off += 32768) {
+        const int bytes = kSpans[part][1] - off < 32768 ? kSpans[part][1] - off : 32768;
         bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
       }
   };
