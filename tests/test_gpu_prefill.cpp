@@ -75,11 +75,16 @@ struct DeviceData {
   }
 };
 
-// Device workspace of `bytes` (freed on destruction).
+// Device workspace of `bytes` (freed on destruction), poisoned with 0xff bytes (NaN as fp32 and
+// bf16): a kernel that read a part of the workspace that no kernel of the call wrote (the records'
+// zero parts, common.cuh) would put NaN into the results.
 struct DeviceBuffer {
   void* ptr = nullptr;
   explicit DeviceBuffer(size_t bytes) {
-    if (bytes) KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
+    if (bytes) {
+      KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
+      KDA_TEST_CUDA(cudaMemset(ptr, 0xff, bytes));
+    }
   }
   ~DeviceBuffer() {
     if (ptr) cudaFree(ptr);
