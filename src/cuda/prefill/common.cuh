@@ -59,10 +59,13 @@ static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
 // (above their diagonal blocks), 4 KB each, contiguous in the swizzle layout. The recurrence's
 // stages hold zeros there from its start. The copied spans: [0, kHoleAqk),
 // [kHoleAqk + kHoleBytes, kHoleTm), [kHoleTm + kHoleBytes, kRecordBytes).
-inline constexpr int kHoleBytes = 32 * 128;
-inline constexpr int kHoleAqk = kOffAqk + kChunk * 128;
+inline constexpr int kHoleRows = kChunk / 2;             // rows 0..31, columns 32..63
+inline constexpr int kHoleBytes = kHoleRows * 128;
+inline constexpr int kHoleAqk = kOffAqk + kChunk * 128;  // column block 1 follows all rows of block 0
 inline constexpr int kHoleTm = kOffTm + kChunk * 128;
 inline constexpr int kRecordCopyBytes = kRecordBytes - 2 * kHoleBytes;  // 74,240
+// Element (t, s) of Aqk or Tm lies in the record's zero part (never stored nor copied).
+__host__ __device__ constexpr bool rec_in_hole(int t, int s) { return t < kHoleRows && s >= kHoleRows; }
 
 static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 && kOffTm % 1024 == 0,
               "record matrices start at the swizzle period");

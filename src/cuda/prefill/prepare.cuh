@@ -817,7 +817,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
       *reinterpret_cast<float4*>(X + row * kMPitch + col) = make_float4(v[0], v[1], v[2], v[3]);
       *reinterpret_cast<float4*>(X + row * kMPitch + col + 4) = make_float4(v[4], v[5], v[6], v[7]);
-      if (row >= 32 || col < 32) {  // rows 0..31, columns 32..63: the record's zero part (common.cuh)
+      if (!rec_in_hole(row, col)) {  // the 8 positions share the hole test (col % 8 == 0)
         *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[0], v[2], v[4], v[6]);
         *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[1], v[3], v[5], v[7]);
       }
