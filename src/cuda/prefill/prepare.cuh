@@ -46,6 +46,8 @@ inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X, then Tm 
 inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // inverse partial sums [3][16][16]
 inline constexpr int kPrepareSmemBytes = kSmP + 3 * 256 * 4;      // 110,336
 inline constexpr int kPrepareThreads = 256;
+// Slot of lane (g, c)'s fragment among the four of group g in the Tm fragment copy (W's A operand).
+__device__ __forceinline__ int tfrag_slot(int g, int c) { return (c + (g >> 1)) & 3; }
 
 // Log decay in log2 units (a * log2 e) of one channel. The lower-bound form (the common one)
 // takes a fast sigmoid: 1 / (1 + 2^(-x log2 e)) with an approximate reciprocal (x clamped at -80,
@@ -802,24 +804,51 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   invert_m(M, X, P, warp, lane);
   KDA_PF_PHASE(4);  // inverse: diagonal and off-diagonal blocks
 
-  // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into X and the record (8
-  // tokens per task: positions 0-3 of the record's k-slot order hold the even tokens, 4-7 the odd).
+  // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into the record (positions
+  // 0-3 of the record's k-slot order hold the even tokens of 8, 4-7 the odd) and, as W's tf32 A
+  // fragments, into M's place (dead since the inverse): fragment (row block mi, k-step sk) is
+  // 32 lanes x float4 {Tm[ta][s0], Tm[ta+8][s0], Tm[ta][s0+1], Tm[ta+8][s0+1]} (ta = 16 mi + g,
+  // s0 = 8 sk + 2c: the paired k mapping), one conflict-free 16-byte load per lane in the W pass.
+  // A task is rows ta, ta + 8 x columns 8 sk .. 8 sk + 7 (the four fragments of lanes 4g..4g+3).
+  float* tfrag = reinterpret_cast<float*>(smem + kSmM);
+  static_assert(kChunk / 16 * (kChunk / 8) * 32 * 16 <= kChunk * kMPitch * 4, "Tm fragments fit in M's place");
   {
     float* rec_tm = reinterpret_cast<float*>(rec + kOffTm);
+    const int gg = tid & 7, sk = (tid >> 3) & 7, mi = tid >> 6, ta = 16 * mi + gg, col = 8 * sk;
+    float v[2][8];
+    if (sk <= 2 * mi + 1) {  // columns within the diagonal block or left of it
+      // The two 16-byte halves of a row in lane-dependent order (gg >= 4: second half first), so
+      // that the 8 lanes of a quarter warp (rows ta..ta+7 of pitch 72) cover all 32 banks.
+      const int h = (gg >> 2) & 1;
+      const float4 b0 = *reinterpret_cast<const float4*>(bet + col), b1 = *reinterpret_cast<const float4*>(bet + col + 4);
+      const float bb[8] = {b0.x, b0.y, b0.z, b0.w, b1.x, b1.y, b1.z, b1.w};
 #pragma unroll
-    for (int m = 0; m < 2; ++m) {
-      const int task = tid + kPrepareThreads * m, row = task >> 3, col = (task & 7) * 8;
-      float v[8];
+      for (int r = 0; r < 2; ++r) {
+        const float* xr = X + (ta + 8 * r) * kMPitch + col;
+        const float4 xa = *reinterpret_cast<const float4*>(xr + 4 * h), xb = *reinterpret_cast<const float4*>(xr + 4 - 4 * h);
+        const float4 lo = h ? xb : xa, hi = h ? xa : xb;
+        const float x[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        const int s = col + e;
-        v[e] = s < 16 * (row / 16 + 1) ? tf32_round(X[row * kMPitch + s] * bet[s]) : 0.f;
+        for (int e = 0; e < 8; ++e) v[r][e] = tf32_round(x[e] * bb[e]);
       }
-      *reinterpret_cast<float4*>(X + row * kMPitch + col) = make_float4(v[0], v[1], v[2], v[3]);
-      *reinterpret_cast<float4*>(X + row * kMPitch + col + 4) = make_float4(v[4], v[5], v[6], v[7]);
+      // Fragment c of lane 4 gg + c at slot 4 gg + tfrag_slot(gg, c) (rotated by gg / 2, so that a
+      // quarter warp's stores cover all 32 banks; the W pass reads the same slot).
+      float4* fr = reinterpret_cast<float4*>(tfrag) + (mi * 8 + sk) * 32 + 4 * gg;
+#pragma unroll
+      for (int c4 = 0; c4 < 4; ++c4)
+        fr[tfrag_slot(gg, c4)] = make_float4(v[0][2 * c4], v[1][2 * c4], v[0][2 * c4 + 1], v[1][2 * c4 + 1]);
+    } else {
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[r][e] = 0.f;
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      const int row = ta + 8 * r;
       if (!rec_in_hole(row, col)) {  // the 8 positions share the hole test (col % 8 == 0)
-        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[0], v[2], v[4], v[6]);
-        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[1], v[3], v[5], v[7]);
+        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[r][0], v[r][2], v[r][4], v[r][6]);
+        *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[r][1], v[r][3], v[r][5], v[r][7]);
       }
     }
     // Aqk's 16 x 16 blocks above the diagonal (row block i, column block jb > i: never computed)
@@ -831,12 +860,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       *reinterpret_cast<float4*>(rec_aqk + (sw128_offset(kChunk, row, 4 * col) >> 2)) = make_float4(0.f, 0.f, 0.f, 0.f);
     }
   }
-  // ---- qg = exp(G) q (bf16, into the record) and kg = exp(G) k^ (f16, into M's place, dead since
-  // the inverse: W's operand), one exponential per element for both. kg <= 1 in magnitude; an f16
-  // carries 11 significant bits like the tf32 operand W used to build from k^ and G, and below
-  // 2^-14 its absolute error (<= 2^-25) is far under W's bf16 rounding.
-  uint16_t* kg = reinterpret_cast<uint16_t*>(smem + kSmM);
-  static_assert(kChunk * kQkPitch * 2 <= kChunk * kMPitch * 4, "kg fits in M's place");
+  // ---- qg = exp(G) q (bf16, into the record) and kg = exp(G) k^ (f16, W's operand, into q^'s
+  // place: each thread overwrites the q^ values it has just read), one exponential per element for
+  // both. kg <= 1 in magnitude; an f16 carries 11 significant bits like the tf32 operand W used to
+  // build from k^ and G, and below 2^-14 its absolute error (<= 2^-25) is far under W's bf16 rounding.
+  uint16_t* kg = qr;
   {
     uint16_t* rec_qg = reinterpret_cast<uint16_t*>(rec + kOffQg);
 #pragma unroll
@@ -887,11 +915,8 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
         if (sk <= 2 * mi + 1) {  // rows 16mi.. need tokens s <= t only
-          const int ta = 16 * mi + g;
-          const float2 xa = *reinterpret_cast<const float2*>(X + ta * kMPitch + s0);
-          const float2 xb = *reinterpret_cast<const float2*>(X + (ta + 8) * kMPitch + s0);
-          const uint32_t a[4] = {__float_as_uint(xa.x), __float_as_uint(xb.x), __float_as_uint(xa.y),
-                                 __float_as_uint(xb.y)};
+          const float4 f = reinterpret_cast<const float4*>(tfrag)[(mi * 8 + sk) * 32 + 4 * g + tfrag_slot(g, c)];
+          const uint32_t a[4] = {__float_as_uint(f.x), __float_as_uint(f.y), __float_as_uint(f.z), __float_as_uint(f.w)};
           mma_tf32(acc[mi][0], a, bb[0][0], bb[0][1]);
           mma_tf32(acc[mi][1], a, bb[1][0], bb[1][1]);
         }
