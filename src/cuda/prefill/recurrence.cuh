@@ -315,20 +315,24 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
       }
   };
+  // This thread's v tasks: 16-byte chunk vch of rows vr0, vr0 + vrs, ... (tstep is a multiple of
+  // the chunks per row in every configuration, so the column chunk is fixed); the chunk-invariant
+  // part of their offsets once, outside the chunk loop.
+  const int vnch = kWgmma ? 8 : (kKSplit ? 2 : (vs >> 3));  // this group's 16-byte chunks per row
+  const int vt0 = kGrouped ? tid % grp_threads : tid, vtstep = kGrouped ? grp_threads : nthreads;
+  const int vr0 = vt0 / vnch, vrs = vtstep / vnch, vch = (kGrouped ? vnch * grp : 0) + vt0 % vnch;
+  const int64_t voff0 = p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
+  const int vsoff0 = kRecordBytes + swizzle_vtile(vr0, vch, vs);  // swizzle_vtile(vr0 + 16 j, ..) = + 16 j rows
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
     if (!kGrouped && tid == 0) issue_record(ci);
-    const int cpr = vs >> 3;  // 16-byte chunks per row
-    const int nch = kWgmma ? 8 : (kKSplit ? 2 : cpr), ch0 = kGrouped ? nch * grp : 0;  // this group's chunks
-    const int t0 = kGrouped ? tid % grp_threads : tid, tstep = kGrouped ? grp_threads : nthreads;
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
-    for (int task = t0; task < kChunk * nch; task += tstep) {
-      const int r = task / nch, ch = ch0 + task % nch;
+    for (int r = vr0; r < kChunk; r += vrs) {
       const int64_t tl = ci * kChunk + r;
       const bool valid = tl < sp.len;
-      const int soff = kRecordBytes + swizzle_vtile(r, ch, vs);
-      const int64_t goff = valid ? p.v.offset(sp.b, sp.bos + tl, hv) + vcol0 + 8 * ch : 0;
+      const int soff = vsoff0 + (r - vr0) * (vs * 2);
+      const int64_t goff = valid ? voff0 + (tl - vr0) * p.v.s1 : 0;
       if (p.v.vec) {
         cp_async_16(sdst + soff, vbase + goff, valid ? 16 : 0);
       } else {
