@@ -315,14 +315,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         bulk_copy_g2s(sdst + off, rec + off, bytes, bar);
       }
   };
-  // This thread's v tasks: 16-byte chunk vch of rows vr0, vr0 + vrs, ... (tstep is a multiple of
-  // the chunks per row in every configuration, so the column chunk is fixed); the chunk-invariant
-  // part of their offsets once, outside the chunk loop.
+  // This thread's v tasks: 16-byte chunk vch of rows vr0, vr0 + vrs, ... (vtstep is a multiple of
+  // vnch in every configuration, so the column chunk is fixed; vrs = 16, or 32 on the K split); the
+  // chunk-invariant part of their offsets once, outside the chunk loop.
   const int vnch = kWgmma ? 8 : (kKSplit ? 2 : (vs >> 3));  // this group's 16-byte chunks per row
   const int vt0 = kGrouped ? tid % grp_threads : tid, vtstep = kGrouped ? grp_threads : nthreads;
   const int vr0 = vt0 / vnch, vrs = vtstep / vnch, vch = (kGrouped ? vnch * grp : 0) + vt0 % vnch;
   const int64_t voff0 = p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
-  const int vsoff0 = kRecordBytes + swizzle_vtile(vr0, vch, vs);  // swizzle_vtile(vr0 + 16 j, ..) = + 16 j rows
+  const int vsoff0 = kRecordBytes + swizzle_vtile(vr0, vch, vs);  // rows vr0 + 8 m: same XOR, + 8 m rows
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
