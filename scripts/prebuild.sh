@@ -7,7 +7,8 @@
 # PREBUILD_ALL=1 also keeps the demo CLI (kda) and the decode benchmark, so that
 # `scripts/gpu_check.sh demo tests sanitize racecheck bench` runs from the carried tree without its
 # build stage (~24 MB a tree instead of ~12). The executables link the CUDA runtime statically;
-# GoogleTest comes from .deps/gtest (scripts/carry_gtest.sh) or the system.
+# GoogleTest comes from .deps/gtest (scripts/carry_gtest.sh) or the system. PREBUILD_CUDA_FLAGS:
+# extra nvcc flags (e.g. a development macro such as -DKDA_PREFILL_TRACE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?ref}
@@ -18,6 +19,7 @@ extra=()
 keep=(bench/bench_gpu_prefill tests/kda_gpu_tests)  # executables kept; their CMake targets:
 targets=(bench_gpu_prefill kda_gpu_tests)
 [ "${PREBUILD_ALL:-0}" = 1 ] && keep+=(kda bench/bench_gpu_decode) && targets+=(kda_cli bench_gpu_decode)
+[ -n "${PREBUILD_CUDA_FLAGS:-}" ] && extra+=(-DCMAKE_CUDA_FLAGS="$PREBUILD_CUDA_FLAGS")
 (cd "$dir" && cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" >/dev/null &&
   cmake --build build-gpu --parallel "$(nproc)" --target "${targets[@]}" >/dev/null)
 args=(); for k in "${keep[@]}"; do args+=(! -path "$dir/build-gpu/$k"); done
