@@ -22,15 +22,16 @@ for t in "${trees[@]}"; do
     { echo "build $t FAILED"; tail -30 "$OUT/build_$n.log"; } ) &
 done
 wait
-# AB_VARIANTS: space-separated VAR=value settings; every tree is then timed once per setting
-# (e.g. a launch knob's sweep within one build).
+# AB_VARIANTS: space-separated settings, each VAR=value or several joined by commas
+# (VAR=a,VAR2=b); every tree is then timed once per setting (e.g. a launch knob's sweep within one
+# build).
 read -ra variants <<<"${AB_VARIANTS:-}"; [ ${#variants[@]} -eq 0 ] && variants=("")
 for r in $(seq 1 "${ROUNDS:-2}"); do
   for t in "${trees[@]}"; do
     for var in "${variants[@]}"; do
       n=$(basename "$t")
       extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
-      env ${AB_ENV:-} $var timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
+      env ${AB_ENV:-} ${var//,/ } timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
       echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
       # case and median ms per run, for the table at the end (columns: tree, setting)
       awk -v col="$n${var:+ $var}" '/^P[0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print col "\t" $1 "\t" $i; break}}' "$OUT/round.log" >>"$OUT/ab_medians.tsv"
