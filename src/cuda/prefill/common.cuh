@@ -88,6 +88,38 @@ __host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kH
 __host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
 __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
+// ---- 16-token records (the chunk-16 path, in development: docs/perf_notes.md, next steps 1).
+// Four per record slot (the workspace is sized as for 64-token records). Each matrix is a wgmma B
+// operand, K-major, in the swizzle mode of its row length (PTX ISA, shared memory matrix layouts:
+// the 16-byte chunk index of a row is XORed with row bits, 3 / 2 / 1 of them for 128 / 64 / 32-byte
+// rows), starting at a multiple of its swizzle atom:
+//   W, qg  [16 t][128 k] bf16   128-byte swizzle (sw128_offset with 16 rows)   rec16_b16
+//   kbT    [128 k][16 s] bf16   32-byte swizzle                                rec16_kbt
+//   Aqk, Tm [16 t][16 s] fp32   64-byte swizzle, s in tf32 k-slot order        rec16_f32
+//   gL     [128] fp32           exp(G_L) over the 16 tokens
+inline constexpr int kChunk16 = 16;
+inline constexpr int kR16OffW = 0;
+inline constexpr int kR16OffQg = kR16OffW + kChunk16 * kHeadDim * 2;      // 4096
+inline constexpr int kR16OffKbT = kR16OffQg + kChunk16 * kHeadDim * 2;    // 8192
+inline constexpr int kR16OffAqk = kR16OffKbT + kHeadDim * kChunk16 * 2;   // 12288
+inline constexpr int kR16OffTm = kR16OffAqk + kChunk16 * kChunk16 * 4;    // 13312
+inline constexpr int kR16OffGL = kR16OffTm + kChunk16 * kChunk16 * 4;     // 14336
+inline constexpr int kRecord16Bytes = (kR16OffGL + kHeadDim * 4 + 1023) & ~1023;  // 15360
+static_assert(kChunk / kChunk16 * kRecord16Bytes <= kRecordBytes, "four 16-token records fit in a record slot");
+static_assert(kRecord16Bytes % 1024 == 0 && kR16OffKbT % 256 == 0 && kR16OffAqk % 512 == 0 && kR16OffTm % 512 == 0,
+              "16-token record matrices start at their swizzle atoms");
+// 64-byte swizzle (SWIZZLE_64B; atom 8 rows x 64 B): chunk j (0..3) of row r at j ^ ((r / 2) % 4).
+__host__ __device__ constexpr int sw64_offset(int row, int byte) {
+  return row * 64 + ((((byte >> 4) & 3) ^ ((row >> 1) & 3)) << 4) + (byte & 15);
+}
+// 32-byte swizzle (SWIZZLE_32B; atom 8 rows x 32 B): chunk j (0..1) of row r at j ^ ((r / 4) % 2).
+__host__ __device__ constexpr int sw32_offset(int row, int byte) {
+  return row * 32 + ((((byte >> 4) & 1) ^ ((row >> 2) & 1)) << 4) + (byte & 15);
+}
+__host__ __device__ constexpr int rec16_b16(int t, int k) { return sw128_offset(kChunk16, t, 2 * k) >> 1; }
+__host__ __device__ constexpr int rec16_kbt(int k, int s) { return sw32_offset(k, 2 * s) >> 1; }
+__host__ __device__ constexpr int rec16_f32(int t, int s) { return sw64_offset(t, 4 * perm8(s)) >> 2; }
+
 // bf16 tile [64 rows][vs columns] (vs = 16, 32, 64, 128; rows of vs/8 16-byte chunks): byte offset
 // of 16-byte chunk `chunk` of `row`, swizzled so that 8 consecutive rows at one chunk are
 // conflict-free for ldmatrix/stmatrix.

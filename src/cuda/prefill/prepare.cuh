@@ -149,7 +149,7 @@ __device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], fl
 // Akk / Aqk results of row block i against column tiles [tile0, tile0 + kTiles) (accumulator
 // fragments of q-hat / k-hat products) with the per-row factors applied: into M (b_t Akk, s < t)
 // and the Aqk record (s <= t; zero above the diagonal).
-template <int kTiles>
+template <int kTiles, bool kC16 = false>
 __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], const float (&acc_q)[kTiles][4],
                                               const float* fq, const float* fk, const float* bet, float* M,
                                               float* rec_aqk, int i, int tile0, int g, int c) {
@@ -166,8 +166,9 @@ __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], c
       const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
       if (s < t) M[t * kMPitch + s] = kt * fs0 * k0;
       if (s + 1 < t) M[t * kMPitch + s + 1] = kt * fs1 * k1;
-      rec_aqk[rec_f32(t, s)] = s <= t ? tf32_round(qt * fs0 * q0) : 0.f;  // s, s + 1: k-slots c, c + 4
-      rec_aqk[rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
+      // s, s + 1: k-slots c, c + 4; 16-token records (kC16): the diagonal block's own matrix
+      rec_aqk[kC16 ? rec16_f32(t & 15, s & 15) : rec_f32(t, s)] = s <= t ? tf32_round(qt * fs0 * q0) : 0.f;
+      rec_aqk[kC16 ? rec16_f32(t & 15, (s + 1) & 15) : rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
     }
   }
 }
@@ -175,7 +176,7 @@ __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], c
 // Diagonal tiles of row block i (tf32): factored around reference token r (the block's middle),
 // operands k^_t exp(G_t - G_r) and k^_s exp(G_r - G_s) (q^_t for Aqk) in fp32, rounded to tf32
 // (G in log2 units). The factors reach e^+-45 here, beyond fp16, hence tf32.
-template <int kTiles>
+template <int kTiles, bool kC16 = false>
 __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh, const float* G,
                                               const float* fq, const float* fk, const float* bet,
                                               float* M, float* rec_aqk, int i, int r, int tile0,
@@ -217,7 +218,7 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t
       mma_tf32(acc_q[jt], aq, b0, b1);
     }
   }
-  akk_aqk_store<kTiles>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
+  akk_aqk_store<kTiles, kC16>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
 }
 
 // Off-diagonal tiles of row block i (fp16, m16n8k16): reference token r = 16 i, the block's first,
@@ -272,6 +273,7 @@ __device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint
 }
 
 // Diagonal block i by pairwise differences (any decay): lanes = 16 columns s x 2 channel halves.
+template <bool kC16 = false>
 __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const uint16_t* kh, const float* G,
                                                       const float* fq, const float* fk, const float* bet,
                                                       float* M, float* rec_aqk, int i, int lane) {
@@ -292,7 +294,7 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const 
     sq += __shfl_xor_sync(0xffffffffu, sq, 16);
     if (hc == 0) {
       if (sl < tl) M[t * kMPitch + s] = bet[t] * fk[t] * fk[s] * sk;
-      rec_aqk[rec_f32(t, s)] = sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
+      rec_aqk[kC16 ? rec16_f32(tl, sl) : rec_f32(t, s)] = sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
     }
   }
 }
@@ -406,6 +408,8 @@ __device__ __forceinline__ void inv_tile(const float* M, float* X, const float* 
 
 // X = M^-1 for the unit lower triangular M (strictly lower part in M; X gets the lower blocks,
 // upper triangles of the diagonal blocks zero), all 256 threads; P: scratch. Ends with a barrier.
+// kDiagOnly (16-token records): the four diagonal blocks' inverses only.
+template <bool kDiagOnly = false>
 __device__ __forceinline__ void invert_m(const float* M, float* X, float* P, int warp, int lane) {
   const int g = lane >> 2, c = lane & 3;
   // Diagonal 16x16 blocks by forward substitution: warp i, lane = column.
@@ -425,6 +429,7 @@ __device__ __forceinline__ void invert_m(const float* M, float* X, float* P, int
     }
   }
   __syncthreads();
+  if constexpr (kDiagOnly) return;
   // Off-diagonal blocks: X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj, in three phases by distance
   // d = i - j, one barrier each (block columns are independent, so a warp takes 8 columns of a
   // block and chains both of its products). The terms that need only X_jj (M_20 X_00, M_30 X_00,
@@ -551,7 +556,11 @@ __device__ __forceinline__ void order_sequences(const Params& p, int* cnt, int t
   __syncthreads();
 }
 
-template <bool kFp16>
+// kC16: four 16-token records per block instead of one 64-token record (the chunk-16 path, in
+// development: common.cuh). The cumulative sum restarts every 16 tokens, only the diagonal 16 x 16
+// blocks of Akk / Aqk and of the inverse are computed, W uses the diagonal blocks of Tm, and kbT /
+// gL decay to each sub-chunk's last token.
+template <bool kFp16, bool kC16 = false>
 __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
@@ -755,11 +764,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int r = 0; r < 32; ++r) x[r] = G[(32 * half + r) * kGPitch + cc];
 #pragma unroll
-    for (int r = 1; r < 32; ++r) x[r] += x[r - 1];
+    for (int r = 1; r < 32; ++r) x[r] += (kC16 && r == 16) ? 0.f : x[r - 1];  // kC16: restart at 16
 #pragma unroll
     for (int r = 0; r < 32; ++r) G[(32 * half + r) * kGPitch + cc] = x[r];
     __syncthreads();
-    if (half == 1) {
+    if (!kC16 && half == 1) {
       const float base = G[31 * kGPitch + cc];
 #pragma unroll
       for (int r = 0; r < 32; ++r) G[(32 + r) * kGPitch + cc] = x[r] + base;
@@ -782,12 +791,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
 #pragma unroll
     for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+    float* aqk = kC16 ? reinterpret_cast<float*>(rec + i * kRecord16Bytes + kR16OffAqk) : rec_aqk;
     if (span <= 45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
-      akk_aqk_tiles<2>(qr, kr, G, fq, fk, bet, M, rec_aqk, i, m, 2 * i, g, c);
+      akk_aqk_tiles<2, kC16>(qr, kr, G, fq, fk, bet, M, aqk, i, m, 2 * i, g, c);
     } else {
-      akk_aqk_diag_pairwise(qr, kr, G, fq, fk, bet, M, rec_aqk, i, lane);
+      akk_aqk_diag_pairwise<kC16>(qr, kr, G, fq, fk, bet, M, aqk, i, lane);
     }
-  } else {
+  } else if constexpr (!kC16) {
     // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2). The tile count is a
     // template argument (warp-uniform branch here): a runtime count put every tile behind its own
     // branch in the k loop, which kept the tiles' operand chains from interleaving.
@@ -801,7 +811,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   KDA_PF_PHASE(3);  // Akk, Aqk
 
   // ---- X = M^-1.
-  invert_m(M, X, P, warp, lane);
+  invert_m<kC16>(M, X, P, warp, lane);
   KDA_PF_PHASE(4);  // inverse: diagonal and off-diagonal blocks
 
   // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into the record (positions
@@ -814,9 +824,11 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   static_assert(kChunk / 16 * (kChunk / 8) * 32 * 16 <= kChunk * kMPitch * 4, "Tm fragments fit in M's place");
   {
     float* rec_tm = reinterpret_cast<float*>(rec + kOffTm);
-    const int gg = tid & 7, sk = (tid >> 3) & 7, mi = tid >> 6, ta = 16 * mi + gg, col = 8 * sk;
+    // kC16: the diagonal blocks only (threads 0..63: column steps 2 mi, 2 mi + 1 of row block mi).
+    const int gg = tid & 7, sk = kC16 ? 2 * ((tid >> 4) & 3) + ((tid >> 3) & 1) : (tid >> 3) & 7;
+    const int mi = kC16 ? (tid >> 4) & 3 : tid >> 6, ta = 16 * mi + gg, col = 8 * sk;
     float v[2][8];
-    if (sk <= 2 * mi + 1) {  // columns within the diagonal block or left of it
+    if (kC16 ? tid < 64 : sk <= 2 * mi + 1) {  // columns within the diagonal block or left of it
       // The two 16-byte halves of a row in lane-dependent order (gg >= 4: second half first), so
       // that the 8 lanes of a quarter warp (rows ta..ta+7 of pitch 72) cover all 32 banks.
       const int h = (gg >> 2) & 1;
@@ -846,7 +858,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
       const int row = ta + 8 * r;
-      if (!rec_in_hole(row, col)) {  // the 8 positions share the hole test (col % 8 == 0)
+      if constexpr (kC16) {
+        if (tid < 64) {
+          float* tm16 = reinterpret_cast<float*>(rec + mi * kRecord16Bytes + kR16OffTm);
+          *reinterpret_cast<float4*>(tm16 + rec16_f32(row & 15, col & 15)) = make_float4(v[r][0], v[r][2], v[r][4], v[r][6]);
+          *reinterpret_cast<float4*>(tm16 + rec16_f32(row & 15, (col & 15) + 1)) = make_float4(v[r][1], v[r][3], v[r][5], v[r][7]);
+        }
+      } else if (!rec_in_hole(row, col)) {  // the 8 positions share the hole test (col % 8 == 0)
         *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col)) = make_float4(v[r][0], v[r][2], v[r][4], v[r][6]);
         *reinterpret_cast<float4*>(rec_tm + rec_f32(row, col + 1)) = make_float4(v[r][1], v[r][3], v[r][5], v[r][7]);
       }
@@ -854,7 +872,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     // Aqk's 16 x 16 blocks above the diagonal (row block i, column block jb > i: never computed)
     // are zero: the recurrence reads all 64 columns. Blocks (0, 1) and (2, 3) here; the other four
     // (rows 0..31, columns 32..63) are the record's zero part, not stored (common.cuh).
-    if (tid < 2 * 64) {
+    if (!kC16 && tid < 2 * 64) {
       const int i = tid < 64 ? 0 : 2, jb = i + 1;
       const int row = 16 * i + ((tid >> 2) & 15), col = 16 * jb + 4 * (tid & 3);  // 4 consecutive positions
       *reinterpret_cast<float4*>(rec_aqk + (sw128_offset(kChunk, row, 4 * col) >> 2)) = make_float4(0.f, 0.f, 0.f, 0.f);
@@ -884,7 +902,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         oq[e] = pack_bf16(lo_f32<true>(wq[e]) * iq * e0, hi_f32<true>(wq[e]) * iq * e1);
         ok[e] = mul_f16x2(wk[e], pack_f16(e0, e1));
       }
-      *reinterpret_cast<uint4*>(rec_qg + rec_b16(t, col)) = make_uint4(oq[0], oq[1], oq[2], oq[3]);
+      uint16_t* qg_dst = kC16 ? reinterpret_cast<uint16_t*>(rec + (t >> 4) * kRecord16Bytes + kR16OffQg) + rec16_b16(t & 15, col)
+                              : rec_qg + rec_b16(t, col);
+      *reinterpret_cast<uint4*>(qg_dst) = make_uint4(oq[0], oq[1], oq[2], oq[3]);
       *reinterpret_cast<uint4*>(kg + t * kQkPitch + col) = make_uint4(ok[0], ok[1], ok[2], ok[3]);
     }
   }
@@ -914,7 +934,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
 #pragma unroll
       for (int mi = 0; mi < 4; ++mi) {
-        if (sk <= 2 * mi + 1) {  // rows 16mi.. need tokens s <= t only
+        if (kC16 ? (sk >> 1) == mi : sk <= 2 * mi + 1) {  // rows 16mi.. need tokens s <= t only (kC16: s in the block)
           const float4 f = reinterpret_cast<const float4*>(tfrag)[(mi * 8 + sk) * 32 + 4 * g + tfrag_slot(g, c)];
           const uint32_t a[4] = {__float_as_uint(f.x), __float_as_uint(f.y), __float_as_uint(f.z), __float_as_uint(f.w)};
           mma_tf32(acc[mi][0], a, bb[0][0], bb[0][1]);
@@ -928,8 +948,14 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * warp + 8 * nt + 2 * c, ta = 16 * mi + g;
-        *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
-        *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
+        if constexpr (kC16) {
+          uint16_t* w16 = reinterpret_cast<uint16_t*>(rec + mi * kRecord16Bytes + kR16OffW);
+          *reinterpret_cast<uint32_t*>(w16 + rec16_b16(g, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
+          *reinterpret_cast<uint32_t*>(w16 + rec16_b16(g + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
+        } else {
+          *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta, col)) = pack_bf16(acc[mi][nt][0], acc[mi][nt][1]);
+          *reinterpret_cast<uint32_t*>(rec_w + rec_b16(ta + 8, col)) = pack_bf16(acc[mi][nt][2], acc[mi][nt][3]);
+        }
       }
   }
 
@@ -943,9 +969,12 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
       const int task = tid + kPrepareThreads * m, kk = 2 * (task & 63), sg = task >> 6;
-      const float2 gl = *reinterpret_cast<const float2*>(G + (kChunk - 1) * kGPitch + kk);
-      if (m == 0 && tid < kHeadDim / 2)  // sg == 0
-        *reinterpret_cast<float2*>(rec + kOffGL + 4 * kk) = make_float2(exp2f(gl.x), exp2f(gl.y));
+      // The decay's end: the chunk's last token (kC16: the sub-chunk's, sub-chunk sg / 2).
+      const int tl = kC16 ? 16 * (sg >> 1) + 15 : kChunk - 1;
+      const float2 gl = *reinterpret_cast<const float2*>(G + tl * kGPitch + kk);
+      if (kC16 ? (sg & 1) == 0 : (m == 0 && tid < kHeadDim / 2))  // sg == 0 (kC16: each sub-chunk's first half)
+        *reinterpret_cast<float2*>(rec + (kC16 ? (sg >> 1) * kRecord16Bytes + kR16OffGL : kOffGL) + 4 * kk) =
+            make_float2(exp2f(gl.x), exp2f(gl.y));
       float v0[8], v1[8];
 #pragma unroll
       for (int e = 0; e < 8; ++e) {
@@ -956,9 +985,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         v0[e] = lo_f32<true>(kp) * f * fast_exp2(gl.x - gs.x);
         v1[e] = hi_f32<true>(kp) * f * fast_exp2(gl.y - gs.y);
       }
-      *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk, 8 * sg)) =
+      uint16_t* kb0 = kC16 ? reinterpret_cast<uint16_t*>(rec + (sg >> 1) * kRecord16Bytes + kR16OffKbT) + rec16_kbt(kk, 8 * (sg & 1))
+                           : kbt_out + rec_kbt(kk, 8 * sg);
+      uint16_t* kb1 = kC16 ? reinterpret_cast<uint16_t*>(rec + (sg >> 1) * kRecord16Bytes + kR16OffKbT) + rec16_kbt(kk + 1, 8 * (sg & 1))
+                           : kbt_out + rec_kbt(kk + 1, 8 * sg);
+      *reinterpret_cast<uint4*>(kb0) =
           make_uint4(pack_bf16(v0[0], v0[1]), pack_bf16(v0[2], v0[3]), pack_bf16(v0[4], v0[5]), pack_bf16(v0[6], v0[7]));
-      *reinterpret_cast<uint4*>(kbt_out + rec_kbt(kk + 1, 8 * sg)) =
+      *reinterpret_cast<uint4*>(kb1) =
           make_uint4(pack_bf16(v1[0], v1[1]), pack_bf16(v1[2], v1[3]), pack_bf16(v1[4], v1[5]), pack_bf16(v1[6], v1[7]));
     }
   }
