@@ -92,9 +92,19 @@ template <bool kFp16>
 Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int device, cudaStream_t stream) {
   const uint32_t bit = kFp16 ? 1u : 4u;
   if (prep_blocks > 0) {
-    KDA_PF_CUDA(allow_smem(pf::prepare_kernel<kFp16>, pf::kPrepareSmemBytes, device, bit));
-    KDA_PF_CUDA(launch_kernel(pf::prepare_kernel<kFp16>, dim3(static_cast<unsigned>(prep_blocks)),
-                              dim3(pf::kPrepareThreads), pf::kPrepareSmemBytes, stream, p));
+    // Instantiation bits of the chunk-16 path (in development): prepare 4096 / 16384, recurrence 8192 / 32768.
+    auto* prep = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
+    KDA_PF_CUDA(allow_smem(prep, pf::kPrepareSmemBytes, device, bit << (p.chunk16 ? 12 : 0)));
+    KDA_PF_CUDA(launch_kernel(prep, dim3(static_cast<unsigned>(prep_blocks)), dim3(pf::kPrepareThreads),
+                              pf::kPrepareSmemBytes, stream, p));
+  }
+  if (rec_blocks > 0 && p.chunk16) {
+    auto* kernel = pf::recurrence_kernel<kFp16, false, true, true>;
+    KDA_PF_CUDA(allow_smem(kernel, pf::recurrence_smem_bytes16(pf::kHeadDim), device, bit << 13));
+    KDA_PF_CUDA(launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
+                              dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, false))),
+                              pf::recurrence_smem_bytes16(p.vs), stream, p));
+    return Status::Ok();
   }
   if (rec_blocks > 0) {
     // The limit is raised to the largest configuration (vs = 128; vs = 32 with the K split) once.

@@ -198,6 +198,7 @@ struct Params {
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
   bool wgmma = false;               // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
+  bool chunk16 = false;             // both kernels on 16-token records (wgmma only; in development)
   int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
 };
 

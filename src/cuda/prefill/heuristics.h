@@ -58,6 +58,10 @@ inline bool recurrence_k_split(int vs, const char* env) { return vs <= 32 && !en
 // env = "0" (from KDA_CUDA_PREFILL_WGMMA) turns it off.
 inline bool recurrence_wgmma(int vs, const char* env) { return vs >= 64 && !env_off(env); }
 
+// The chunk-16 path (16-token records and recurrence steps; in development, off unless env, from
+// KDA_CUDA_PREFILL_CHUNK, is "16"), for wgmma recurrences only.
+inline bool prefill_chunk16(bool wgmma, const char* env) { return wgmma && env_digits(env) == 16; }
+
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,
 // g rows of block (its index + this). Off by default: at 2 x SMs (about one block life ahead)
 // it was measured slower on the H200 (session 4: P1 1.932 vs 1.835 ms, P6 4.491 vs 4.200; the

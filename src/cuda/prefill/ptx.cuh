@@ -192,6 +192,15 @@ __device__ __forceinline__ void wgmma_fence_acc(uint32_t (&d)[NJ][4]) {
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
+// The same for the 64-byte swizzle (rows of 64 bytes; atom 8 rows x 64 B: stride byte offset 512,
+// layout type 2; chunk bits [4, 6) ^ [7, 9)) and the 32-byte swizzle (rows of 32 bytes; atom 8 rows x
+// 32 B: stride byte offset 256, layout type 3; bit 4 ^ bit 7): the 16-token records (common.cuh).
+__device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
+}
+__device__ __forceinline__ uint64_t wgmma_desc_sw32(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (16ull << 32) | (3ull << 62);
+}
 
 // Operand lists of the wgmma wrappers: accumulator n-tiles j..j+7 (32 registers), their
 // placeholders, and the product: D (%0..) = kScaleA A (4 registers) B (descriptor) + D if
@@ -205,11 +214,17 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
 #define KDA_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(kScaleA)
 
 // D[64 x 8 NJ] (+)= kScaleA A[64 x 16] B[16 x 8 NJ]: bf16 inputs, fp32 accumulators (accumulate
-// = 0: D = the product). NJ = 8 or 16.
+// = 0: D = the product). NJ = 2, 8 or 16.
 template <int NJ, int kScaleA = 1>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  static_assert(NJ == 8 || NJ == 16, "wgmma_bf16: n64 or n128");
-  if constexpr (NJ == 8) {
+  static_assert(NJ == 2 || NJ == 8 || NJ == 16, "wgmma_bf16: n16, n64 or n128");
+  if constexpr (NJ == 2) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1, 0;\n}\n"
+                 : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)
+                 : KDA_WG_IN
+                 : "memory");
+  } else if constexpr (NJ == 8) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" KDA_WG_D32
                  "}, {%32,%33,%34,%35}, %36, p, %38, 1, 0;\n}\n"
                  : KDA_WG_ACC32(d, 0)
@@ -223,10 +238,18 @@ __device__ __forceinline__ void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a
                  : "memory");
   }
 }
-// D[64 x 64] (+)= kScaleA A[64 x 8] B[8 x 64]: tf32 inputs, fp32 accumulators.
+// D[64 x 8 NJ] (+)= kScaleA A[64 x 8] B[8 x 8 NJ]: tf32 inputs, fp32 accumulators. NJ = 2 or 8.
 template <int NJ, int kScaleA = 1>
 __device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  static_assert(NJ == 8, "wgmma_tf32: n64");
+  static_assert(NJ == 2 || NJ == 8, "wgmma_tf32: n16 or n64");
+  if constexpr (NJ == 2) {
+    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
+                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1;\n}\n"
+                 : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)
+                 : KDA_WG_IN
+                 : "memory");
+    return;
+  }
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" KDA_WG_D32
                "}, {%32,%33,%34,%35}, %36, p, %38, 1;\n}\n"
                : KDA_WG_ACC32(d, 0)

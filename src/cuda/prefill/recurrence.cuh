@@ -39,6 +39,10 @@ namespace kda::cuda::pf {
 
 // A pipeline stage (record + v tile), rounded to the 1024-byte period of the record's swizzle.
 __host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return (kRecordBytes + kChunk * vs * 2 + 1023) & ~1023; }
+// The chunk-16 path (in development; wgmma, vs >= 64): a stage is a 16-token record + its v tile.
+__host__ __device__ constexpr int recurrence_stage_bytes16(int vs) { return (kRecord16Bytes + kChunk16 * vs * 2 + 1023) & ~1023; }
+// Bytes of a 16-token record that are copied (gL ends the record; the rest is alignment).
+inline constexpr int kRecord16CopyBytes = kR16OffGL + kHeadDim * 4;
 __host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return (ksplit ? 2 : 1) * (vs / 16); }
 // Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
@@ -50,6 +54,9 @@ inline constexpr int kBarBytes = 32;
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
   return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + kBarBytes +
          (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
+}
+__host__ __device__ constexpr int recurrence_smem_bytes16(int vs) {
+  return 1024 + 2 * recurrence_stage_bytes16(vs) + recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes;
 }
 // One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
 static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(32, true) <= 232448,
@@ -216,9 +223,110 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   wgmma_fence_acc(accS);
 }
 
-template <bool kFp16, bool kKSplit, bool kWgmma>
+// One 16-token step of a warpgroup on wgmma (the chunk-16 path, in development): chunk_wgmma's
+// products at n = 16 tokens on a 16-token record (common.cuh, rec16_*), in two commit groups:
+//   1. U^T = -S^T W^T + v^T Tm^T (m64n16k16 x 8, m64n16k8 x 2),  O^T = S^T qg^T (m64n16k16 x 8)
+//   2. O^T += U^T Aqk^T (m64n16k8 x 2),  S^T <- S^T diag(gL) + U^T kb (m64n128k16, U^T bf16 hi + lo)
+// accO's first two n-tiles receive the 16 outputs.
+template <bool kFp16>
+__device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4], const uint8_t* sb,
+                                             uint32_t sbase, int rg, int lane, int vs) {
+  float(&accO2)[2][4] = *reinterpret_cast<float(*)[2][4]>(&accO[0][0]);
+  float accU[2][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[t][e] = 0.f;
+  uint32_t sa[8][4], vr[4], va[2][4];
+#pragma unroll
+  for (int kq = 0; kq < 8; ++kq) {
+    sa[kq][0] = pack_bf16(accS[2 * kq][0], accS[2 * kq][1]);
+    sa[kq][1] = pack_bf16(accS[2 * kq][2], accS[2 * kq][3]);
+    sa[kq][2] = pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]);
+    sa[kq][3] = pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3]);
+  }
+  {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
+    const int row = ((lane >> 4) << 3) + (lane & 7);
+    const int chunk = 2 * rg + ((lane >> 3) & 1);
+    ldmatrix_x4_trans(vr, sbase + kRecord16Bytes + swizzle_vtile(row, chunk, vs));
+  }
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    va[half][0] = __float_as_uint(lo_f32<kFp16>(vr[2 * half]));
+    va[half][1] = __float_as_uint(lo_f32<kFp16>(vr[2 * half + 1]));
+    va[half][2] = __float_as_uint(hi_f32<kFp16>(vr[2 * half]));
+    va[half][3] = __float_as_uint(hi_f32<kFp16>(vr[2 * half + 1]));
+  }
+  auto desc16 = [&](int off, int kbyte) {  // W, qg: [16][128] bf16 in the 128-byte swizzle
+    return wgmma_desc_sw128(sbase + off + (kbyte >> 7) * kChunk16 * 128 + (kbyte & 127));
+  };
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accO2);
+  wgmma_fence_acc(sa);
+  wgmma_fence_acc(va);
+  wgmma_fence();
+#pragma unroll
+  for (int ks = 0; ks < 8; ++ks) {
+    wgmma_bf16<2, -1>(accU, sa[ks], desc16(kR16OffW, 32 * ks), 1);
+    wgmma_bf16<2>(accO2, sa[ks], desc16(kR16OffQg, 32 * ks), 1);
+  }
+#pragma unroll
+  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accU, va[q], wgmma_desc_sw64(sbase + kR16OffTm + 32 * q), 1);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accO2);
+
+  // U^T as A operands: tf32 in k-slot order per 8-token step, bf16 hi + lo for the 16-token step.
+  uint32_t ua[2][4], uh[1][4], ul[1][4];
+#pragma unroll
+  for (int t = 0; t < 2; ++t) {
+    ua[t][0] = f32_to_tf32(accU[t][0]);
+    ua[t][1] = f32_to_tf32(accU[t][2]);
+    ua[t][2] = f32_to_tf32(accU[t][1]);
+    ua[t][3] = f32_to_tf32(accU[t][3]);
+  }
+#pragma unroll
+  for (int r = 0; r < 4; ++r) {
+    const float x0 = accU[r >> 1][2 * (r & 1)], x1 = accU[r >> 1][2 * (r & 1) + 1];
+    const uint32_t h = pack_bf16(x0, x1);
+    uh[0][r] = h;
+    ul[0][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
+  }
+  const float* gl = reinterpret_cast<const float*>(sb + kR16OffGL);
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * (lane & 3));
+    accS[j][0] *= d.x;
+    accS[j][1] *= d.y;
+    accS[j][2] *= d.x;
+    accS[j][3] *= d.y;
+  }
+  wgmma_fence_acc(accS);
+  wgmma_fence_acc(ua);
+  wgmma_fence_acc(uh);
+  wgmma_fence_acc(ul);
+  wgmma_fence();
+#pragma unroll
+  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accO2, ua[q], wgmma_desc_sw64(sbase + kR16OffAqk + 32 * q), 1);
+  {
+    const uint64_t d = wgmma_desc_sw32(sbase + kR16OffKbT);
+    wgmma_bf16<16>(accS, uh[0], d, 1);
+    wgmma_bf16<16>(accS, ul[0], d, 1);
+  }
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(accO2);
+  wgmma_fence_acc(accS);
+}
+
+// kC16: the chunk-16 path (in development): 16-token steps over 16-token records (wgmma only).
+template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
+  static_assert(!kC16 || kWgmma, "16-token steps run on wgmma");
+  constexpr int kLc = kC16 ? kChunk16 : kChunk;  // tokens per step
+  constexpr int kRecB = kC16 ? kRecord16Bytes : kRecordBytes;  // the record's bytes in a stage
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The stages start at the first 1024-byte aligned address (the record's swizzle period).
@@ -235,16 +343,16 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int hv = static_cast<int>(pair % p.HV);
   const int64_t n = p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
   const SeqSpan sp = seq_span(p, n);
-  const int64_t nchunks = (sp.len + kChunk - 1) / kChunk;
+  const int64_t nchunks = (sp.len + kLc - 1) / kLc;
   const int vcol0 = slice * vs;        // first value column of this block
   const int vw = vcol0 + 16 * rg;      // first value row of S^T owned by this warp
-  const int sbytes = recurrence_stage_bytes(vs);
+  const int sbytes = kC16 ? recurrence_stage_bytes16(vs) : recurrence_stage_bytes(vs);
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
-  uint8_t* otile = smem + 2 * sbytes + warp * (kChunk * 32);  // this warp's output tile
+  uint8_t* otile = smem + 2 * sbytes + warp * (kLc * 32);  // this warp's output tile
   // mbarriers: bar0 + 8 st = stage st full (record bytes arrived); then (wgmma path) two counters
   // of the warps done with stage 0 / 1.
-  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kChunk * 32;
+  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kLc * 32;
   const int wg = warp >> 2;  // warpgroup (wgmma path)
   // Grouped paths (wgmma, K split): no block barrier per chunk. A group (the warpgroup; the pair of
   // the K split) loads its own v columns and syncs on its own named barrier.
@@ -281,7 +389,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
   // The record's zero parts in both stages (never copied: common.cuh), before the barrier below;
   // the tensor cores read them through the async proxy.
-  for (int i = tid; i < 4 * kHoleBytes / 16; i += nthreads) {
+  for (int i = tid; i < (kC16 ? 0 : 4 * kHoleBytes / 16); i += nthreads) {  // 16-token records: none
     const int part = i / (kHoleBytes / 16), st = part >> 1;
     *reinterpret_cast<uint4*>(smem + st * sbytes + ((part & 1) ? kHoleTm : kHoleAqk) + 16 * (i % (kHoleBytes / 16))) =
         make_uint4(0u, 0u, 0u, 0u);
@@ -290,8 +398,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   if (tid == 0) {
     mbar_init(bar0, 1);
     mbar_init(bar0 + 8, 1);
-    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[0] = 0u;  // wgmma: warps done
-    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[1] = 0u;  // with stage 0 / 1
+    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16)[0] = 0u;  // wgmma: warps done
+    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16)[1] = 0u;  // with stage 0 / 1
     fence_barrier_init();
   }
   __syncthreads();
@@ -304,8 +412,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   auto issue_record = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
-    const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
     const uint32_t bar = bar0 + 8 * st;
+    if constexpr (kC16) {  // the 16-token record ci % 4 of chunk slot ci / 4
+      const uint8_t* rec = p.ws + ((sp.base + ci / 4) * p.HV + hv) * static_cast<int64_t>(kRecordBytes) +
+                           (ci % 4) * kRecord16Bytes;
+      mbar_arrive_expect_tx(bar, kRecord16CopyBytes);
+      bulk_copy_g2s(sdst, rec, kRecord16CopyBytes, bar);
+      return;
+    }
+    const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
     mbar_arrive_expect_tx(bar, kRecordCopyBytes);
     constexpr int kSpans[3][2] = {{0, kHoleAqk}, {kHoleAqk + kHoleBytes, kHoleTm}, {kHoleTm + kHoleBytes, kRecordBytes}};
 #pragma unroll
@@ -322,14 +437,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int vt0 = kGrouped ? tid % grp_threads : tid, vtstep = kGrouped ? grp_threads : nthreads;
   const int vr0 = vt0 / vnch, vrs = vtstep / vnch, vch = (kGrouped ? vnch * grp : 0) + vt0 % vnch;
   const int64_t voff0 = p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
-  const int vsoff0 = kRecordBytes + swizzle_vtile(vr0, vch, vs);  // rows vr0 + 8 m: same XOR, + 8 m rows
+  const int vsoff0 = kRecB + swizzle_vtile(vr0, vch, vs);  // rows vr0 + 8 m: same XOR, + 8 m rows
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & 1);
     const uint32_t sdst = smem0 + st * sbytes;
     if (!kGrouped && tid == 0) issue_record(ci);
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
-    for (int r = vr0; r < kChunk; r += vrs) {
-      const int64_t tl = ci * kChunk + r;
+    for (int r = vr0; r < kLc; r += vrs) {
+      const int64_t tl = ci * kLc + r;
       const bool valid = tl < sp.len;
       const int soff = vsoff0 + (r - vr0) * (vs * 2);
       const int64_t goff = valid ? voff0 + (tl - vr0) * p.v.s1 : 0;
@@ -365,7 +480,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
       if (ci + 1 < nchunks) issue(ci + 1);
     }
-    const int L = static_cast<int>(sp.len - ci * kChunk < kChunk ? sp.len - ci * kChunk : kChunk);
+    const int L = static_cast<int>(sp.len - ci * kLc < kLc ? sp.len - ci * kLc : kLc);
 
     float accO[8][4];
 #pragma unroll
@@ -373,7 +488,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
       for (int e = 0; e < 4; ++e) accO[j][e] = 0.f;
     if constexpr (kWgmma) {
-      chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+      if constexpr (kC16) step_wgmma16<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+      else chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
     } else {
       // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
       // the K split, partial sums over this warp's key half).
@@ -511,7 +627,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       __syncwarp();  // the previous chunk's copy-out of this tile is done
       const uint32_t o_base = smem_u32(otile);
 #pragma unroll
-      for (int jj = 0; jj < 4; ++jj) {
+      for (int jj = 0; jj < kLc / 16; ++jj) {
         if (kKSplit && !owns_token_pair(jj, kh)) continue;
         const int row = 16 * jj + ((lane >> 4) << 3) + (lane & 7);
         stmatrix_x4_trans(o_base + out_tile_offset(row, (lane >> 3) & 1), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
@@ -522,11 +638,11 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       __syncwarp();
       uint16_t* obase = static_cast<uint16_t*>(const_cast<void*>(p.out.data));
 #pragma unroll
-      for (int pass = 0; pass < 4; ++pass) {
+      for (int pass = 0; pass < kLc / 16; ++pass) {
         const int r = 16 * pass + (lane >> 1), ch = lane & 1;
         if (r < L && (!kKSplit || owns_token_pair(pass, kh))) {
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
-          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kChunk + r, hv) + vw + 8 * ch;
+          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kLc + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
             st_global_16(obase + goff, x);
           } else {
@@ -547,7 +663,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // stage with chunk ci + 2.
       __syncwarp();
       if (lane == 0) {
-        unsigned* done = reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16) + st;
+        unsigned* done = reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16) + st;
         __threadfence_block();
         if (atomicAdd(done, 1u) == static_cast<unsigned>(nwarps - 1)) {
           *done = 0u;
@@ -560,8 +676,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
-    if (p.ckpt_every > 0 && L == kChunk) {
-      const int64_t done = (ci + 1) * kChunk;
+    if (p.ckpt_every > 0 && L == kLc) {
+      const int64_t done = (ci + 1) * kLc;
       if (done % p.ckpt_every == 0) {
         const int64_t row = ck_lo + done / p.ckpt_every - 1;
         if (row >= 0 && row < ck_hi) store_state(accS, p.ckpt, p.kfirst, row, hv, vw, k0, g, c);

@@ -153,10 +153,18 @@ template <int NJ> inline void wgmma_fence_acc(uint32_t (&)[NJ][4]) {}  // A oper
 inline uint64_t wgmma_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-// Element (n, k) of B (K-major, 128-byte swizzle) through the descriptor; esize 2 (bf16) or 4 (tf32).
-inline float wgmma_b(uint32_t start, uint32_t sbo, int n, int k, int esize) {
-  uint32_t a = start + (n / 8) * sbo + (n % 8) * 128 + k * esize;
-  a ^= ((a >> 7) & 7) << 4;  // the swizzle acts on the absolute shared address
+inline uint64_t wgmma_desc_sw64(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
+}
+inline uint64_t wgmma_desc_sw32(uint32_t addr) {
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (16ull << 32) | (3ull << 62);
+}
+// Element (n, k) of B (K-major, swizzled rows of rb = 128, 64 or 32 bytes) through the descriptor;
+// esize 2 (bf16) or 4 (tf32). The swizzle XORs the 16-byte chunk bits [4, 4 + log2(rb / 16)) of the
+// absolute shared address with the bits from 7 up.
+inline float wgmma_b(uint32_t start, uint32_t sbo, int rb, int n, int k, int esize) {
+  uint32_t a = start + (n / 8) * sbo + (n % 8) * rb + k * esize;
+  a ^= ((a >> 7) & (rb / 16 - 1)) << 4;
   if (esize == 2) { uint16_t v; std::memcpy(&v, sptr(a, 2), 2); return __uint_as_float((uint32_t)v << 16); }
   uint32_t v; std::memcpy(&v, sptr(a, 4), 4); return __uint_as_float(v & 0xffffe000u);
 }
@@ -166,12 +174,14 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
   static_assert(kScaleA == 1 || kScaleA == -1, "wgmma imm-scale-a is 1 or -1");
   constexpr int K = kTf32 ? 8 : 16, esize = kTf32 ? 4 : 2;
   const uint32_t start = (uint32_t)(desc & 0x3fff) << 4, sbo = (uint32_t)((desc >> 32) & 0x3fff) << 4;
-  EMU_CHECK((desc >> 62) == 1, "wgmma descriptor: layout is not 128-byte swizzle");
-  EMU_CHECK(sbo == 1024, "wgmma descriptor: stride byte offset != 1024");
+  const int type = (int)(desc >> 62);  // 1: 128-byte, 2: 64-byte, 3: 32-byte swizzle
+  EMU_CHECK(type != 0, "wgmma descriptor: layout type 0 (no swizzle) is not used here");
+  const int rb = type == 1 ? 128 : (type == 2 ? 64 : 32);  // row bytes; the atom is 8 rows
+  EMU_CHECK(sbo == (uint32_t)(8 * rb), "wgmma descriptor: stride byte offset != 8 rows of the swizzle");
   EMU_CHECK(((desc >> 49) & 7) == 0, "wgmma descriptor: base offset != 0");
   EMU_CHECK(start % 16 == 0, "wgmma descriptor: start not 16-byte aligned");
-  EMU_CHECK((start & 0x380) == 0, "wgmma descriptor: tile not 1024-byte aligned (start offset beyond the 128-byte row)");
-  EMU_CHECK((start & 0x7f) + K * esize <= 128, "wgmma descriptor: K slice crosses the 128-byte row");
+  EMU_CHECK(start % (8 * rb) < (uint32_t)rb, "wgmma descriptor: tile not aligned to its swizzle atom (start beyond the first row)");
+  EMU_CHECK(start % rb + K * esize <= (uint32_t)rb, "wgmma descriptor: K slice crosses the swizzled row");
   auto* s = emu::warp_ctx->slot; const int l = emu::lane_id;
   for (int i = 0; i < 4; ++i) s[l][i] = a[i];
   emu::warp_sync();
@@ -188,7 +198,7 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
     for (int cc = 0; cc < 2; ++cc) {
       const int n = 8 * j + 2 * (l % 4) + cc;
       double b[K];
-      for (int k = 0; k < K; ++k) b[k] = wgmma_b(start, sbo, n, k, esize);
+      for (int k = 0; k < K; ++k) b[k] = wgmma_b(start, sbo, rb, n, k, esize);
       for (int rr = 0; rr < 2; ++rr) {
         const int e = 2 * rr + cc;
         double acc = accumulate ? (double)d[j][e] : 0.0;
@@ -200,15 +210,15 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
   for (int j = 0; j < NJ; ++j)
     for (int e = 0; e < 4; ++e) d[j][e] = out[j][e];
 }
-// src/cuda/prefill/ptx.cuh's products: bf16 NJ = 8 or 16 (n64, n128); tf32 NJ = 8 (n64).
+// src/cuda/prefill/ptx.cuh's products: bf16 NJ = 2, 8 or 16 (n16, n64, n128); tf32 NJ = 2 or 8.
 template <int NJ, int kScaleA = 1>
 inline void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  static_assert(NJ == 8 || NJ == 16, "wgmma_bf16: n64 or n128");
+  static_assert(NJ == 2 || NJ == 8 || NJ == 16, "wgmma_bf16: n16, n64 or n128");
   wgmma_impl<NJ, false, kScaleA>(d, a, b_desc, accumulate);
 }
 template <int NJ, int kScaleA = 1>
 inline void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
-  static_assert(NJ == 8, "wgmma_tf32: n64");
+  static_assert(NJ == 2 || NJ == 8, "wgmma_tf32: n16 or n64");
   wgmma_impl<NJ, true, kScaleA>(d, a, b_desc, accumulate);
 }
 inline void st_global_16(void* p, uint4 v) { EMU_CHECK(reinterpret_cast<uintptr_t>(p) % 16 == 0, "st16 misaligned"); std::memcpy(p, &v, 16); }
