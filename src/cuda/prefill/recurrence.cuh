@@ -55,8 +55,12 @@ __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = fa
   return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + kBarBytes +
          (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
+// Four stages (records and v tiles three steps ahead), then the output tiles, four mbarriers and
+// four counters.
+inline constexpr int kStages16 = 4;
+inline constexpr int kBarBytes16 = 64;
 __host__ __device__ constexpr int recurrence_smem_bytes16(int vs) {
-  return 1024 + 2 * recurrence_stage_bytes16(vs) + recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes;
+  return 1024 + kStages16 * recurrence_stage_bytes16(vs) + recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes16;
 }
 // One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
 static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(32, true) <= 232448,
@@ -327,6 +331,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   static_assert(!kC16 || kWgmma, "16-token steps run on wgmma");
   constexpr int kLc = kC16 ? kChunk16 : kChunk;  // tokens per step
   constexpr int kRecB = kC16 ? kRecord16Bytes : kRecordBytes;  // the record's bytes in a stage
+  constexpr int kS = kC16 ? kStages16 : 2;                     // stages (a power of two)
+  constexpr int kSLog = kC16 ? 2 : 1;                          // log2(kS)
+  static_assert((1 << kSLog) == kS, "stages");
+  constexpr int kCnt = kC16 ? 8 * kStages16 : 16;              // the counters' offset from bar0
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The stages start at the first 1024-byte aligned address (the record's swizzle period).
@@ -349,10 +357,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int sbytes = kC16 ? recurrence_stage_bytes16(vs) : recurrence_stage_bytes(vs);
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
-  uint8_t* otile = smem + 2 * sbytes + warp * (kLc * 32);  // this warp's output tile
+  uint8_t* otile = smem + kS * sbytes + warp * (kLc * 32);  // this warp's output tile
   // mbarriers: bar0 + 8 st = stage st full (record bytes arrived); then (wgmma path) two counters
   // of the warps done with stage 0 / 1.
-  const uint32_t bar0 = smem0 + 2 * sbytes + nwarps * kLc * 32;
+  const uint32_t bar0 = smem0 + kS * sbytes + nwarps * kLc * 32;
   const int wg = warp >> 2;  // warpgroup (wgmma path)
   // Grouped paths (wgmma, K split): no block barrier per chunk. A group (the warpgroup; the pair of
   // the K split) loads its own v columns and syncs on its own named barrier.
@@ -396,10 +404,18 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   }
   fence_proxy_async();
   if (tid == 0) {
-    mbar_init(bar0, 1);
-    mbar_init(bar0 + 8, 1);
-    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16)[0] = 0u;  // wgmma: warps done
-    reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16)[1] = 0u;  // with stage 0 / 1
+    if constexpr (kC16) {
+#pragma unroll
+      for (int i = 0; i < kS; ++i) mbar_init(bar0 + 8 * i, 1);
+#pragma unroll
+      for (int i = 0; i < kS; ++i)  // warps done with stage i
+        reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt)[i] = 0u;
+    } else {
+      mbar_init(bar0, 1);
+      mbar_init(bar0 + 8, 1);
+      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[0] = 0u;  // wgmma: warps done
+      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[1] = 0u;  // with stage 0 / 1
+    }
     fence_barrier_init();
   }
   __syncthreads();
@@ -410,7 +426,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // shared memory) refills its record with chunk ci + 2 at once, so that neither warpgroup waits
   // for the other except through the data and their waits on the tensor cores interleave.
   auto issue_record = [&](int64_t ci) {
-    const int st = static_cast<int>(ci & 1);
+    const int st = static_cast<int>(ci & (kS - 1));
     const uint32_t sdst = smem0 + st * sbytes;
     const uint32_t bar = bar0 + 8 * st;
     if constexpr (kC16) {  // the 16-token record ci % 4 of chunk slot ci / 4
@@ -439,7 +455,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int64_t voff0 = p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
   const int vsoff0 = kRecB + swizzle_vtile(vr0, vch, vs);  // rows vr0 + 8 m: same XOR, + 8 m rows
   auto issue = [&](int64_t ci) {
-    const int st = static_cast<int>(ci & 1);
+    const int st = static_cast<int>(ci & (kS - 1));
     const uint32_t sdst = smem0 + st * sbytes;
     if (!kGrouped && tid == 0) issue_record(ci);
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
@@ -464,19 +480,33 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
   if constexpr (kGrouped) {  // both stages are free: chunks 0 and 1 at once
     if (tid == 0)
-      for (int64_t ci = 0; ci < 2 && ci < nchunks; ++ci) issue_record(ci);
+      for (int64_t ci = 0; ci < kS && ci < nchunks; ++ci) issue_record(ci);
   }
-  if (nchunks > 0) issue(0);
+  // v tiles kS - 1 steps ahead; kC16: one cp.async group per step, empty past the end, so that
+  // waiting for all but the newest kS - 2 groups completes step ci's.
+  if constexpr (kC16) {
+    for (int64_t ci = 0; ci < kS - 1; ++ci) {
+      if (ci < nchunks) issue(ci);
+      else cp_async_commit();
+    }
+  } else if (nchunks > 0) {
+    issue(0);
+  }
   for (int64_t ci = 0; ci < nchunks; ++ci) {
-    const int st = static_cast<int>(ci & 1);
+    const int st = static_cast<int>(ci & (kS - 1));
     uint8_t* sb = smem + st * sbytes;
-    cp_async_wait<0>();
+    cp_async_wait<kS - 2>();
     if constexpr (kGrouped) {
-      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads of stage st^1 done
-      if (ci + 1 < nchunks) issue(ci + 1);
-      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
+      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads of stage (ci - 1) % kS done
+      if constexpr (kC16) {
+        if (ci + kS - 1 < nchunks) issue(ci + kS - 1);
+        else cp_async_commit();
+      } else if (ci + 1 < nchunks) {
+        issue(ci + 1);
+      }
+      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
     } else {
-      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> 1) & 1));
+      mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
       __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
       if (ci + 1 < nchunks) issue(ci + 1);
     }
@@ -663,12 +693,12 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       // stage with chunk ci + 2.
       __syncwarp();
       if (lane == 0) {
-        unsigned* done = reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kLc * 32 + 16) + st;
+        unsigned* done = reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt) + st;
         __threadfence_block();
         if (atomicAdd(done, 1u) == static_cast<unsigned>(nwarps - 1)) {
           *done = 0u;
           __threadfence_block();
-          if (ci + 2 < nchunks) issue_record(ci + 2);
+          if (ci + kS < nchunks) issue_record(ci + kS);
         }
       }
     } else {
