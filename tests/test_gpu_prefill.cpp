@@ -389,6 +389,46 @@ TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   }
 }
 
+// The chunk-16 path (16-token records and recurrence steps; in development, selected by
+// KDA_CUDA_PREFILL_CHUNK=16 for wgmma recurrences) on the wgmma test's configurations.
+TEST(GpuPrefillChunk16, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore("KDA_CUDA_PREFILL_CHUNK");
+  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+  PrefillCase c = base_case();
+  c.H = c.HV = 96;
+  c.seqlens = {150};
+  c.gate = GateForm::kLowerBound;
+  {
+    SCOPED_TRACE("96 heads (vs = 128), dense");
+    check_against_reference(c);
+  }
+  c = base_case();
+  c.H = 12;
+  c.HV = 48;
+  c.varlen = true;
+  c.seqlens = {129, 0, 64, 7, 15, 16, 17};
+  c.pool = true;
+  c.checkpoint_every = 64;
+  c.layout = StateLayout::kKFirst;
+  c.state_dtype = DType::kBFloat16;
+  c.weak_decay = true;
+  c.gate = GateForm::kPrecomputed;
+  {
+    SCOPED_TRACE("7 sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, K-first, bf16 state");
+    check_against_reference(c);
+  }
+  c = base_case();
+  c.H = c.HV = 48;
+  c.dtype = DType::kFloat16;
+  c.seqlens = {200};
+  c.gate = GateForm::kSoftplus;
+  {
+    SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16, softplus gate");
+    check_against_reference(c);
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<PrefillCase>& info) {
                            return test_name(info.param.name());
@@ -698,6 +738,16 @@ TEST(PrefillHeuristics, KSplit) {
   EXPECT_FALSE(recurrence_k_split(128, nullptr));
   EXPECT_FALSE(recurrence_k_split(32, "0"));
   EXPECT_FALSE(recurrence_k_split(16, "0"));
+}
+
+TEST(PrefillHeuristics, Chunk16) {
+  using cuda::pf::prefill_chunk16;
+  EXPECT_FALSE(prefill_chunk16(true, nullptr));  // off by default (in development)
+  EXPECT_TRUE(prefill_chunk16(true, "16"));
+  EXPECT_FALSE(prefill_chunk16(false, "16"));  // wgmma recurrences only
+  EXPECT_FALSE(prefill_chunk16(true, "64"));
+  EXPECT_FALSE(prefill_chunk16(true, "016x"));
+  EXPECT_FALSE(prefill_chunk16(true, ""));
 }
 
 TEST(PrefillHeuristics, WgmmaAndForcedSplit) {
