@@ -343,58 +343,11 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   }
 }
 
-// The wgmma recurrence (vs >= 64: the many-head cases) and its mma.sync baseline
-// (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
-// here (on 132 SMs: 96 or 4 x 48 (sequence, value head) pairs -> vs = 128, two warpgroups; 48 ->
-// vs = 64, one) and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in
-// the device script's second pass.
-TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
-  KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA");
-  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
-    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
-    if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
-    else unsetenv("KDA_CUDA_PREFILL_WGMMA");
-    PrefillCase c = base_case();
-    c.H = c.HV = 96;
-    c.seqlens = {150};
-    c.gate = GateForm::kLowerBound;
-    {
-      SCOPED_TRACE("96 heads (vs = 128), dense");
-      check_against_reference(c);
-    }
-    c = base_case();
-    c.H = 12;
-    c.HV = 48;
-    c.varlen = true;
-    c.seqlens = {129, 0, 64, 7};
-    c.pool = true;
-    c.checkpoint_every = 64;
-    c.layout = StateLayout::kKFirst;
-    c.state_dtype = DType::kBFloat16;
-    c.weak_decay = true;
-    c.gate = GateForm::kPrecomputed;
-    {
-      SCOPED_TRACE("4 sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, K-first, bf16 state");
-      check_against_reference(c);
-    }
-    c = base_case();
-    c.H = c.HV = 48;
-    c.dtype = DType::kFloat16;
-    c.seqlens = {200};
-    {
-      SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16");
-      check_against_reference(c);
-    }
-  }
-}
-
-// The chunk-16 path (16-token records and recurrence steps; in development, selected by
-// KDA_CUDA_PREFILL_CHUNK=16 for wgmma recurrences) on the wgmma test's configurations.
-TEST(GpuPrefillChunk16, MatchesReference) {
-  KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_CHUNK");
-  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+// The configurations of the wgmma recurrence's tests, against the fp64 reference: 96 heads dense
+// (vs = 128 on 132 SMs: two warpgroups), 48 value heads of 12 grouped ones over the sequences
+// `lens` (vs = 128; varlen, pool, checkpoints, K-first, bf16 state, weak decay), 48 heads fp16
+// (vs = 64: one warpgroup).
+void check_wgmma_configs(const std::vector<int64_t>& lens) {
   PrefillCase c = base_case();
   c.H = c.HV = 96;
   c.seqlens = {150};
@@ -407,7 +360,7 @@ TEST(GpuPrefillChunk16, MatchesReference) {
   c.H = 12;
   c.HV = 48;
   c.varlen = true;
-  c.seqlens = {129, 0, 64, 7, 15, 16, 17};
+  c.seqlens = lens;
   c.pool = true;
   c.checkpoint_every = 64;
   c.layout = StateLayout::kKFirst;
@@ -415,18 +368,43 @@ TEST(GpuPrefillChunk16, MatchesReference) {
   c.weak_decay = true;
   c.gate = GateForm::kPrecomputed;
   {
-    SCOPED_TRACE("7 sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, K-first, bf16 state");
+    SCOPED_TRACE(std::to_string(lens.size()) +
+                 " sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, K-first, bf16 state");
     check_against_reference(c);
   }
   c = base_case();
   c.H = c.HV = 48;
   c.dtype = DType::kFloat16;
   c.seqlens = {200};
-  c.gate = GateForm::kSoftplus;
   {
-    SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16, softplus gate");
+    SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16");
     check_against_reference(c);
   }
+}
+
+// The wgmma recurrence (vs >= 64: the many-head cases) and its mma.sync baseline
+// (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
+// here and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in the device
+// script's second pass.
+TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
+  KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA");
+  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
+    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
+    if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
+    else unsetenv("KDA_CUDA_PREFILL_WGMMA");
+    check_wgmma_configs({129, 0, 64, 7});
+  }
+}
+
+// The chunk-16 path (16-token records and recurrence steps; in development, selected by
+// KDA_CUDA_PREFILL_CHUNK=16 for wgmma recurrences) on the same configurations, with sequences of
+// 15, 16 and 17 tokens around the step length.
+TEST(GpuPrefillChunk16, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore("KDA_CUDA_PREFILL_CHUNK");
+  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+  check_wgmma_configs({129, 0, 64, 7, 15, 16, 17});
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),

@@ -212,6 +212,14 @@ __device__ __forceinline__ uint64_t wgmma_desc_sw32(uint32_t addr) {
 #define KDA_WG_D32 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
 #define KDA_WG_D64 KDA_WG_D32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
 #define KDA_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(kScaleA)
+// The n16 shapes (NJ = 2: 8 accumulator registers): types = "m64n16k16.f32.bf16.bf16" or
+// "m64n16k8.f32.tf32.tf32", tail = the operands after imm-scale-b (bf16: ", 0" for tnspB).
+#define KDA_WG_N16(types, tail)                                                                      \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned." types     \
+               " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1" tail ";\n}\n"             \
+               : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)                                                \
+               : KDA_WG_IN                                                                           \
+               : "memory")
 
 // D[64 x 8 NJ] (+)= kScaleA A[64 x 16] B[16 x 8 NJ]: bf16 inputs, fp32 accumulators (accumulate
 // = 0: D = the product). NJ = 2, 8 or 16.
@@ -219,11 +227,7 @@ template <int NJ, int kScaleA = 1>
 __device__ __forceinline__ void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
   static_assert(NJ == 2 || NJ == 8 || NJ == 16, "wgmma_bf16: n16, n64 or n128");
   if constexpr (NJ == 2) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1, 0;\n}\n"
-                 : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)
-                 : KDA_WG_IN
-                 : "memory");
+    KDA_WG_N16("m64n16k16.f32.bf16.bf16", ", 0");
   } else if constexpr (NJ == 8) {
     asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" KDA_WG_D32
                  "}, {%32,%33,%34,%35}, %36, p, %38, 1, 0;\n}\n"
@@ -243,11 +247,7 @@ template <int NJ, int kScaleA = 1>
 __device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
   static_assert(NJ == 2 || NJ == 8, "wgmma_tf32: n16 or n64");
   if constexpr (NJ == 2) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 "
-                 "{%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1;\n}\n"
-                 : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)
-                 : KDA_WG_IN
-                 : "memory");
+    KDA_WG_N16("m64n16k8.f32.tf32.tf32", "");
     return;
   }
   asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" KDA_WG_D32
@@ -261,6 +261,7 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a
 #undef KDA_WG_D32
 #undef KDA_WG_D64
 #undef KDA_WG_IN
+#undef KDA_WG_N16
 
 // 16-byte global store (p 16-byte aligned): one instruction (a plain uint4 store through a 16-bit
 // pointer compiled to four 4-byte stores).

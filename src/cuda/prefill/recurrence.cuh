@@ -103,14 +103,61 @@ __device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj ==
 
 // U^T's accumulator tiles as tf32 A operands of the products over tokens (k-slot c <-> token 2c,
 // c + 4 <-> 2c + 1 of each 8-token step).
-__device__ __forceinline__ void u_tf32_operands(const float (&acc)[8][4], uint32_t (&ua)[8][4]) {
+template <int NT>
+__device__ __forceinline__ void u_tf32_operands(const float (&acc)[NT][4], uint32_t (&ua)[NT][4]) {
 #pragma unroll
-  for (int sj = 0; sj < 8; ++sj) {
+  for (int sj = 0; sj < NT; ++sj) {
     ua[sj][0] = f32_to_tf32(acc[sj][0]);
     ua[sj][1] = f32_to_tf32(acc[sj][2]);
     ua[sj][2] = f32_to_tf32(acc[sj][1]);
     ua[sj][3] = f32_to_tf32(acc[sj][3]);
   }
+}
+// Accumulator tiles 2q, 2q + 1 (16 columns) as the bf16 A operands of a k16 step, in two terms hi +
+// lo (~16 significant bits): registers rows g / g + 8 x columns 2c.. / 2c + 8...
+template <int NT, int NQ>
+__device__ __forceinline__ void bf16_hi_lo_operands(const float (&acc)[NT][4], uint32_t (&hi)[NQ][4],
+                                                    uint32_t (&lo)[NQ][4]) {
+  static_assert(NT == 2 * NQ, "two accumulator tiles per k16 step");
+#pragma unroll
+  for (int q = 0; q < NQ; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const float x0 = acc[2 * q + (r >> 1)][2 * (r & 1)], x1 = acc[2 * q + (r >> 1)][2 * (r & 1) + 1];
+      const uint32_t h = pack_bf16(x0, x1);
+      hi[q][r] = h;
+      lo[q][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
+    }
+}
+// S^T <- S^T diag(gL) over the thread's 16 key tiles (gL: the record's per-channel decay).
+__device__ __forceinline__ void decay_state(float (&accS)[16][4], const float* gl, int lane) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) {
+    const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * (lane & 3));
+    accS[j][0] *= d.x;
+    accS[j][1] *= d.y;
+    accS[j][2] *= d.x;
+    accS[j][3] *= d.y;
+  }
+}
+// Between a wgmma chunk / step's two commit groups: waits for the first (U^T, O^T), builds U^T's
+// A operands (tf32 ua; bf16 hi + lo uh, ul) and decays the state, fenced for the second group.
+template <int NT, int NQ, int NO>
+__device__ __forceinline__ void wgmma_between_groups(float (&accU)[NT][4], float (&accO)[NO][4], float (&accS)[16][4],
+                                                     const float* gl, int lane, uint32_t (&ua)[NT][4],
+                                                     uint32_t (&uh)[NQ][4], uint32_t (&ul)[NQ][4]) {
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accO);
+  u_tf32_operands(accU, ua);
+  bf16_hi_lo_operands(accU, uh, ul);
+  decay_state(accS, gl, lane);
+  wgmma_fence_acc(accS);
+  wgmma_fence_acc(ua);
+  wgmma_fence_acc(uh);
+  wgmma_fence_acc(ul);
+  wgmma_fence();
 }
 // Byte offset of this lane's ldmatrix_x2 row address for the mma.sync B fragment of the Aqk / Tm
 // tile at (rows t0.., tokens s0..; multiples of 8): lanes 0-7 address rows t0 + l at k-slots 0-3
@@ -180,38 +227,10 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)  // all 64 rows of Tm (zero above the diagonal blocks)
     wgmma_tf32<8>(accU, va[sj], rec_desc(sbase, kOffTm, kChunk, 32 * sj), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_acc(accU);
-  wgmma_fence_acc(accO);
-
   // U^T as A operands: tf32 in k-slot order (slot c <-> token 2c, c + 4 <-> 2c + 1), and bf16 hi +
   // lo per 16-token step (registers: rows g / g + 8 x tokens 2c.. / 2c + 8..).
   uint32_t ua[8][4], uh[4][4], ul[4][4];
-  u_tf32_operands(accU, ua);
-#pragma unroll
-  for (int q = 0; q < 4; ++q)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float x0 = accU[2 * q + (r >> 1)][2 * (r & 1)], x1 = accU[2 * q + (r >> 1)][2 * (r & 1) + 1];
-      const uint32_t h = pack_bf16(x0, x1);
-      uh[q][r] = h;
-      ul[q][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
-    }
-  const float* gl = reinterpret_cast<const float*>(sb + kOffGL);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * (lane & 3));
-    accS[j][0] *= d.x;
-    accS[j][1] *= d.y;
-    accS[j][2] *= d.x;
-    accS[j][3] *= d.y;
-  }
-  wgmma_fence_acc(accS);
-  wgmma_fence_acc(ua);
-  wgmma_fence_acc(uh);
-  wgmma_fence_acc(ul);
-  wgmma_fence();
+  wgmma_between_groups(accU, accO, accS, reinterpret_cast<const float*>(sb + kOffGL), lane, ua, uh, ul);
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)
     wgmma_tf32<8>(accO, ua[sj], rec_desc(sbase, kOffAqk, kChunk, 32 * sj), 1);
@@ -245,15 +264,7 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   // most of each output and of U^T, and a single bf16 rounding of it (2^-9) would dominate their
   // error (emulated case A: 3.1e-3 instead of ~1.8e-3).
   uint32_t sa[8][4], sl[8][4], vr[4], va[2][4];
-#pragma unroll
-  for (int kq = 0; kq < 8; ++kq)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float x0 = accS[2 * kq + (r >> 1)][2 * (r & 1)], x1 = accS[2 * kq + (r >> 1)][2 * (r & 1) + 1];
-      const uint32_t h = pack_bf16(x0, x1);
-      sa[kq][r] = h;
-      sl[kq][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
-    }
+  bf16_hi_lo_operands(accS, sa, sl);
   {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
     const int row = ((lane >> 4) << 3) + (lane & 7);
     const int chunk = 2 * rg + ((lane >> 3) & 1);
@@ -287,41 +298,9 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   }
 #pragma unroll
   for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accU, va[q], wgmma_desc_sw64(sbase + kR16OffTm + 32 * q), 1);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_acc(accU);
-  wgmma_fence_acc(accO2);
-
   // U^T as A operands: tf32 in k-slot order per 8-token step, bf16 hi + lo for the 16-token step.
   uint32_t ua[2][4], uh[1][4], ul[1][4];
-#pragma unroll
-  for (int t = 0; t < 2; ++t) {
-    ua[t][0] = f32_to_tf32(accU[t][0]);
-    ua[t][1] = f32_to_tf32(accU[t][2]);
-    ua[t][2] = f32_to_tf32(accU[t][1]);
-    ua[t][3] = f32_to_tf32(accU[t][3]);
-  }
-#pragma unroll
-  for (int r = 0; r < 4; ++r) {
-    const float x0 = accU[r >> 1][2 * (r & 1)], x1 = accU[r >> 1][2 * (r & 1) + 1];
-    const uint32_t h = pack_bf16(x0, x1);
-    uh[0][r] = h;
-    ul[0][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
-  }
-  const float* gl = reinterpret_cast<const float*>(sb + kR16OffGL);
-#pragma unroll
-  for (int j = 0; j < 16; ++j) {
-    const float2 d = *reinterpret_cast<const float2*>(gl + 8 * j + 2 * (lane & 3));
-    accS[j][0] *= d.x;
-    accS[j][1] *= d.y;
-    accS[j][2] *= d.x;
-    accS[j][3] *= d.y;
-  }
-  wgmma_fence_acc(accS);
-  wgmma_fence_acc(ua);
-  wgmma_fence_acc(uh);
-  wgmma_fence_acc(ul);
-  wgmma_fence();
+  wgmma_between_groups(accU, accO2, accS, reinterpret_cast<const float*>(sb + kR16OffGL), lane, ua, uh, ul);
 #pragma unroll
   for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accO2, ua[q], wgmma_desc_sw64(sbase + kR16OffAqk + 32 * q), 1);
   {
