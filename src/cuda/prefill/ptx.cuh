@@ -192,14 +192,18 @@ __device__ __forceinline__ void wgmma_fence_acc(uint32_t (&d)[NJ][4]) {
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-// The same for the 64-byte swizzle (rows of 64 bytes; atom 8 rows x 64 B: stride byte offset 512,
-// layout type 2; chunk bits [4, 6) ^ [7, 9)) and the 32-byte swizzle (rows of 32 bytes; atom 8 rows x
-// 32 B: stride byte offset 256, layout type 3; bit 4 ^ bit 7): the 16-token records (common.cuh).
-__device__ __forceinline__ uint64_t wgmma_desc_sw64(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
-}
-__device__ __forceinline__ uint64_t wgmma_desc_sw32(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (16ull << 32) | (3ull << 62);
+// Descriptors from two 32-bit halves: the low word (start address / 16, leading byte offset 1) of a
+// base address plus a byte offset, so that the descriptors of one stage cost one integer add each
+// (shared addresses are below 2^18: the start field never carries into bit 16), and the high word
+// (stride byte offset = 8 rows, layout type) of the swizzle mode: 128-byte; 64-byte (rows of 64
+// bytes, atom 8 x 64 B: stride 512, type 2; chunk bits [4, 6) ^ [7, 9)); 32-byte (rows of 32 bytes,
+// atom 8 x 32 B: stride 256, type 3; bit 4 ^ bit 7). The 16-token records use all three (common.cuh).
+__device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t addr) { return ((addr & 0x3ffffu) >> 4) | (1u << 16); }
+inline constexpr uint32_t kDescHiSw128 = 64u | (1u << 30), kDescHiSw64 = 32u | (2u << 30), kDescHiSw32 = 16u | (3u << 30);
+__device__ __forceinline__ uint64_t wgmma_desc_at(uint32_t lo, uint32_t bytes, uint32_t hi) {
+  uint64_t d;
+  asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (bytes >> 4)), "r"(hi));
+  return d;
 }
 
 // Operand lists of the wgmma wrappers: accumulator n-tiles j..j+7 (32 registers), their

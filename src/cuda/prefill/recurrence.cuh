@@ -247,9 +247,11 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 }
 
 // One 16-token step of a warpgroup on wgmma (the chunk-16 path, in development): chunk_wgmma's
-// products at n = 16 tokens on a 16-token record (common.cuh, rec16_*), in two commit groups:
+// products at n = 16 tokens on a 16-token record (common.cuh, rec16_*), in three commit groups:
 //   1. U^T = -S^T W^T + v^T Tm^T (m64n16k16 x 8, m64n16k8 x 2),  O^T = S^T qg^T (m64n16k16 x 8)
-//   2. O^T += U^T Aqk^T (m64n16k8 x 2),  S^T <- S^T diag(gL) + U^T kb (m64n128k16, U^T bf16 hi + lo)
+//   2. O^T += U^T Aqk^T (m64n16k8 x 2), waited for before the return
+//   3. S^T <- S^T diag(gL) + U^T kb (m64n128k16, U^T bf16 hi + lo), in flight at the return
+//      (step16_done), so that the outputs' stores overlap it
 // accO's first two n-tiles receive the 16 outputs.
 template <bool kFp16>
 __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4], const uint8_t* sb,
@@ -277,8 +279,9 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
     va[half][2] = __float_as_uint(hi_f32<kFp16>(vr[2 * half]));
     va[half][3] = __float_as_uint(hi_f32<kFp16>(vr[2 * half + 1]));
   }
+  const uint32_t dlo = wgmma_desc_lo(sbase);  // the stage's descriptors: dlo + offset / 16
   auto desc16 = [&](int off, int kbyte) {  // W, qg: [16][128] bf16 in the 128-byte swizzle
-    return wgmma_desc_sw128(sbase + off + (kbyte >> 7) * kChunk16 * 128 + (kbyte & 127));
+    return wgmma_desc_at(dlo, off + (kbyte >> 7) * kChunk16 * 128 + (kbyte & 127), kDescHiSw128);
   };
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accO2);
@@ -286,10 +289,16 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   wgmma_fence_acc(sl);
   wgmma_fence_acc(va);
   wgmma_fence();
+#ifndef KDA_C16_W_LO
+#define KDA_C16_W_LO 1
+#endif
+#ifndef KDA_C16_QG_LO
+#define KDA_C16_QG_LO 1
+#endif
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    wgmma_bf16<2, -1>(accU, sl[ks], desc16(kR16OffW, 32 * ks), 1);  // small terms first
-    wgmma_bf16<2>(accO2, sl[ks], desc16(kR16OffQg, 32 * ks), 1);
+    if (KDA_C16_W_LO) wgmma_bf16<2, -1>(accU, sl[ks], desc16(kR16OffW, 32 * ks), 1);  // small terms first
+    if (KDA_C16_QG_LO) wgmma_bf16<2>(accO2, sl[ks], desc16(kR16OffQg, 32 * ks), 1);
   }
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
@@ -297,20 +306,26 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
     wgmma_bf16<2>(accO2, sa[ks], desc16(kR16OffQg, 32 * ks), 1);
   }
 #pragma unroll
-  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accU, va[q], wgmma_desc_sw64(sbase + kR16OffTm + 32 * q), 1);
+  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accU, va[q], wgmma_desc_at(dlo, kR16OffTm + 32 * q, kDescHiSw64), 1);
   // U^T as A operands: tf32 in k-slot order per 8-token step, bf16 hi + lo for the 16-token step.
   uint32_t ua[2][4], uh[1][4], ul[1][4];
   wgmma_between_groups(accU, accO2, accS, reinterpret_cast<const float*>(sb + kR16OffGL), lane, ua, uh, ul);
 #pragma unroll
-  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accO2, ua[q], wgmma_desc_sw64(sbase + kR16OffAqk + 32 * q), 1);
+  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accO2, ua[q], wgmma_desc_at(dlo, kR16OffAqk + 32 * q, kDescHiSw64), 1);
+  wgmma_commit();  // group 2: the outputs, waited for here
   {
-    const uint64_t d = wgmma_desc_sw32(sbase + kR16OffKbT);
+    const uint64_t d = wgmma_desc_at(dlo, kR16OffKbT, kDescHiSw32);
     wgmma_bf16<16>(accS, uh[0], d, 1);
     wgmma_bf16<16>(accS, ul[0], d, 1);
   }
-  wgmma_commit();
-  wgmma_wait<0>();
+  wgmma_commit();  // group 3: the state update, waited for after the outputs' stores (step16_done)
+  wgmma_wait<1>();
   wgmma_fence_acc(accO2);
+}
+// The end of a 16-token step: its state update complete (before the stage's release and the next
+// step's operands).
+__device__ __forceinline__ void step16_done(float (&accS)[16][4]) {
+  wgmma_wait<0>();
   wgmma_fence_acc(accS);
 }
 
@@ -482,6 +497,11 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   } else if (nchunks > 0) {
     issue(0);
   }
+  // kC16: this thread's output offset (token row lane / 2, 16-byte chunk lane & 1 of its warp's 16
+  // value columns) at step 0; per step + 16 token rows.
+  const int64_t ooff0 = p.out.offset(sp.b, sp.bos + (lane >> 1), hv) + vw + 8 * (lane & 1);
+  unsigned* const done0 = reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt);
+  bool last = false;  // kC16, lane 0: this warp was the last to release the previous step's stage
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const int st = static_cast<int>(ci & (kS - 1));
     uint8_t* sb = smem + st * sbytes;
@@ -491,6 +511,13 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       if constexpr (kC16) {
         if (ci + kS - 1 < nchunks) issue(ci + kS - 1);
         else cp_async_commit();
+        if (last) {  // refill the previous step's stage (its counter's atomic has long returned)
+          const int64_t cp = ci - 1;
+          done0[cp & (kS - 1)] = 0u;
+          __threadfence_block();
+          if (cp + kS < nchunks) issue_record(cp + kS);
+          last = false;
+        }
       } else if (ci + 1 < nchunks) {
         issue(ci + 1);
       }
@@ -662,7 +689,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         const int r = 16 * pass + (lane >> 1), ch = lane & 1;
         if (r < L && (!kKSplit || owns_token_pair(pass, kh))) {
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
-          const int64_t goff = p.out.offset(sp.b, sp.bos + ci * kLc + r, hv) + vw + 8 * ch;
+          const int64_t goff = kC16 ? ooff0 + ci * kLc * p.out.s1
+                                    : p.out.offset(sp.b, sp.bos + ci * kLc + r, hv) + vw + 8 * ch;
           if (p.out.vec) {
             st_global_16(obase + goff, x);
           } else {
@@ -676,14 +704,18 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         }
       }
     }
+    if constexpr (kC16) step16_done(accS);
     if constexpr (kGrouped) {
       // This warp is done with stage st (wgmma: its products waited for, its only generic reads
       // of the record, gL, consumed long before, no proxy fence: like the consumer release of
       // CUTLASS's TMA pipelines; K split: fenced above); the last of the block's warps refills the
       // stage with chunk ci + 2.
       __syncwarp();
-      if (lane == 0) {
-        unsigned* done = reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt) + st;
+      if (kC16 && lane == 0) {  // the refill at the next step's start, off this step's serial path
+        __threadfence_block();
+        last = atomicAdd(done0 + st, 1u) == static_cast<unsigned>(nwarps - 1);
+      } else if (lane == 0) {
+        unsigned* done = done0 + st;
         __threadfence_block();
         if (atomicAdd(done, 1u) == static_cast<unsigned>(nwarps - 1)) {
           *done = 0u;

@@ -153,11 +153,10 @@ template <int NJ> inline void wgmma_fence_acc(uint32_t (&)[NJ][4]) {}  // A oper
 inline uint64_t wgmma_desc_sw128(uint32_t addr) {
   return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
 }
-inline uint64_t wgmma_desc_sw64(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (32ull << 32) | (2ull << 62);
-}
-inline uint64_t wgmma_desc_sw32(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (16ull << 32) | (3ull << 62);
+inline uint32_t wgmma_desc_lo(uint32_t addr) { return ((addr & 0x3ffffu) >> 4) | (1u << 16); }
+inline constexpr uint32_t kDescHiSw128 = 64u | (1u << 30), kDescHiSw64 = 32u | (2u << 30), kDescHiSw32 = 16u | (3u << 30);
+inline uint64_t wgmma_desc_at(uint32_t lo, uint32_t bytes, uint32_t hi) {
+  return static_cast<uint64_t>(lo + (bytes >> 4)) | (static_cast<uint64_t>(hi) << 32);
 }
 // Element (n, k) of B (K-major, swizzled rows of rb = 128, 64 or 32 bytes) through the descriptor;
 // esize 2 (bf16) or 4 (tf32). The swizzle XORs the 16-byte chunk bits [4, 4 + log2(rb / 16)) of the
