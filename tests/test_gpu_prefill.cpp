@@ -382,13 +382,15 @@ void check_wgmma_configs(const std::vector<int64_t>& lens) {
   }
 }
 
-// The wgmma recurrence (vs >= 64: the many-head cases) and its mma.sync baseline
+// The wgmma recurrence on 64-token chunks (vs >= 64: the many-head cases; KDA_CUDA_PREFILL_CHUNK=64,
+// since vs = 128 takes the chunk-16 path by default) and its mma.sync baseline
 // (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
 // here and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in the device
-// script's second pass.
+// script's second pass (chunk 16 at 128, chunk 64 at 64).
 TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA");
+  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA"), restore_chunk("KDA_CUDA_PREFILL_CHUNK");
+  setenv("KDA_CUDA_PREFILL_CHUNK", "64", 1);
   for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
     SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
     if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
@@ -397,9 +399,9 @@ TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   }
 }
 
-// The chunk-16 path (16-token records and recurrence steps; in development, selected by
-// KDA_CUDA_PREFILL_CHUNK=16 for wgmma recurrences) on the same configurations, with sequences of
-// 15, 16 and 17 tokens around the step length.
+// The chunk-16 path (16-token records and recurrence steps; the default at vs = 128, forced here by
+// KDA_CUDA_PREFILL_CHUNK=16 at vs = 64 too) on the same configurations, with sequences of 15, 16
+// and 17 tokens around the step length.
 TEST(GpuPrefillChunk16, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
   const EnvRestore restore("KDA_CUDA_PREFILL_CHUNK");
@@ -555,7 +557,7 @@ TEST(GpuPrefill, BitwiseDeterministic) {
 // The accuracy bar of targets.md (case A): 1 x 8192 tokens, H = 8, bf16 inputs, initial state
 // 0.05 randn (bf16-exact); output <= 4.5e-3 and final state <= 3.5e-3 rel L2 vs the fp64
 // recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), and the softplus form.
-void accuracy_case_a(GateForm gate, double lower_bound) {
+void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") {
   PrefillCase c = base_case();
   c.seqlens = {8192};
   c.H = 8;
@@ -571,8 +573,8 @@ void accuracy_case_a(GateForm gate, double lower_bound) {
   const GpuResult r = run_cuda(d);
   ASSERT_TRUE(r.status.ok()) << r.status.to_string();
   const Compare co = compare(r.out, ref.out, 4.5e-3), cs = compare(r.ht, ref.ht, 3.5e-3);
-  std::printf("  case A (gate %d, lb %g): output rel L2 %.3e, final state rel L2 %.3e\n", static_cast<int>(gate),
-              lower_bound, co.rel_l2, cs.rel_l2);
+  std::printf("  case A%s (gate %d, lb %g): output rel L2 %.3e, final state rel L2 %.3e\n", label,
+              static_cast<int>(gate), lower_bound, co.rel_l2, cs.rel_l2);
   EXPECT_TRUE(co.ok(4.5e-3)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
   EXPECT_TRUE(cs.ok(3.5e-3)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
 }
@@ -588,6 +590,18 @@ TEST(GpuPrefillAccuracy, CaseASoftplus) {
 TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
   KDA_SKIP_WITHOUT_SM90();
   accuracy_case_a(GateForm::kLowerBound, -0.05);
+}
+
+// The same bar on the chunk-16 path (forced: case A's 8 heads take the K split by default), whose
+// 16-token steps multiply the state by bf16 operands four times as often as chunk 64 does.
+TEST(GpuPrefillAccuracy, CaseAChunk16) {
+  KDA_SKIP_WITHOUT_SM90();
+  const EnvRestore restore_vs("KDA_CUDA_PREFILL_VS"), restore_chunk("KDA_CUDA_PREFILL_CHUNK");
+  setenv("KDA_CUDA_PREFILL_VS", "128", 1);
+  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+  accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
+  accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
+  accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
 }
 
 // Error does not grow with the sequence length (the state stays fp32).
@@ -720,12 +734,14 @@ TEST(PrefillHeuristics, KSplit) {
 
 TEST(PrefillHeuristics, Chunk16) {
   using cuda::pf::prefill_chunk16;
-  EXPECT_FALSE(prefill_chunk16(true, nullptr));  // off by default (in development)
-  EXPECT_TRUE(prefill_chunk16(true, "16"));
-  EXPECT_FALSE(prefill_chunk16(false, "16"));  // wgmma recurrences only
-  EXPECT_FALSE(prefill_chunk16(true, "64"));
-  EXPECT_FALSE(prefill_chunk16(true, "016x"));
-  EXPECT_FALSE(prefill_chunk16(true, ""));
+  EXPECT_TRUE(prefill_chunk16(true, 128, nullptr));  // the default at vs = 128 (P1, P3, P4, P6)
+  EXPECT_FALSE(prefill_chunk16(true, 64, nullptr));  // chunk 64 at vs = 64 (P2)
+  EXPECT_TRUE(prefill_chunk16(true, 64, "16"));      // forced on
+  EXPECT_FALSE(prefill_chunk16(true, 128, "64"));    // forced off
+  EXPECT_FALSE(prefill_chunk16(false, 32, "16"));    // wgmma recurrences only
+  EXPECT_FALSE(prefill_chunk16(false, 128, nullptr));
+  EXPECT_TRUE(prefill_chunk16(true, 128, "016x"));   // not a setting: the default
+  EXPECT_FALSE(prefill_chunk16(true, 64, ""));
 }
 
 TEST(PrefillHeuristics, WgmmaAndForcedSplit) {

@@ -61,9 +61,9 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
     p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
     p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
-    p.chunk16 = prefill_chunk16(p.wgmma, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+    p.chunk16 = prefill_chunk16(p.wgmma, p.vs, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
   }
-  if (p.chunk16) {  // the chunk-16 path (in development)
+  if (p.chunk16) {  // the chunk-16 path
     const int t16 = 32 * recurrence_warps(p.vs, false), s16 = recurrence_smem_bytes16(p.vs);
     if (fp16) {
       launch(prepare_kernel<true, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);

@@ -58,9 +58,18 @@ inline bool recurrence_k_split(int vs, const char* env) { return vs <= 32 && !en
 // env = "0" (from KDA_CUDA_PREFILL_WGMMA) turns it off.
 inline bool recurrence_wgmma(int vs, const char* env) { return vs >= 64 && !env_off(env); }
 
-// The chunk-16 path (16-token records and recurrence steps; in development, off unless env, from
-// KDA_CUDA_PREFILL_CHUNK, is "16"), for wgmma recurrences only.
-inline bool prefill_chunk16(bool wgmma, const char* env) { return wgmma && env_digits(env) == 16; }
+// The chunk-16 path (16-token records and recurrence steps; wgmma recurrences only): by default for
+// blocks of vs = 128 (pairs >= 70% of the SMs), where the prepare kernel's saved work (no
+// off-diagonal 16-token blocks) outweighs the four times as many recurrence steps. Measured on the
+// H200 (session 11, ms, chunk 64 -> 16): P1 1.265 -> 1.172, P3 1.298 -> 1.124, P4 1.299 -> 1.132,
+// P6 3.146 -> 2.748; at vs = 64 it loses (P2 0.909 -> 0.982: half the value columns per block,
+// the same steps). env (KDA_CUDA_PREFILL_CHUNK): "16" forces it on any wgmma recurrence, "64"
+// forces chunk 64; anything else keeps the default.
+inline bool prefill_chunk16(bool wgmma, int vs, const char* env) {
+  const long v = env_digits(env);
+  if (!wgmma || v == 64) return false;
+  return v == 16 || vs == 128;
+}
 
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,
 // g rows of block (its index + this). Off by default: at 2 x SMs (about one block life ahead)

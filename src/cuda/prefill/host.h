@@ -141,7 +141,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.nslices = kHeadDim / p.vs;
   p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
   p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
-  p.chunk16 = prefill_chunk16(p.wgmma, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+  p.chunk16 = prefill_chunk16(p.wgmma, p.vs, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
 
   *prep_blocks_out = prep_blocks;
