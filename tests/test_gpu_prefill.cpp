@@ -129,6 +129,12 @@ PrefillData run_reference(const PrefillData& d) {
 }
 
 double out_tolerance(DType dt) { return dt == DType::kFloat16 ? 2.5e-3 : tolerance_for(DType::kBFloat16); }
+// The chunk-16 path (the default at vs = 128) multiplies the state by bf16 operands at every
+// 16-token step, so the state's bf16 rounding reaches every output beyond the step's 16 tokens
+// (chunk 64: beyond 64). Under weak decay, where the state carries most of each output, that adds
+// ~1.3e-3 (emulated case A at lower bound -0.05: 2.85e-3 against 2.24e-3 for chunk 64; H200 small
+// sweep cases up to 3.1e-3): its outputs are held to the project's bar (targets.md, 4.5e-3) there.
+double out_tolerance(DType dt, bool chunk16_weak) { return chunk16_weak ? 4.5e-3 : out_tolerance(dt); }
 double state_tolerance(DType dt) { return dt == DType::kBFloat16 ? 4e-3 : 3e-3; }
 
 void expect_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
@@ -250,13 +256,25 @@ std::vector<PrefillCase> sweep_cases() {
 
 class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 
+// Whether a call on case c takes the chunk-16 path: the host's choices (host.h make_params) for
+// its sequences x value heads on this device, under the same environment.
+bool takes_chunk16(const PrefillCase& c) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  const int64_t pairs = static_cast<int64_t>(c.seqlens.size()) * c.HV;
+  const int forced = cuda::pf::recurrence_value_split_override(std::getenv("KDA_CUDA_PREFILL_VS"));
+  const int vs = forced ? forced : cuda::pf::recurrence_value_split(pairs, prop.multiProcessorCount);
+  return cuda::pf::prefill_chunk16(cuda::pf::recurrence_wgmma(vs, std::getenv("KDA_CUDA_PREFILL_WGMMA")), vs,
+                                   std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+}
+
 // The full check of one case against the fp64 reference.
 void check_against_reference(const PrefillCase& c) {
   const PrefillData d = make_data(c);
   const PrefillData ref = run_reference(d);
   const GpuResult r = run_cuda(d);
   ASSERT_TRUE(r.status.ok()) << r.status.to_string();
-  expect_close("out", r.out, ref.out, out_tolerance(c.dtype));
+  expect_close("out", r.out, ref.out, out_tolerance(c.dtype, c.weak_decay && takes_chunk16(c)));
   const double st = state_tolerance(c.state_dtype);
   expect_close("final_state", r.ht, ref.ht, st);
   expect_close("state_pool", r.pool, ref.pool, st);
