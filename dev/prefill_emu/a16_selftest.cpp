@@ -1,5 +1,5 @@
 // a16_selftest.cpp — the prepare kernel's 16-token records (prepare_kernel<fp16, kC16 = true>, the
-// chunk-16 path in development) against an fp64 computation of the same quantities, on the
+// chunk-16 path) against an fp64 computation of the same quantities, on the
 // emulator. Dense batches: block (slot = n * chunks_per_seq + j, hv) holds sub-chunks u = 0..3 of
 // tokens 64 j + 16 u .. + 15 of sequence n, each a 16-token record (common.cuh, rec16_*).
 // Build (from the repository root; engine.h has the general build lines):

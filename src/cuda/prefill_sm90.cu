@@ -92,7 +92,7 @@ template <bool kFp16>
 Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, int device, cudaStream_t stream) {
   const uint32_t bit = kFp16 ? 1u : 4u;
   if (prep_blocks > 0) {
-    // Instantiation bits of the chunk-16 path (in development): prepare 4096 / 16384, recurrence 8192 / 32768.
+    // Instantiation bits of the chunk-16 path: prepare 4096 / 16384, recurrence 8192 / 32768.
     auto* prep = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
     KDA_PF_CUDA(allow_smem(prep, pf::kPrepareSmemBytes, device, bit << (p.chunk16 ? 12 : 0)));
     KDA_PF_CUDA(launch_kernel(prep, dim3(static_cast<unsigned>(prep_blocks)), dim3(pf::kPrepareThreads),

@@ -88,7 +88,7 @@ __host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kH
 __host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
 __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
-// ---- 16-token records (the chunk-16 path, in development: docs/perf_notes.md, next steps 1).
+// ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md session 11).
 // Four per record slot (the workspace is sized as for 64-token records). Each matrix is a wgmma B
 // operand, K-major, in the swizzle mode of its row length (PTX ISA, shared memory matrix layouts:
 // the 16-byte chunk index of a row is XORed with row bits, 3 / 2 / 1 of them for 128 / 64 / 32-byte
@@ -198,7 +198,7 @@ struct Params {
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
   bool wgmma = false;               // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
-  bool chunk16 = false;             // both kernels on 16-token records (wgmma only; in development)
+  bool chunk16 = false;             // both kernels on 16-token records (wgmma only; heuristics.h)
   int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
 };
 

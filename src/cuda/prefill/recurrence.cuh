@@ -39,7 +39,7 @@ namespace kda::cuda::pf {
 
 // A pipeline stage (record + v tile), rounded to the 1024-byte period of the record's swizzle.
 __host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return (kRecordBytes + kChunk * vs * 2 + 1023) & ~1023; }
-// The chunk-16 path (in development; wgmma, vs >= 64): a stage is a 16-token record + its v tile.
+// The chunk-16 path (wgmma, vs >= 64): a stage is a 16-token record + its v tile.
 __host__ __device__ constexpr int recurrence_stage_bytes16(int vs) { return (kRecord16Bytes + kChunk16 * vs * 2 + 1023) & ~1023; }
 // Bytes of a 16-token record that are copied (gL ends the record; the rest is alignment).
 inline constexpr int kRecord16CopyBytes = kR16OffGL + kHeadDim * 4;
@@ -249,7 +249,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   wgmma_fence_acc(accS);
 }
 
-// One 16-token step of a warpgroup on wgmma (the chunk-16 path, in development): chunk_wgmma's
+// One 16-token step of a warpgroup on wgmma (the chunk-16 path): chunk_wgmma's
 // products at n = 16 tokens on a 16-token record (common.cuh, rec16_*), in three commit groups:
 //   1. U^T = -S^T W^T + v^T Tm^T (m64n16k16 x 8, m64n16k8 x 2),  O^T = S^T qg^T (m64n16k16 x 8)
 //   2. O^T += U^T Aqk^T (m64n16k8 x 2), waited for before the return
@@ -322,7 +322,7 @@ __device__ __forceinline__ void step16_done(float (&accS)[16][4]) {
   wgmma_fence_acc(accS);
 }
 
-// kC16: the chunk-16 path (in development): 16-token steps over 16-token records (wgmma only).
+// kC16: the chunk-16 path: 16-token steps over 16-token records (wgmma only).
 template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
