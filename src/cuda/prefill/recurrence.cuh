@@ -16,7 +16,8 @@
 // flight while chunk c computes. The mma.sync path without K split: one block barrier per chunk.
 // wgmma and K split paths: none; each group (warpgroup; pair of the K split) loads its own v
 // columns behind its own named barrier, and the last warp done with a stage (a counter per stage)
-// refills its record at once, so the groups wait for each other only through the data. Each warp
+// refills its record at once (chunk-16 path: four stages of 16-token records, refilled at the next
+// step's start), so the groups wait for each other only through the data. Each warp
 // stages its output columns in its own 2 KB tile (stmatrix.trans) and stores them, 32 bytes per
 // token row.
 // Shared memory: 1024 (alignment slack) + 2 x round1024(record + 128 vs) + 128 vs + 32 bytes
@@ -356,8 +357,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_u32(smem);
   uint8_t* otile = smem + kS * sbytes + warp * (kLc * 32);  // this warp's output tile
-  // mbarriers: bar0 + 8 st = stage st full (record bytes arrived); then (wgmma path) two counters
-  // of the warps done with stage 0 / 1.
+  // mbarriers: bar0 + 8 st = stage st full (record bytes arrived); then (wgmma path) one counter
+  // per stage of the warps done with it (kS = 2 stages; 4 on the chunk-16 path).
   const uint32_t bar0 = smem0 + kS * sbytes + nwarps * kLc * 32;
   const int wg = warp >> 2;  // warpgroup (wgmma path)
   // Grouped paths (wgmma, K split): no block barrier per chunk. A group (the warpgroup; the pair of
