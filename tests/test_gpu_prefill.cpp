@@ -262,10 +262,7 @@ bool takes_chunk16(const PrefillCase& c) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
   const int64_t pairs = static_cast<int64_t>(c.seqlens.size()) * c.HV;
-  const int forced = cuda::pf::recurrence_value_split_override(std::getenv("KDA_CUDA_PREFILL_VS"));
-  const int vs = forced ? forced : cuda::pf::recurrence_value_split(pairs, prop.multiProcessorCount);
-  return cuda::pf::prefill_chunk16(cuda::pf::recurrence_wgmma(vs, std::getenv("KDA_CUDA_PREFILL_WGMMA")), vs,
-                                   std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+  return cuda::pf::recurrence_choice(pairs, prop.multiProcessorCount).chunk16;
 }
 
 // The full check of one case against the fp64 reference.

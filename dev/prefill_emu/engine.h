@@ -58,10 +58,9 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
 static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr, int vs_override,
                         bool fp16) {
   if (vs_override) {
-    p.vs = vs_override; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
-    p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
-    p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
-    p.chunk16 = prefill_chunk16(p.wgmma, p.vs, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+    const RecurrenceChoice rc = recurrence_choice_for_split(vs_override);
+    p.vs = rc.vs; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
+    p.ksplit = rc.ksplit; p.wgmma = rc.wgmma; p.chunk16 = rc.chunk16;
   }
   if (p.chunk16) {  // the chunk-16 path
     const int t16 = 32 * recurrence_warps(p.vs, false), s16 = recurrence_smem_bytes16(p.vs);

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstdlib>
 
 namespace kda::cuda::pf {
 
@@ -69,6 +70,26 @@ inline bool prefill_chunk16(bool wgmma, int vs, const char* env) {
   const long v = env_digits(env);
   if (!wgmma || v == 64) return false;
   return v == 16 || vs == 128;
+}
+
+// The recurrence's configuration for a call (the functions above under the environment's knobs),
+// in one place for the host (host.h), the tests and the emulator: value split (KDA_CUDA_PREFILL_VS
+// or the heuristic for `pairs` sequence x value-head pairs on num_sms SMs), K split, wgmma, chunk 16.
+struct RecurrenceChoice {
+  int vs = 128;
+  bool ksplit = false, wgmma = false, chunk16 = false;
+};
+inline RecurrenceChoice recurrence_choice_for_split(int vs) {
+  RecurrenceChoice r;
+  r.vs = vs;
+  r.ksplit = recurrence_k_split(vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
+  r.wgmma = recurrence_wgmma(vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
+  r.chunk16 = prefill_chunk16(r.wgmma, vs, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+  return r;
+}
+inline RecurrenceChoice recurrence_choice(int64_t pairs, int num_sms) {
+  const int forced = recurrence_value_split_override(std::getenv("KDA_CUDA_PREFILL_VS"));
+  return recurrence_choice_for_split(forced ? forced : recurrence_value_split(pairs, num_sms));
 }
 
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,

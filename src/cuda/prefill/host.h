@@ -136,12 +136,12 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.ckpt_off = index_view(pr.checkpoint_offsets);
   p.ckpt_every = pr.checkpoint_every;
   p.kfirst = pr.layout == StateLayout::kKFirst;
-  const int vs_forced = recurrence_value_split_override(std::getenv("KDA_CUDA_PREFILL_VS"));
-  p.vs = vs_forced ? vs_forced : recurrence_value_split(pairs, num_sms);
+  const RecurrenceChoice rc = recurrence_choice(pairs, num_sms);
+  p.vs = rc.vs;
   p.nslices = kHeadDim / p.vs;
-  p.ksplit = recurrence_k_split(p.vs, std::getenv("KDA_CUDA_PREFILL_KSPLIT"));
-  p.wgmma = recurrence_wgmma(p.vs, std::getenv("KDA_CUDA_PREFILL_WGMMA"));
-  p.chunk16 = prefill_chunk16(p.wgmma, p.vs, std::getenv("KDA_CUDA_PREFILL_CHUNK"));
+  p.ksplit = rc.ksplit;
+  p.wgmma = rc.wgmma;
+  p.chunk16 = rc.chunk16;
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
 
   *prep_blocks_out = prep_blocks;

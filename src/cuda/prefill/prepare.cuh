@@ -985,10 +985,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
         v0[e] = lo_f32<true>(kp) * f * fast_exp2(gl.x - gs.x);
         v1[e] = hi_f32<true>(kp) * f * fast_exp2(gl.y - gs.y);
       }
-      uint16_t* kb0 = kC16 ? reinterpret_cast<uint16_t*>(rec + (sg >> 1) * kRecord16Bytes + kR16OffKbT) + rec16_kbt(kk, 8 * (sg & 1))
-                           : kbt_out + rec_kbt(kk, 8 * sg);
-      uint16_t* kb1 = kC16 ? reinterpret_cast<uint16_t*>(rec + (sg >> 1) * kRecord16Bytes + kR16OffKbT) + rec16_kbt(kk + 1, 8 * (sg & 1))
-                           : kbt_out + rec_kbt(kk + 1, 8 * sg);
+      uint16_t* const kbt16 = reinterpret_cast<uint16_t*>(rec + (sg >> 1) * kRecord16Bytes + kR16OffKbT);
+      uint16_t* kb0 = kC16 ? kbt16 + rec16_kbt(kk, 8 * (sg & 1)) : kbt_out + rec_kbt(kk, 8 * sg);
+      uint16_t* kb1 = kC16 ? kbt16 + rec16_kbt(kk + 1, 8 * (sg & 1)) : kbt_out + rec_kbt(kk + 1, 8 * sg);
       *reinterpret_cast<uint4*>(kb0) =
           make_uint4(pack_bf16(v0[0], v0[1]), pack_bf16(v0[2], v0[3]), pack_bf16(v0[4], v0[5]), pack_bf16(v0[6], v0[7]));
       *reinterpret_cast<uint4*>(kb1) =

@@ -63,6 +63,7 @@ inline constexpr int kBarBytes16 = 64;
 __host__ __device__ constexpr int recurrence_smem_bytes16(int vs) {
   return 1024 + kStages16 * recurrence_stage_bytes16(vs) + recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes16;
 }
+static_assert(recurrence_smem_bytes16(128) <= 232448, "recurrence shared memory (chunk 16)");
 // One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
 static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(32, true) <= 232448,
               "recurrence shared memory");
