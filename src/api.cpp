@@ -92,7 +92,24 @@ const char* backend_name(Backend backend) {
     case Backend::kAuto: return "auto";
     case Backend::kCpu: return "cpu";
     case Backend::kCuda: return "cuda";
-    case Backend::kCpuReference: return "cpu-reference";
+    case Backend::kCpuReference: return "reference";
+  }
+  return "unknown";
+}
+
+const char* gate_name(GateForm gate) {
+  switch (gate) {
+    case GateForm::kPrecomputed: return "precomputed";
+    case GateForm::kSoftplus: return "softplus";
+    case GateForm::kLowerBound: return "lower_bound";
+  }
+  return "unknown";
+}
+
+const char* state_layout_name(StateLayout layout) {
+  switch (layout) {
+    case StateLayout::kVFirst: return "v_first";
+    case StateLayout::kKFirst: return "k_first";
   }
   return "unknown";
 }
@@ -110,23 +127,44 @@ std::vector<int64_t> checkpoint_offsets(const std::vector<int64_t>& cu_seqlens, 
 
 namespace {
 
+Status invalid(const char* argument, const std::string& what) {
+  return {StatusCode::kInvalidArgument, argument, what};
+}
+
 // Picks the backend for tensors on `device` and checks that it can reach them.
 Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
   const int b = static_cast<int>(exec.backend);
-  if (b < 0 || b > 3)
-    return {StatusCode::kInvalidArgument, "argument 'exec.backend': expected kAuto, kCpu, kCuda or kCpuReference, got code " + std::to_string(b)};
+  if (b < 0 || b >= kNumBackends)
+    return invalid("backend", "expected 'auto', 'cpu', 'cuda' or 'reference', got code " + std::to_string(b));
   const Backend be = resolve_backend(exec.backend, device);
   if ((be == Backend::kCpu || be == Backend::kCpuReference) && device != Device::kCPU)
-    return {StatusCode::kInvalidArgument, std::string("argument 'exec.backend': expected a backend that reads CUDA tensors (auto or cuda), got ") + backend_name(be)};
+    return invalid("backend", std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
+                                  backend_name(be) + "'");
   if (be == Backend::kCuda && device != Device::kCUDA)
-    return {StatusCode::kInvalidArgument, "argument 'exec.backend': expected tensors on a CUDA device for the cuda backend, got cpu tensors"};
+    return invalid("backend", "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
   if (be == Backend::kCuda && !cuda_compiled())
-    return {StatusCode::kUnsupported, "argument 'exec.backend': cuda requested, but this build has no CUDA backend"};
-  if (exec.num_threads < 0)
-    return {StatusCode::kInvalidArgument, "argument 'exec.num_threads': expected >= 0, got " + std::to_string(exec.num_threads)};
+    return {StatusCode::kUnsupported, "backend", "'cuda' requested, but this build has no CUDA backend"};
+  if (exec.num_threads < 0) return invalid("num_threads", "expected >= 0, got " + std::to_string(exec.num_threads));
   *out = be;
   return Status::Ok();
 }
+
+#ifdef KDA_WITH_CUDA
+// The caller's workspace, or one from exec.allocate_workspace when the call needs more.
+Status cuda_workspace(const detail::PrefillProblem& pr, ExecOptions* exec) {
+  if (exec->allocate_workspace == nullptr) return Status::Ok();
+  size_t need = 0;
+  Status s = cuda::prefill_workspace_size(pr, &need);
+  if (!s.ok() || need == 0 || (exec->workspace != nullptr && exec->workspace_bytes >= need)) return s;
+  void* w = exec->allocate_workspace(need, exec->allocate_context);
+  if (w == nullptr)
+    return {StatusCode::kInternal, "workspace",
+            "allocating " + std::to_string(need) + " bytes of device workspace failed"};
+  exec->workspace = w;
+  exec->workspace_bytes = need;
+  return Status::Ok();
+}
+#endif
 
 template <typename Fn>
 Status guarded(Fn&& fn) {
@@ -153,7 +191,7 @@ Status run_op(const Params& p, Validate&& validate_fn, Body&& body) {
   });
 }
 
-Status not_available() { return {StatusCode::kUnsupported, "argument 'exec.backend': backend not available"}; }
+Status not_available() { return {StatusCode::kUnsupported, "backend", "backend not available"}; }
 
 }  // namespace
 
@@ -173,7 +211,11 @@ Status prefill(const PrefillParams& p) {
       case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();
       case Backend::kCpu: cpu::fast_prefill(pr, p.exec.num_threads); return Status::Ok();
 #ifdef KDA_WITH_CUDA
-      case Backend::kCuda: return cuda::prefill(pr, p.exec);
+      case Backend::kCuda: {
+        ExecOptions exec = p.exec;
+        Status s = cuda_workspace(pr, &exec);
+        return s.ok() ? cuda::prefill(pr, exec) : s;
+      }
 #endif
       default: return not_available();
     }
@@ -199,7 +241,7 @@ Status decode(const DecodeParams& p) {
 }
 
 Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
-  if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
+  if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
 #ifdef KDA_WITH_CUDA
@@ -210,7 +252,7 @@ Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
 }
 
 Status decode_workspace_size(const DecodeParams& p, size_t* bytes) {
-  if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
+  if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;  // decode needs no workspace on any backend
   return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode,
                                                      [](const auto&, Backend) { return Status::Ok(); });

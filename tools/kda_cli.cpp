@@ -216,8 +216,8 @@ int cmd_demo(const DemoOptions& o) {
   pp.q = m.place(q); pp.k = m.place(k); pp.v = m.place(v); pp.g = m.place(g); pp.beta = m.place(beta);
   pp.A_log = m.place(A_log); pp.dt_bias = m.place(dt_bias); pp.cu_seqlens = m.place(cut);
   pp.out = m.place(out); pp.state_pool = m.place(pool); pp.state_indices = m.place(idx);
-  pp.gate.gate_form = gate;
-  pp.gate.beta_form = BetaForm::kLogits;
+  pp.math.gate = gate;
+  pp.math.beta_logits = true;
   pp.exec.backend = backend;
   pp.exec.num_threads = o.threads;
   if (!m.err.ok()) return std::fprintf(stderr, "kda: %s\n", m.err.to_string().c_str()), 1;
@@ -244,7 +244,7 @@ int cmd_demo(const DemoOptions& o) {
   // Decode steps: every sequence advances one token per step, reading and writing its pool slot.
   DecodeParams dp;
   dp.A_log = pp.A_log; dp.dt_bias = pp.dt_bias; dp.state = pp.state_pool; dp.state_indices = pp.state_indices;
-  dp.gate = pp.gate;
+  dp.math = pp.math;
   dp.exec = pp.exec;
   TensorView vq = m.place(dq), vk = m.place(dk), vv = m.place(dv), vg = m.place(dg), vb = m.place(dbeta), vo = m.place(dout);
   auto step_view = [](TensorView t, int64_t step) {
@@ -305,7 +305,7 @@ int cmd_demo(const DemoOptions& o) {
   PrefillParams rp;
   rp.q = rq.view(); rp.k = rk.view(); rp.v = rv.view(); rp.g = rg.view(); rp.beta = rb.view();
   rp.A_log = ra.view(); rp.dt_bias = rd.view(); rp.out = ro.view(); rp.final_state = rs.view();
-  rp.gate = pp.gate;
+  rp.math = pp.math;
   rp.exec.backend = Backend::kCpuReference;
   t0 = std::chrono::steady_clock::now();
   s = prefill(rp);

@@ -67,19 +67,32 @@ enum class StatusCode : int32_t {
 };
 
 // Result of every entry point. On error, `message` names the argument, what was expected and what
-// was given, e.g. "argument 'k': expected dtype bf16 (same as q), got fp16".
+// was given, e.g. "argument 'k': expected dtype bf16 (as q), got dtype fp16". Arguments are named
+// as the Python API names them, which are the field names of the params structs below (options
+// by their own name: 'gate', 'backend', not 'math.gate' / 'exec.backend').
 class Status {
  public:
   Status() = default;
   Status(StatusCode code, std::string message) : code_(code), message_(std::move(message)) {}
+  // An error about one argument: message "argument '<argument>': <what>".
+  Status(StatusCode code, const std::string& argument, const std::string& what)
+      : code_(code), argument_(argument), message_("argument '" + argument + "': " + what) {}
   static Status Ok() { return {}; }
   bool ok() const { return code_ == StatusCode::kOk; }
   StatusCode code() const { return code_; }
   const std::string& message() const { return message_; }
+  // The argument the error is about ("" when none); the message then starts with
+  // "argument '<argument>': " and what() is the rest, so that bindings can name the argument in
+  // their caller's vocabulary.
+  const std::string& argument() const { return argument_; }
+  std::string what() const {
+    return argument_.empty() ? message_ : message_.substr(argument_.size() + 13);
+  }
   std::string to_string() const;
 
  private:
   StatusCode code_ = StatusCode::kOk;
+  std::string argument_;
   std::string message_;
 };
 
@@ -87,44 +100,56 @@ class Status {
 // Options shared by both entry points
 // ---------------------------------------------------------------------------------------------
 
+// Every enum has its codes 0 .. kNum* - 1 and a name per value (the *_name() functions below),
+// which is how the Python API and the CLI spell the value.
+
 // How the gate input g becomes the per-channel log decay a_t (natural log, a_t <= 0).
 enum class GateForm : int32_t {
-  kPrecomputed = 0,  // a_t = g_t (log-space decay given by the caller; -1000 is legal)
-  kSoftplus = 1,     // a_t = -exp(A_log[hv]) * softplus(g_t + dt_bias[hv])        (Kimi-Linear)
-  kLowerBound = 2,   // a_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_t + dt_bias[hv]))  (FlashKDA)
+  kPrecomputed = 0,  // "precomputed": a_t = g_t (log-space decay given by the caller)
+  kSoftplus = 1,     // "softplus": a_t = -exp(A_log[hv]) * softplus(g_t + dt_bias[hv]) (Kimi-Linear)
+  kLowerBound = 2,   // "lower_bound": a_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_t + dt_bias[hv]))
 };
-
-// How beta becomes b_t.
-enum class BetaForm : int32_t {
-  kActivated = 0,  // b_t = beta_t (already activated)
-  kLogits = 1,     // b_t = sigmoid(beta_t), or 2 * sigmoid(beta_t) with allow_neg_eigval
-};
+inline constexpr int kNumGateForms = 3;
 
 // Storage order of every state tensor of a call (initial/final state, pool, checkpoints).
 enum class StateLayout : int32_t {
-  kVFirst = 0,  // [.., HV, V, K] (default; FlashKDA/MATE)
-  kKFirst = 1,  // [.., HV, K, V] (FLA)
+  kVFirst = 0,  // "v_first": [.., HV, V, K] (default; FlashKDA/MATE)
+  kKFirst = 1,  // "k_first": [.., HV, K, V] (FLA)
 };
+inline constexpr int kNumStateLayouts = 2;
 
 enum class Backend : int32_t {
-  kAuto = 0,          // CUDA when the tensors live on a CUDA device, else the fast CPU backend
-  kCpu = 1,           // fast CPU backend (fp32, chunked prefill, multi-threaded)
-  kCuda = 2,          // CUDA backend (sm_90a)
-  kCpuReference = 3,  // the fp64 token-by-token reference (slow; the spec in code)
+  kAuto = 0,          // "auto": CUDA when the tensors live on a CUDA device, else "cpu"
+  kCpu = 1,           // "cpu": fast CPU backend (fp32, chunked prefill, multi-threaded)
+  kCuda = 2,          // "cuda": CUDA backend (sm_90a)
+  kCpuReference = 3,  // "reference": the fp64 token-by-token CPU reference (the spec in code)
 };
+inline constexpr int kNumBackends = 4;
+
+// Names of the enum values ("unknown" for a code outside the enum).
+const char* gate_name(GateForm gate);
+const char* state_layout_name(StateLayout layout);
+const char* backend_name(Backend backend);
 
 // Prefill chunk size of every backend: checkpoint_every must be a multiple of it.
 inline constexpr int kChunkSize = 64;
 
-// Preprocessing and gate options, shared by prefill and decode (spec sections 2 and 3).
-struct GateOptions {
+// The math of a call: preprocessing of q, k, the gate and beta (spec sections 2 and 3), shared by
+// prefill and decode. Field names are the Python API's argument names.
+struct MathOptions {
   bool use_qk_l2norm = true;          // q, k <- x / sqrt(sum(x^2) + 1e-6)
   std::optional<double> scale;        // q scale; default K^-0.5
-  GateForm gate_form = GateForm::kPrecomputed;
-  float lower_bound = -5.0f;          // kLowerBound only; in [-5, 0)
-  BetaForm beta_form = BetaForm::kActivated;
-  bool allow_neg_eigval = false;      // with kLogits: b = 2 * sigmoid(beta)
+  GateForm gate = GateForm::kPrecomputed;  // how g becomes the log decay (see GateForm)
+  float lower_bound = -5.0f;          // GateForm::kLowerBound only; in [-5, 0)
+  bool beta_logits = false;           // b = sigmoid(beta); false: b = beta (already activated)
+  bool allow_neg_eigval = false;      // with beta_logits: b = 2 * sigmoid(beta)
 };
+
+// Allocates `bytes` of workspace on the tensors' device for one call (see ExecOptions). The memory
+// must stay valid for the work the call enqueues on its stream (a stream-ordered allocator, such as
+// a framework's caching allocator, satisfies this when the stream is the allocation's stream).
+// Returns nullptr on failure.
+using WorkspaceAllocator = void* (*)(size_t bytes, void* context);
 
 // Where and how a call runs.
 struct ExecOptions {
@@ -132,6 +157,10 @@ struct ExecOptions {
   void* stream = nullptr;        // cudaStream_t for the CUDA backend (nullptr = legacy default)
   void* workspace = nullptr;     // caller memory on the tensors' device, >= *_workspace_size()
   size_t workspace_bytes = 0;    // CPU backends allocate their own when this is too small
+  // Called once, after validation, when the chosen backend needs more workspace than
+  // workspace_bytes (then workspace/workspace_bytes are ignored); nullptr = not used.
+  WorkspaceAllocator allocate_workspace = nullptr;
+  void* allocate_context = nullptr;  // passed to allocate_workspace
   int num_threads = 0;           // CPU backends: 0 = all hardware threads (or $KDA_NUM_THREADS)
 };
 
@@ -149,7 +178,7 @@ struct PrefillParams {
   TensorView k;           // [B, T, H, K]   same dtype as q
   TensorView v;           // [B, T, HV, V]  same dtype as q; HV % H == 0
   TensorView g;           // [B, T, HV, K]  q's dtype or fp32; gate input (see GateForm)
-  TensorView beta;        // [B, T, HV]     q's dtype or fp32 (see BetaForm)
+  TensorView beta;        // [B, T, HV]     q's dtype or fp32 (see MathOptions::beta_logits)
   TensorView A_log;       // [HV] fp32, optional (absent: exp(A_log) = 1)
   TensorView dt_bias;     // [HV, K] fp32, optional (absent: 0)
   TensorView cu_seqlens;  // [N + 1] int32/int64, optional: varlen mode
@@ -175,7 +204,7 @@ struct PrefillParams {
   TensorView checkpoint_offsets;   // [N + 1] int32/int64
 
   StateLayout state_layout = StateLayout::kVFirst;
-  GateOptions gate;
+  MathOptions math;
   ExecOptions exec;
 };
 
@@ -224,7 +253,7 @@ struct DecodeParams {
   bool check_indices = false;     // host-side check of index values (see above)
 
   StateLayout state_layout = StateLayout::kVFirst;
-  GateOptions gate;
+  MathOptions math;
   ExecOptions exec;
 };
 
@@ -262,7 +291,6 @@ struct DeviceInfo {
 bool cuda_compiled();                          // this build contains the CUDA backend
 std::vector<DeviceInfo> cuda_devices();        // empty without a driver or devices
 Backend resolve_backend(Backend requested, Device tensors_device);
-const char* backend_name(Backend backend);
 const char* version();
 
 }  // namespace kda

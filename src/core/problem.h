@@ -23,19 +23,19 @@ struct Dims {
   int64_t groups() const { return HV / H; }  // value heads per q/k head
 };
 
-// Resolved gate constants; all arithmetic in at least fp32.
-struct GateConsts {
-  GateForm form = GateForm::kPrecomputed;
-  BetaForm beta_form = BetaForm::kActivated;
+// Resolved MathOptions (the scale given its default); all arithmetic in at least fp32.
+struct MathConsts {
+  GateForm gate = GateForm::kPrecomputed;
+  bool beta_logits = false;
   bool allow_neg_eigval = false;
-  bool l2norm = true;
+  bool use_qk_l2norm = true;
   double scale = 1.0;
   float lower_bound = -5.0f;
 };
 
 struct PrefillProblem {
   Dims d;
-  GateConsts gate;
+  MathConsts math;
   TensorView q, k, v, g, beta, out;      // rank 4 (beta: [B, T, HV, 1])
   TensorView A_log, dt_bias, cu_seqlens;  // as given (optional)
   TensorView initial_state, final_state, state_pool, state_indices;  // rank 4 / as given
@@ -47,7 +47,7 @@ struct PrefillProblem {
 
 struct DecodeProblem {
   Dims d;
-  GateConsts gate;
+  MathConsts math;
   int64_t Tmax = 0;  // tokens per sequence (dense) or max tokens any sequence may have (varlen)
   bool beta_per_v = false;
   TensorView q, k, v, g, beta, out;

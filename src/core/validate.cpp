@@ -35,8 +35,7 @@ std::string dims_str(std::initializer_list<int64_t> dims) {
 }
 
 Status Err(const char* arg, const std::string& expected, const std::string& got) {
-  return {StatusCode::kInvalidArgument,
-          std::string("argument '") + arg + "': expected " + expected + ", got " + got};
+  return {StatusCode::kInvalidArgument, arg, "expected " + expected + ", got " + got};
 }
 
 #define KDA_RETURN_IF_ERROR(expr)   \
@@ -215,24 +214,41 @@ Status parse_qkv(const TensorView& q, const TensorView& k, const TensorView& v, 
   return parse_v(v, q, d);
 }
 
-Status parse_gate(const GateOptions& gopt, const Dims& d, GateConsts* gc) {
-  const int gf = static_cast<int>(gopt.gate_form), bf = static_cast<int>(gopt.beta_form);
-  if (gf < 0 || gf > 2) return Err("gate.gate_form", "kPrecomputed, kSoftplus or kLowerBound", "code " + std::to_string(gf));
-  if (bf < 0 || bf > 1) return Err("gate.beta_form", "kActivated or kLogits", "code " + std::to_string(bf));
-  if (gopt.gate_form == GateForm::kLowerBound &&
-      !(gopt.lower_bound >= -5.0f && gopt.lower_bound < 0.0f))
-    return Err("gate.lower_bound", "a value in [-5, 0)", std::to_string(gopt.lower_bound));
-  if (gopt.allow_neg_eigval && gopt.beta_form != BetaForm::kLogits)
-    return Err("gate.allow_neg_eigval", "beta_form kLogits (2 * sigmoid(beta))", "beta_form kActivated");
-  double scale = gopt.scale.has_value() ? *gopt.scale : 1.0 / std::sqrt(static_cast<double>(d.K));
-  if (!std::isfinite(scale)) return Err("gate.scale", "a finite value", std::to_string(scale));
-  gc->form = gopt.gate_form;
-  gc->beta_form = gopt.beta_form;
-  gc->allow_neg_eigval = gopt.allow_neg_eigval;
-  gc->l2norm = gopt.use_qk_l2norm;
-  gc->scale = scale;
-  gc->lower_bound = gopt.lower_bound;
+// One-of names of an enum's values for messages: "'a', 'b' or 'c'".
+template <typename Enum>
+std::string enum_names(const char* (*name)(Enum), int count) {
+  std::string s;
+  for (int i = 0; i < count; ++i) {
+    s += i == 0 ? "" : (i + 1 == count ? " or " : ", ");
+    s += std::string("'") + name(static_cast<Enum>(i)) + "'";
+  }
+  return s;
+}
+
+Status parse_math(const MathOptions& m, const Dims& d, MathConsts* mc) {
+  const int gate = static_cast<int>(m.gate);
+  if (gate < 0 || gate >= kNumGateForms)
+    return Err("gate", enum_names(gate_name, kNumGateForms), "code " + std::to_string(gate));
+  if (m.gate == GateForm::kLowerBound && !(m.lower_bound >= -5.0f && m.lower_bound < 0.0f))
+    return Err("lower_bound", "a value in [-5, 0)", std::to_string(m.lower_bound));
+  if (m.allow_neg_eigval && !m.beta_logits)
+    return Err("allow_neg_eigval", "beta_logits (b = 2 * sigmoid(beta))", "beta_logits false");
+  double scale = m.scale.has_value() ? *m.scale : 1.0 / std::sqrt(static_cast<double>(d.K));
+  if (!std::isfinite(scale)) return Err("scale", "a finite value", std::to_string(scale));
+  mc->gate = m.gate;
+  mc->beta_logits = m.beta_logits;
+  mc->allow_neg_eigval = m.allow_neg_eigval;
+  mc->use_qk_l2norm = m.use_qk_l2norm;
+  mc->scale = scale;
+  mc->lower_bound = m.lower_bound;
   return Status::Ok();
+}
+
+Status check_state_layout(StateLayout layout) {
+  const int code = static_cast<int>(layout);
+  if (code >= 0 && code < kNumStateLayouts) return Status::Ok();
+  return Err("state_layout", enum_names(state_layout_name, kNumStateLayouts),
+             "code " + std::to_string(code));
 }
 
 Status check_gate_params(const TensorView& A_log, const TensorView& dt_bias, const Dims& d,
@@ -308,10 +324,9 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, false));
   KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
   KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, false));
-  GateConsts gc;
-  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
-  const int lay = static_cast<int>(p.state_layout);
-  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+  MathConsts mc;
+  KDA_RETURN_IF_ERROR(parse_math(p.math, d, &mc));
+  KDA_RETURN_IF_ERROR(check_state_layout(p.state_layout));
 
   // States: either initial/final rows per sequence, or a pool with indices.
   if (p.state_pool.present() || p.state_indices.present()) {
@@ -357,7 +372,7 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   }
 
   pr->d = d;
-  pr->gate = gc;
+  pr->math = mc;
   pr->q = as_rank4(p.q);
   pr->k = as_rank4(p.k);
   pr->v = as_rank4(p.v);
@@ -403,10 +418,9 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, true));
   KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
   KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, true));
-  GateConsts gc;
-  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
-  const int lay = static_cast<int>(p.state_layout);
-  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+  MathConsts mc;
+  KDA_RETURN_IF_ERROR(parse_math(p.math, d, &mc));
+  KDA_RETURN_IF_ERROR(check_state_layout(p.state_layout));
 
   if (!p.state.present()) return Err("state", "a state pool [P, HV, V, K]", "absent");
   KDA_RETURN_IF_ERROR(check_state("state", p.state, -1, d, p.state_layout, p.q, false));
@@ -450,7 +464,7 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   if (p.q.device == Device::kCPU && d.varlen) KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
 
   pr->d = d;
-  pr->gate = gc;
+  pr->math = mc;
   pr->Tmax = Tmax;
   pr->beta_per_v = beta_per_v;
   pr->q = as_rank4(p.q);

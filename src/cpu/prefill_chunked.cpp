@@ -244,8 +244,8 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
   HeadGate<float> hg;
   load_head_gate(pr, hv, &hg);
   float a[kMaxD];
-  const int gate_form = static_cast<int>(pr.gate.form);
-  const float lower_bound = pr.gate.lower_bound;
+  const int gate_form = static_cast<int>(pr.math.gate);
+  const float lower_bound = pr.math.lower_bound;
   for (int64_t c0 = 0; c0 < span.len; c0 += kC) {
     const int L = static_cast<int>(std::min<int64_t>(kC, span.len - c0));
     // Load and preprocess the chunk; G = cumulative log decay.
