@@ -125,17 +125,28 @@ int main(int argc, char** argv) {
     const std::string a = argv[i];
     const bool has_value = i + 1 < argc;
     auto value = [&]() { return std::atoll(argv[++i]); };
-    if (a == "--cpu") o.cpu = true;
-    else if (a == "--T" && has_value) o.T = value();
-    else if (a == "--H" && has_value) o.H = value();
-    else if (a == "--K" && has_value) o.K = value();
-    else if (a == "--decode-B" && has_value) o.decode_B = value();
-    else if (a == "--decode-H" && has_value) o.decode_H = value();
-    else if (a == "--calls" && has_value) o.calls = static_cast<int>(value());
-    else if (a == "--repeats" && has_value) o.repeats = static_cast<int>(value());
-    else if (a == "--threads" && has_value) o.threads = static_cast<int>(value());
-    else if (a == "--json" && has_value) o.json = argv[++i];
-    else return usage();
+    if (a == "--cpu")
+      o.cpu = true;
+    else if (a == "--T" && has_value)
+      o.T = value();
+    else if (a == "--H" && has_value)
+      o.H = value();
+    else if (a == "--K" && has_value)
+      o.K = value();
+    else if (a == "--decode-B" && has_value)
+      o.decode_B = value();
+    else if (a == "--decode-H" && has_value)
+      o.decode_H = value();
+    else if (a == "--calls" && has_value)
+      o.calls = static_cast<int>(value());
+    else if (a == "--repeats" && has_value)
+      o.repeats = static_cast<int>(value());
+    else if (a == "--threads" && has_value)
+      o.threads = static_cast<int>(value());
+    else if (a == "--json" && has_value)
+      o.json = argv[++i];
+    else
+      return usage();
   }
   if (o.calls < 1 || o.repeats < 1) return usage();
 
@@ -217,24 +228,29 @@ int main(int argc, char** argv) {
     double us;
   };
   std::vector<Row> rows = {
-      {"kda::validate(PrefillParams)", time_calls(o, [&] { return validate(p); }, [] {})},
-      {"kda::prefill", time_calls(o, [&] { return prefill(p); }, sync)},
-      {"kda::validate(DecodeParams)", time_calls(o, [&] { return validate(d); }, [] {})},
-      {"kda::decode", time_calls(o, [&] { return decode(d); }, sync)},
+      {"kda::validate(PrefillParams)", time_calls(
+                                           o, [&] { return validate(p); }, [] {})},
+      {"kda::prefill", time_calls(
+                           o, [&] { return prefill(p); }, sync)},
+      {"kda::validate(DecodeParams)", time_calls(
+                                          o, [&] { return validate(d); }, [] {})},
+      {"kda::decode", time_calls(
+                          o, [&] { return decode(d); }, sync)},
   };
 #ifdef KDA_BENCH_CUDA
   if (cs != nullptr) cudaStreamDestroy(cs);
 #endif
 
-  std::printf("host cost per call (%s, %s, %d calls, median of %d); prefill 1 x %lld, H = %lld, "
-              "K = V = %lld; decode B = %lld, H = %lld, K = V = %lld\n",
-              cuda ? "cuda" : "cpu", dtype_name(dt), o.calls, o.repeats, (long long)o.T,
-              (long long)o.H, (long long)K, (long long)B, (long long)HD, (long long)K);
+  std::printf(
+      "host cost per call (%s, %s, %d calls, median of %d); prefill 1 x %lld, H = %lld, "
+      "K = V = %lld; decode B = %lld, H = %lld, K = V = %lld\n",
+      cuda ? "cuda" : "cpu", dtype_name(dt), o.calls, o.repeats, (long long)o.T, (long long)o.H,
+      (long long)K, (long long)B, (long long)HD, (long long)K);
   std::printf("%-32s %10s\n", "call", "us/call");
   for (const Row& r : rows) std::printf("%-32s %10.2f\n", r.call, r.us);
-  std::string j = std::string("{\"device\": \"") + (cuda ? "cuda" : "cpu") + "\", \"calls\": " +
-                  std::to_string(o.calls) + ", \"repeats\": " + std::to_string(o.repeats) +
-                  ", \"results\": [";
+  std::string j = std::string("{\"device\": \"") + (cuda ? "cuda" : "cpu") +
+                  "\", \"calls\": " + std::to_string(o.calls) +
+                  ", \"repeats\": " + std::to_string(o.repeats) + ", \"results\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     char buf[160];
     std::snprintf(buf, sizeof buf, "%s{\"call\": \"%s\", \"us_per_call\": %.3f}", i ? ", " : "",
@@ -245,7 +261,8 @@ int main(int argc, char** argv) {
   std::printf("%s\n", j.c_str());
   if (!o.json.empty()) {
     FILE* f = std::fopen(o.json.c_str(), "w");
-    if (f == nullptr) return std::fprintf(stderr, "bench_host_cost: cannot write %s\n", o.json.c_str()), 1;
+    if (f == nullptr)
+      return std::fprintf(stderr, "bench_host_cost: cannot write %s\n", o.json.c_str()), 1;
     std::fprintf(f, "%s\n", j.c_str());
     std::fclose(f);
   }

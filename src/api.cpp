@@ -135,16 +135,21 @@ Status invalid(const char* argument, const std::string& what) {
 Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
   const int b = static_cast<int>(exec.backend);
   if (b < 0 || b >= kNumBackends)
-    return invalid("backend", "expected 'auto', 'cpu', 'cuda' or 'reference', got code " + std::to_string(b));
+    return invalid("backend",
+                   "expected 'auto', 'cpu', 'cuda' or 'reference', got code " + std::to_string(b));
   const Backend be = resolve_backend(exec.backend, device);
   if ((be == Backend::kCpu || be == Backend::kCpuReference) && device != Device::kCPU)
-    return invalid("backend", std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
-                                  backend_name(be) + "'");
+    return invalid("backend",
+                   std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
+                       backend_name(be) + "'");
   if (be == Backend::kCuda && device != Device::kCUDA)
-    return invalid("backend", "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
+    return invalid("backend",
+                   "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
   if (be == Backend::kCuda && !cuda_compiled())
-    return {StatusCode::kUnsupported, "backend", "'cuda' requested, but this build has no CUDA backend"};
-  if (exec.num_threads < 0) return invalid("num_threads", "expected >= 0, got " + std::to_string(exec.num_threads));
+    return {StatusCode::kUnsupported, "backend",
+            "'cuda' requested, but this build has no CUDA backend"};
+  if (exec.num_threads < 0)
+    return invalid("num_threads", "expected >= 0, got " + std::to_string(exec.num_threads));
   *out = be;
   return Status::Ok();
 }
@@ -155,7 +160,8 @@ Status cuda_workspace(const detail::PrefillProblem& pr, ExecOptions* exec) {
   if (exec->allocate_workspace == nullptr) return Status::Ok();
   size_t need = 0;
   Status s = cuda::prefill_workspace_size(pr, &need);
-  if (!s.ok() || need == 0 || (exec->workspace != nullptr && exec->workspace_bytes >= need)) return s;
+  if (!s.ok() || need == 0) return s;
+  if (exec->workspace != nullptr && exec->workspace_bytes >= need) return Status::Ok();
   void* w = exec->allocate_workspace(need, exec->allocate_context);
   if (w == nullptr)
     return {StatusCode::kInternal, "workspace",

@@ -63,6 +63,14 @@ bool parse_int(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
 }
 
 // Parses demo flags; returns an error message or "".
+// The code of an enum value named `v` (kda's *_name() spelling), or -1.
+template <typename Enum>
+int enum_code(const std::string& v, const char* (*name)(Enum), int count) {
+  for (int i = 0; i < count; ++i)
+    if (v == name(static_cast<Enum>(i))) return i;
+  return -1;
+}
+
 std::string parse_demo(int argc, char** argv, DemoOptions* o) {
   for (int i = 2; i < argc; ++i) {
     const std::string f = argv[i];
@@ -71,13 +79,15 @@ std::string parse_demo(int argc, char** argv, DemoOptions* o) {
     const std::string v = argv[++i];
     int64_t x = 0;
     if (f == "--backend") {
-      if (v != "auto" && v != "cpu" && v != "cuda" && v != "reference") return "--backend: expected auto, cpu, cuda or reference, got " + v;
+      if (enum_code(v, backend_name, kNumBackends) < 0)
+        return "--backend: expected auto, cpu, cuda or reference, got " + v;
       o->backend = v;
     } else if (f == "--dtype") {
       if (v != "bf16" && v != "fp16" && v != "fp32") return "--dtype: expected bf16, fp16 or fp32, got " + v;
       o->dtype = v;
     } else if (f == "--gate") {
-      if (v != "softplus" && v != "lower_bound" && v != "precomputed") return "--gate: expected softplus, lower_bound or precomputed, got " + v;
+      if (enum_code(v, gate_name, kNumGateForms) < 0)
+        return "--gate: expected softplus, lower_bound or precomputed, got " + v;
       o->gate = v;
     } else if (f == "--heads") {
       if (!parse_int(v, 1, 1024, &o->H)) return "--heads: expected an integer in [1, 1024], got " + v;
@@ -173,16 +183,14 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int cmd_demo(const DemoOptions& o) {
   // Backend choice: auto = CUDA when a supported device is present.
-  Backend backend = Backend::kCpu;
-  if (o.backend == "reference") backend = Backend::kCpuReference;
-  if (o.backend == "cuda") backend = Backend::kCuda;
-  if (o.backend == "auto") {
+  Backend backend = static_cast<Backend>(enum_code(o.backend, backend_name, kNumBackends));
+  if (backend == Backend::kAuto) {
+    backend = Backend::kCpu;
     for (const auto& d : cuda_devices())
       if (d.supported) backend = Backend::kCuda;
   }
   const DType dt = o.dtype == "bf16" ? DType::kBFloat16 : o.dtype == "fp16" ? DType::kFloat16 : DType::kFloat32;
-  const GateForm gate = o.gate == "softplus" ? GateForm::kSoftplus
-                        : o.gate == "lower_bound" ? GateForm::kLowerBound : GateForm::kPrecomputed;
+  const GateForm gate = static_cast<GateForm>(enum_code(o.gate, gate_name, kNumGateForms));
   const int64_t N = static_cast<int64_t>(o.seqlens.size()), H = o.H, HV = o.HV, K = o.D, V = o.D, S = o.steps;
   std::vector<int64_t> cu = {0};
   for (int64_t l : o.seqlens) cu.push_back(cu.back() + l);

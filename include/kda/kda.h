@@ -105,9 +105,12 @@ class Status {
 
 // How the gate input g becomes the per-channel log decay a_t (natural log, a_t <= 0).
 enum class GateForm : int32_t {
-  kPrecomputed = 0,  // "precomputed": a_t = g_t (log-space decay given by the caller)
-  kSoftplus = 1,     // "softplus": a_t = -exp(A_log[hv]) * softplus(g_t + dt_bias[hv]) (Kimi-Linear)
-  kLowerBound = 2,   // "lower_bound": a_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_t + dt_bias[hv]))
+  // "precomputed": a_t = g_t (log-space decay given by the caller)
+  kPrecomputed = 0,
+  // "softplus": a_t = -exp(A_log[hv]) * softplus(g_t + dt_bias[hv])  (Kimi-Linear)
+  kSoftplus = 1,
+  // "lower_bound": a_t = lower_bound * sigmoid(exp(A_log[hv]) * (g_t + dt_bias[hv]))  (FlashKDA)
+  kLowerBound = 2,
 };
 inline constexpr int kNumGateForms = 3;
 

@@ -1,10 +1,11 @@
 """The kda Python API: ``prefill`` and ``decode`` over torch, numpy or any DLPack arrays.
 
 Arrays cross into the C++ library without copies, with their own strides, dtype and device;
-outputs that are not given are allocated with the inputs' array library on q's device. Torch
-tensors go through the custom ops ``torch.ops.kda.prefill`` / ``torch.ops.kda.decode`` so that
-torch.compile and CUDA-graph capture see them. On CUDA the kernels run on the current stream of
-the array library (torch, CuPy) or the legacy default stream.
+outputs that are not given are allocated with the inputs' array library on q's device. Each call
+is one call into the extension, which validates once and runs. While torch.compile traces a call,
+torch tensors go through the custom ops ``torch.ops.kda.prefill`` / ``torch.ops.kda.decode``
+instead, so that torch.compile and CUDA-graph capture see them. On CUDA the kernels run on the
+current stream of the array library (torch, CuPy) or the legacy default stream.
 
 Errors: a wrong type raises TypeError, a wrong value (shape, dtype, flag, index...) raises
 ValueError, a valid call that the chosen backend cannot run raises NotImplementedError; every

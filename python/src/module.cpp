@@ -25,19 +25,64 @@ using namespace nb::literals;
 namespace kda::python {
 namespace {
 
-constexpr const char* kPrefillArguments[] = {
-    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "initial_state",
-    "final_state", "state_pool", "state_indices", "checkpoints", "checkpoint_offsets",
-    "workspace", "checkpoint_every", "state_layout", "use_qk_l2norm", "scale", "gate",
-    "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads", "stream",
-    "allocate", "names"};
+constexpr const char* kPrefillArguments[] = {"q",
+                                             "k",
+                                             "v",
+                                             "g",
+                                             "beta",
+                                             "A_log",
+                                             "dt_bias",
+                                             "cu_seqlens",
+                                             "out",
+                                             "initial_state",
+                                             "final_state",
+                                             "state_pool",
+                                             "state_indices",
+                                             "checkpoints",
+                                             "checkpoint_offsets",
+                                             "workspace",
+                                             "checkpoint_every",
+                                             "state_layout",
+                                             "use_qk_l2norm",
+                                             "scale",
+                                             "gate",
+                                             "lower_bound",
+                                             "beta_logits",
+                                             "allow_neg_eigval",
+                                             "backend",
+                                             "num_threads",
+                                             "stream",
+                                             "allocate",
+                                             "names"};
 
-constexpr const char* kDecodeArguments[] = {
-    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "state",
-    "state_indices", "num_accepted_tokens", "final_state", "intermediate_states",
-    "use_initial_state", "store_final_state", "check_indices", "state_layout", "use_qk_l2norm",
-    "scale", "gate", "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads",
-    "stream", "names"};
+constexpr const char* kDecodeArguments[] = {"q",
+                                            "k",
+                                            "v",
+                                            "g",
+                                            "beta",
+                                            "A_log",
+                                            "dt_bias",
+                                            "cu_seqlens",
+                                            "out",
+                                            "state",
+                                            "state_indices",
+                                            "num_accepted_tokens",
+                                            "final_state",
+                                            "intermediate_states",
+                                            "use_initial_state",
+                                            "store_final_state",
+                                            "check_indices",
+                                            "state_layout",
+                                            "use_qk_l2norm",
+                                            "scale",
+                                            "gate",
+                                            "lower_bound",
+                                            "beta_logits",
+                                            "allow_neg_eigval",
+                                            "backend",
+                                            "num_threads",
+                                            "stream",
+                                            "names"};
 
 template <size_t N>
 nb::tuple names_tuple(const char* const (&names)[N]) {
@@ -80,7 +125,8 @@ class Cursor {
   const char* name() const { return names_[i_]; }
   nb::handle next(const char* expected) {
     if (i_ >= N || std::strcmp(names_[i_], expected) != 0)
-      throw nb::type_error((std::string("kda._C: argument '") + expected + "' out of order").c_str());
+      throw nb::type_error(
+          (std::string("kda._C: argument '") + expected + "' out of order").c_str());
     return args_.at(i_++);
   }
 
@@ -142,7 +188,7 @@ void read_tokens(Cursor<N>& c, Reader& r, Params* p) {
   auto required = [&](const char* arg) {
     nb::handle h = c.next(arg);
     if (h.is_none()) r.type_error(arg, "expected an array, got None");
-    return r.array(arg, h, false);
+    return r.array(arg, h, false, /*optional=*/false);
   };
   p->q = required("q");
   p->k = required("k");
@@ -180,8 +226,8 @@ void run_prefill(const nb::args& args) {
   p.checkpoint_offsets = r.array("checkpoint_offsets", c.next("checkpoint_offsets"), false);
   r.workspace("workspace", c.next("workspace"), &p.exec.workspace, &p.exec.workspace_bytes);
   p.checkpoint_every = r.integer("checkpoint_every", c.next("checkpoint_every"));
-  p.state_layout = r.choice("state_layout", c.next("state_layout"), state_layout_name,
-                            kNumStateLayouts);
+  p.state_layout =
+      r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
   read_math(c, r, &p.math);
   read_exec(c, r, &p.exec);
   Allocation alloc;
@@ -211,7 +257,7 @@ void run_decode(const nb::args& args) {
   // Whether the pool must be writable depends on store_final_state (read first).
   const bool store = r.flag("store_final_state", a["store_final_state"]);
   if (a["state"].is_none()) r.type_error("state", "expected an array (the state pool), got None");
-  p.state = r.array("state", c.next("state"), store);
+  p.state = r.array("state", c.next("state"), store, /*optional=*/false);
   p.state_indices = r.array("state_indices", c.next("state_indices"), false);
   p.num_accepted_tokens = r.array("num_accepted_tokens", c.next("num_accepted_tokens"), false);
   p.final_state = r.array("final_state", c.next("final_state"), true);
@@ -219,8 +265,8 @@ void run_decode(const nb::args& args) {
   p.use_initial_state = r.flag("use_initial_state", c.next("use_initial_state"));
   p.store_final_state = r.flag("store_final_state", c.next("store_final_state"));
   p.check_indices = r.flag("check_indices", c.next("check_indices"));
-  p.state_layout = r.choice("state_layout", c.next("state_layout"), state_layout_name,
-                            kNumStateLayouts);
+  p.state_layout =
+      r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
   read_math(c, r, &p.math);
   read_exec(c, r, &p.exec);
   run_released(p, r, [](const DecodeParams& x) { return kda::decode(x); });

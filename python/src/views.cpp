@@ -53,13 +53,25 @@ std::optional<DType> to_dtype(nb::dlpack::dtype dt) {
 std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
   const char* prefix = "";
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
-    case nb::dlpack::dtype_code::Int: prefix = "int"; break;
-    case nb::dlpack::dtype_code::UInt: prefix = "uint"; break;
-    case nb::dlpack::dtype_code::Float: prefix = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: prefix = "bfloat"; break;
-    case nb::dlpack::dtype_code::Complex: prefix = "complex"; break;
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: return "DLPack dtype code " + std::to_string(dt.code);
+    case nb::dlpack::dtype_code::Int:
+      prefix = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      prefix = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      prefix = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      prefix = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      prefix = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      return "DLPack dtype code " + std::to_string(dt.code);
   }
   std::string s = prefix + std::to_string(dt.bits);
   if (dt.lanes != 1) s += "x" + std::to_string(dt.lanes);
@@ -92,7 +104,8 @@ void register_torch(nb::handle tensor_type, nb::handle dtypes) {
     throw nb::type_error("expected a tuple of 5 torch dtypes (fp32, fp16, bf16, int32, int64)");
   Torch t;
   t.tensor = tensor_type.inc_ref().ptr();
-  for (int i = 0; i < 5; ++i) t.dtypes[i] = nb::handle(PyTuple_GET_ITEM(dtypes.ptr(), i)).inc_ref().ptr();
+  for (int i = 0; i < 5; ++i)
+    t.dtypes[i] = nb::handle(PyTuple_GET_ITEM(dtypes.ptr(), i)).inc_ref().ptr();
   t.data_ptr = PyUnicode_InternFromString("data_ptr");
   t.shape = PyUnicode_InternFromString("shape");
   t.stride = PyUnicode_InternFromString("stride");
@@ -167,9 +180,10 @@ TensorView Reader::torch_view(const char* arg, nb::handle obj) {
   const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
   if (ndim == 0) value_error(arg, "expected an array of rank >= 1, got a 0-d array");
   if (ndim > kMaxDims)
-    value_error(arg, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " +
-                         std::to_string(ndim));
-  if (PyTuple_GET_SIZE(strides.ptr()) != ndim) value_error(arg, "expected one stride per dimension");
+    value_error(
+        arg, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " + std::to_string(ndim));
+  if (PyTuple_GET_SIZE(strides.ptr()) != ndim)
+    value_error(arg, "expected one stride per dimension");
   t.ndim = static_cast<int32_t>(ndim);
   for (Py_ssize_t i = 0; i < ndim; ++i) {
     t.shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
@@ -222,7 +236,7 @@ TensorView Reader::dlpack_view(const char* arg, const Array& a) {
   return t;
 }
 
-TensorView Reader::array(const char* arg, nb::handle obj, bool writable) {
+TensorView Reader::array(const char* arg, nb::handle obj, bool writable, bool optional) {
   if (obj.is_none()) return TensorView{};
   const bool torch = is_torch_tensor(obj);
   if (torch_ < 0) torch_ = torch ? 1 : 0;  // the first array read is q
@@ -247,8 +261,9 @@ TensorView Reader::array(const char* arg, nb::handle obj, bool writable) {
       return t;
     }
   }
-  type_error(arg, "expected an array (torch.Tensor, numpy.ndarray or any DLPack array) or None, "
-                  "got " + py_type_name(obj));
+  type_error(arg, std::string("expected an array (torch.Tensor, numpy.ndarray or any DLPack "
+                              "array)") +
+                      (optional ? " or None" : "") + ", got " + py_type_name(obj));
 }
 
 void Reader::workspace(const char* arg, nb::handle obj, void** data, size_t* bytes) {
@@ -317,9 +332,10 @@ uintptr_t Reader::address(const char* arg, nb::handle obj) {
 }
 
 void Reader::raise(const Status& status) const {
-  const std::string msg = status.argument().empty()
-                              ? status.message()
-                              : "argument '" + name(status.argument().c_str()) + "': " + status.what();
+  const std::string msg =
+      status.argument().empty()
+          ? status.message()
+          : "argument '" + name(status.argument().c_str()) + "': " + status.what();
   switch (status.code()) {
     case StatusCode::kInvalidArgument:
       throw nb::value_error(msg.c_str());

@@ -41,7 +41,7 @@ class Reader {
   // None -> absent view. `writable` arrays are written by the call (outputs, in-place states).
   // TypeError when `obj` is not an array (or not a torch tensor while q is one), ValueError for an
   // unsupported dtype, device or rank, or a read-only array where a writable one is needed.
-  TensorView array(const char* arg, nb::handle obj, bool writable);
+  TensorView array(const char* arg, nb::handle obj, bool writable, bool optional = true);
   // Raw bytes of a scratch array (any dtype, contiguous, on the tensors' device); None -> none.
   void workspace(const char* arg, nb::handle obj, void** data, size_t* bytes);
 
@@ -53,7 +53,8 @@ class Reader {
   // The code of an enum value given by its name (kda's *_name() functions over codes 0..count-1).
   template <typename Enum>
   Enum choice(const char* arg, nb::handle obj, const char* (*value_name)(Enum), int count) {
-    return static_cast<Enum>(choice_code(arg, obj, [&](int i) { return value_name(static_cast<Enum>(i)); }, count));
+    return static_cast<Enum>(choice_code(
+        arg, obj, [&](int i) { return value_name(static_cast<Enum>(i)); }, count));
   }
 
   // Raises the Python exception of a failed Status: ValueError (invalid argument),
