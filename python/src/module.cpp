@@ -25,64 +25,21 @@ using namespace nb::literals;
 namespace kda::python {
 namespace {
 
-constexpr const char* kPrefillArguments[] = {"q",
-                                             "k",
-                                             "v",
-                                             "g",
-                                             "beta",
-                                             "A_log",
-                                             "dt_bias",
-                                             "cu_seqlens",
-                                             "out",
-                                             "initial_state",
-                                             "final_state",
-                                             "state_pool",
-                                             "state_indices",
-                                             "checkpoints",
-                                             "checkpoint_offsets",
-                                             "workspace",
-                                             "checkpoint_every",
-                                             "state_layout",
-                                             "use_qk_l2norm",
-                                             "scale",
-                                             "gate",
-                                             "lower_bound",
-                                             "beta_logits",
-                                             "allow_neg_eigval",
-                                             "backend",
-                                             "num_threads",
-                                             "stream",
-                                             "allocate",
-                                             "names"};
+// clang-format off
+constexpr const char* kPrefillArguments[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "initial_state",
+    "final_state", "state_pool", "state_indices", "checkpoints", "checkpoint_offsets",
+    "workspace", "checkpoint_every", "state_layout", "use_qk_l2norm", "scale", "gate",
+    "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads", "stream",
+    "allocate", "names"};
 
-constexpr const char* kDecodeArguments[] = {"q",
-                                            "k",
-                                            "v",
-                                            "g",
-                                            "beta",
-                                            "A_log",
-                                            "dt_bias",
-                                            "cu_seqlens",
-                                            "out",
-                                            "state",
-                                            "state_indices",
-                                            "num_accepted_tokens",
-                                            "final_state",
-                                            "intermediate_states",
-                                            "use_initial_state",
-                                            "store_final_state",
-                                            "check_indices",
-                                            "state_layout",
-                                            "use_qk_l2norm",
-                                            "scale",
-                                            "gate",
-                                            "lower_bound",
-                                            "beta_logits",
-                                            "allow_neg_eigval",
-                                            "backend",
-                                            "num_threads",
-                                            "stream",
-                                            "names"};
+constexpr const char* kDecodeArguments[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "state",
+    "state_indices", "num_accepted_tokens", "final_state", "intermediate_states",
+    "use_initial_state", "store_final_state", "check_indices", "state_layout", "use_qk_l2norm",
+    "scale", "gate", "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads",
+    "stream", "names"};
+// clang-format on
 
 template <size_t N>
 nb::tuple names_tuple(const char* const (&names)[N]) {
@@ -91,7 +48,8 @@ nb::tuple names_tuple(const char* const (&names)[N]) {
   return nb::tuple(l);
 }
 
-// The positional arguments of one call, read by name in the order of `names`.
+// The positional arguments of one call, in the order of `names`: next() reads them in that
+// order (and checks that the caller asks for the name at that position), find() by name.
 template <size_t N>
 class Args {
  public:
@@ -103,37 +61,21 @@ class Args {
                             std::to_string(PyTuple_GET_SIZE(args.ptr())))
                                .c_str());
   }
-  // The argument called `name` (an entry of `names`).
-  nb::handle operator[](const char* name) const {
+  nb::handle next(const char* name) {
+    if (next_ >= N || std::strcmp(names_[next_], name) != 0)
+      throw nb::type_error((std::string("kda._C: argument '") + name + "' out of order").c_str());
+    return PyTuple_GET_ITEM(args_.ptr(), next_++);
+  }
+  nb::handle find(const char* name) const {
     for (size_t i = 0; i < N; ++i)
       if (std::strcmp(names_[i], name) == 0) return PyTuple_GET_ITEM(args_.ptr(), i);
     throw nb::type_error((std::string("kda._C: no argument '") + name + "'").c_str());
   }
-  nb::handle at(size_t i) const { return PyTuple_GET_ITEM(args_.ptr(), i); }
 
  private:
   const nb::args& args_;
   const char* const (&names_)[N];
-};
-
-// Reads arguments in the order of the names table: the index advances with every read, and
-// each read checks that it asks for the name at that index.
-template <size_t N>
-class Cursor {
- public:
-  Cursor(const Args<N>& args, const char* const (&names)[N]) : args_(args), names_(names) {}
-  const char* name() const { return names_[i_]; }
-  nb::handle next(const char* expected) {
-    if (i_ >= N || std::strcmp(names_[i_], expected) != 0)
-      throw nb::type_error(
-          (std::string("kda._C: argument '") + expected + "' out of order").c_str());
-    return args_.at(i_++);
-  }
-
- private:
-  const Args<N>& args_;
-  const char* const (&names_)[N];
-  size_t i_ = 0;
+  size_t next_ = 0;
 };
 
 // What the workspace allocator needs: the Python callable and where the array it returns goes.
@@ -166,7 +108,7 @@ void* allocate_workspace(size_t bytes, void* context) {
 }
 
 template <size_t N>
-void read_math(Cursor<N>& c, Reader& r, MathOptions* m) {
+void read_math(Args<N>& c, Reader& r, MathOptions* m) {
   m->use_qk_l2norm = r.flag("use_qk_l2norm", c.next("use_qk_l2norm"));
   m->scale = r.optional_real("scale", c.next("scale"));
   m->gate = r.choice("gate", c.next("gate"), gate_name, kNumGateForms);
@@ -176,7 +118,7 @@ void read_math(Cursor<N>& c, Reader& r, MathOptions* m) {
 }
 
 template <size_t N>
-void read_exec(Cursor<N>& c, Reader& r, ExecOptions* e) {
+void read_exec(Args<N>& c, Reader& r, ExecOptions* e) {
   e->backend = r.choice("backend", c.next("backend"), backend_name, kNumBackends);
   e->num_threads = static_cast<int>(r.integer("num_threads", c.next("num_threads")));
   e->stream = reinterpret_cast<void*>(r.address("stream", c.next("stream")));
@@ -184,7 +126,7 @@ void read_exec(Cursor<N>& c, Reader& r, ExecOptions* e) {
 
 // The per-token tensors of both entry points, in their common order.
 template <size_t N, typename Params>
-void read_tokens(Cursor<N>& c, Reader& r, Params* p) {
+void read_tokens(Args<N>& c, Reader& r, Params* p) {
   auto required = [&](const char* arg) {
     nb::handle h = c.next(arg);
     if (h.is_none()) r.type_error(arg, "expected an array, got None");
@@ -201,21 +143,16 @@ void read_tokens(Cursor<N>& c, Reader& r, Params* p) {
   p->out = r.array("out", c.next("out"), true);
 }
 
-// Runs op(params) with the GIL released; a failed Status becomes a Python exception.
-template <typename Params, typename Op>
-void run_released(const Params& p, const Reader& r, Op&& op) {
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = op(p);
-  }
-  if (!s.ok()) r.raise(s);
+// Runs op() with the GIL released.
+template <typename Op>
+Status without_gil(Op&& op) {
+  nb::gil_scoped_release release;
+  return op();
 }
 
 void run_prefill(const nb::args& args) {
-  const Args<std::size(kPrefillArguments)> a(args, kPrefillArguments, "prefill");
-  Reader r(a["names"]);
-  Cursor c(a, kPrefillArguments);
+  Args<std::size(kPrefillArguments)> c(args, kPrefillArguments, "prefill");
+  Reader r(c.find("names"));
   PrefillParams p;
   read_tokens(c, r, &p);
   p.initial_state = r.array("initial_state", c.next("initial_state"), false);
@@ -238,25 +175,21 @@ void run_prefill(const nb::args& args) {
     p.exec.allocate_workspace = allocate_workspace;
     p.exec.allocate_context = &alloc;
   }
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = kda::prefill(p);
-  }
+  const Status s = without_gil([&] { return kda::prefill(p); });
   if (!alloc.error.empty())
     r.value_error("workspace", "allocating the device workspace failed: " + alloc.error);
   if (!s.ok()) r.raise(s);
 }
 
 void run_decode(const nb::args& args) {
-  const Args<std::size(kDecodeArguments)> a(args, kDecodeArguments, "decode");
-  Reader r(a["names"]);
-  Cursor c(a, kDecodeArguments);
+  Args<std::size(kDecodeArguments)> c(args, kDecodeArguments, "decode");
+  Reader r(c.find("names"));
   DecodeParams p;
   read_tokens(c, r, &p);
   // Whether the pool must be writable depends on store_final_state (read first).
-  const bool store = r.flag("store_final_state", a["store_final_state"]);
-  if (a["state"].is_none()) r.type_error("state", "expected an array (the state pool), got None");
+  const bool store = r.flag("store_final_state", c.find("store_final_state"));
+  if (c.find("state").is_none())
+    r.type_error("state", "expected an array (the state pool), got None");
   p.state = r.array("state", c.next("state"), store, /*optional=*/false);
   p.state_indices = r.array("state_indices", c.next("state_indices"), false);
   p.num_accepted_tokens = r.array("num_accepted_tokens", c.next("num_accepted_tokens"), false);
@@ -269,7 +202,8 @@ void run_decode(const nb::args& args) {
       r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
   read_math(c, r, &p.math);
   read_exec(c, r, &p.exec);
-  run_released(p, r, [](const DecodeParams& x) { return kda::decode(x); });
+  const Status s = without_gil([&] { return kda::decode(p); });
+  if (!s.ok()) r.raise(s);
 }
 
 nb::dict info() {

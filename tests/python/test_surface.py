@@ -9,9 +9,16 @@ import pytest
 
 import kda
 from kda import _C
-from kdatest import make_decode, make_prefill, random_state, split
+from kdatest import (
+    SENTINEL,
+    decode_call,
+    make_decode,
+    make_prefill,
+    prefill_call,
+    random_state,
+    split,
+)
 
-SENTINEL = 7.0
 PREFILL_ARRAYS = ["q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "initial_state",
                   "final_state", "state_pool", "state_indices", "checkpoints",
                   "checkpoint_offsets", "out", "workspace"]
@@ -20,48 +27,17 @@ DECODE_ARRAYS = ["q", "k", "v", "g", "beta", "state", "A_log", "dt_bias", "cu_se
                  "out"]
 
 
-def prefill_call(**changes):
-    d = make_prefill(seed=1, B=2, T=20)
-    args, kw = split(d)
-    call = dict(zip(["q", "k", "v", "g", "beta"], args), **kw)
-    call["initial_state"] = random_state(2, (2, 4, 32, 32))
-    call["final_state"] = np.full((2, 4, 32, 32), SENTINEL, np.float32)
-    call["out"] = np.full((2, 20, 4, 32), SENTINEL, np.float32)
-    call.update(changes)
-    return call
-
-
-def decode_call(**changes):
-    d = make_decode(seed=3, N=3, T=1)
-    args, kw = split(d)
-    call = dict(zip(["q", "k", "v", "g", "beta"], args), **kw)
-    call["state"] = random_state(4, (5, 4, 32, 32))
-    call["state_indices"] = np.array([4, 0, 2], np.int32)
-    call["out"] = np.full((3, 1, 4, 32), SENTINEL, np.float32)
-    call.update(changes)
-    return call
-
-
 # --- a list or tuple where an array belongs ----------------------------------------------------
 
-@pytest.mark.parametrize("name", PREFILL_ARRAYS)
+@pytest.mark.parametrize("fn,make,name",
+                         [(kda.prefill, prefill_call, n) for n in PREFILL_ARRAYS]
+                         + [(kda.decode, decode_call, n) for n in DECODE_ARRAYS])
 @pytest.mark.parametrize("bad", [[1.0, 2.0], (1, 2)])
-def test_prefill_list_or_tuple_is_a_type_error_naming_it(name, bad):
-    call = prefill_call(**{name: bad})
+def test_list_or_tuple_is_a_type_error_naming_it(fn, make, name, bad):
+    call = make(**{name: bad})
     before = {k: v.copy() for k, v in call.items() if isinstance(v, np.ndarray)}
     with pytest.raises(TypeError, match=re.escape(f"argument '{name}'")):
-        kda.prefill(**call)
-    for k, v in before.items():
-        np.testing.assert_array_equal(call[k], v, err_msg=f"{k} was written")
-
-
-@pytest.mark.parametrize("name", DECODE_ARRAYS)
-@pytest.mark.parametrize("bad", [[1.0, 2.0], (1, 2)])
-def test_decode_list_or_tuple_is_a_type_error_naming_it(name, bad):
-    call = decode_call(**{name: bad})
-    before = {k: v.copy() for k, v in call.items() if isinstance(v, np.ndarray)}
-    with pytest.raises(TypeError, match=re.escape(f"argument '{name}'")):
-        kda.decode(**call)
+        fn(**call)
     for k, v in before.items():
         np.testing.assert_array_equal(call[k], v, err_msg=f"{k} was written")
 
