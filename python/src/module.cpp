@@ -176,8 +176,12 @@ void run_prefill(const nb::args& args) {
     p.exec.allocate_context = &alloc;
   }
   const Status s = without_gil([&] { return kda::prefill(p); });
-  if (!alloc.error.empty())
-    r.value_error("workspace", "allocating the device workspace failed: " + alloc.error);
+  if (!alloc.error.empty()) {
+    const std::string msg = "argument '" + r.name("workspace") +
+                            "': allocating the device workspace failed: " + alloc.error;
+    PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+    throw nb::python_error();
+  }
   if (!s.ok()) r.raise(s);
 }
 
