@@ -188,12 +188,13 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
                else _arrays.empty(q, tuple(v.shape), None, _name("out", names)))
     if allocate_final and _arrays.is_array(q):
         shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, state_layout)
-        if shape is not None:
+        if shape is not None:  # fp32, or initial_state's dtype (a non-array: the extension
+            h0 = initial_state if _arrays.is_array(initial_state) else None  # reports it)
             if torch:
                 final_state = _torch_empty(q, shape, _TORCH_OPS.torch.float32
-                                          if initial_state is None else initial_state.dtype)
+                                          if not _arrays.is_torch(h0) else h0.dtype)
             else:
-                dt = "fp32" if initial_state is None else _arrays.dtype_name(initial_state)
+                dt = "fp32" if h0 is None else _arrays.dtype_name(h0)
                 final_state = _arrays.empty(q, shape, dt, _name("final_state", names))
     if (checkpoints is not None and checkpoint_offsets is None
             and isinstance(checkpoint_every, int) and checkpoint_every > 0):

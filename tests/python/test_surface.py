@@ -42,6 +42,18 @@ def test_list_or_tuple_is_a_type_error_naming_it(fn, make, name, bad):
         np.testing.assert_array_equal(call[k], v, err_msg=f"{k} was written")
 
 
+@pytest.mark.parametrize("torch_inputs", [False, True])
+@pytest.mark.parametrize("bad", [[1.0, 2.0], "x"])
+def test_initial_state_not_an_array_with_an_allocated_final_state(torch_inputs, bad):
+    call = prefill_call(final_state=None, initial_state=bad, output_final_state=True)
+    if torch_inputs:
+        torch = pytest.importorskip("torch")
+        call = {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v
+                for k, v in call.items()}
+    with pytest.raises(TypeError, match="argument 'initial_state'"):
+        kda.prefill(**call)
+
+
 def test_required_array_message_does_not_offer_none():
     with pytest.raises(TypeError, match=r"argument 'q': expected an array \(.*\), got list$"):
         kda.prefill(**prefill_call(q=[1.0]))
