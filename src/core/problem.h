@@ -9,9 +9,17 @@
 #include <cmath>
 #include <cstdint>
 
+#include "core/kda_math.h"
 #include "kda/kda.h"
 
 namespace kda::detail {
+
+// The device code's plain-int gate codes are GateForm's (kda_math.h needs no public header).
+static_assert(kGatePrecomputed == static_cast<int>(GateForm::kPrecomputed) &&
+                  kGateSoftplus == static_cast<int>(GateForm::kSoftplus) &&
+                  kGateLowerBound == static_cast<int>(GateForm::kLowerBound) &&
+                  kNumGateForms == 3,
+              "kda_math.h's gate codes must match GateForm");
 
 // Resolved sizes and flags shared by prefill and decode.
 struct Dims {

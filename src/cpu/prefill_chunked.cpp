@@ -244,7 +244,7 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
   HeadGate<float> hg;
   load_head_gate(pr, hv, &hg);
   float a[kMaxD];
-  const int gate_form = static_cast<int>(pr.math.gate);
+  const int gate = static_cast<int>(pr.math.gate);
   const float lower_bound = pr.math.lower_bound;
   for (int64_t c0 = 0; c0 < span.len; c0 += kC) {
     const int L = static_cast<int>(std::min<int64_t>(kC, span.len - c0));
@@ -252,7 +252,7 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
     for (int t = 0; t < L; ++t) {
       load_token</*kRawGate=*/true>(pr, hg, span.b, span.bos + c0 + t, hv, w.q + t * K, w.k + t * K,
                                      w.v + t * V, a, &w.b[t]);
-      log_decay_row(gate_form, a, K, hg.exp_A, hg.bias, lower_bound);
+      log_decay_row(gate, a, K, hg.exp_A, hg.bias, lower_bound);
       for (int c = 0; c < K; ++c) w.d[t * K + c] = exp_f32(a[c]);
       const float* prev = t > 0 ? w.P + (t - 1) * K : nullptr;
       for (int c = 0; c < K; ++c) w.P[t * K + c] = (prev ? prev[c] : 1.0f) * w.d[t * K + c];
