@@ -64,8 +64,11 @@ TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape
 
 TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device device,
                      int32_t device_index) {
+  // Row-major strides, saturated at INT64_MAX where the product overflows (validation then
+  // rejects the view, unless it has no element).
   std::vector<int64_t> strides(shape.size(), 1);
-  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
+    if (__builtin_mul_overflow(strides[i + 1], shape[i + 1], &strides[i])) strides[i] = INT64_MAX;
   return make_strided_view(data, dtype, std::move(shape), std::move(strides), device, device_index);
 }
 

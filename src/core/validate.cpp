@@ -102,9 +102,9 @@ Status check_view(const char* arg, const TensorView& t, const TensorView& ref_de
 
 Status check_dtype_float(const char* arg, const TensorView& t, DType q_dtype, bool allow_fp32) {
   if (t.dtype == q_dtype || (allow_fp32 && t.dtype == DType::kFloat32)) return Status::Ok();
+  const bool or_fp32 = allow_fp32 && q_dtype != DType::kFloat32;
   return Err(arg,
-             std::string("dtype ") + dtype_name(q_dtype) + (allow_fp32 ? " or fp32" : "") +
-                 " (as q)",
+             std::string("dtype ") + dtype_name(q_dtype) + (or_fp32 ? " or fp32" : "") + " (as q)",
              std::string("dtype ") + dtype_name(t.dtype));
 }
 
@@ -320,9 +320,10 @@ Overlap internal_overlap(const TensorView& t) {
   };
   Dim dims[kMaxDims];
   int nd = 0;
-  for (int i = 0; i < t.ndim; ++i) {
+  for (int i = 0; i < t.ndim; ++i)
     if (t.shape[i] == 0) return Overlap::kNo;  // no element at all
-    if (t.shape[i] == 1) continue;             // a size-1 dimension never moves
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 1) continue;  // a size-1 dimension never moves
     if (t.strides[i] == 0) return Overlap::kYes;
     dims[nd++] = {t.shape[i], t.strides[i]};
   }
