@@ -136,7 +136,9 @@ Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
   if (be == Backend::kCuda && !cuda_compiled())
     return {StatusCode::kUnsupported, "argument 'exec.backend': cuda requested, but this build has no CUDA backend"};
   if (exec.num_threads < 0 || exec.num_threads > kMaxNumThreads)
-    return {StatusCode::kInvalidArgument, "argument 'exec.num_threads': expected 0 (all hardware threads) to " + std::to_string(kMaxNumThreads) + ", got " + std::to_string(exec.num_threads)};
+    return {StatusCode::kInvalidArgument,
+            "argument 'exec.num_threads': expected 0 (all hardware threads) to " +
+                std::to_string(kMaxNumThreads) + ", got " + std::to_string(exec.num_threads)};
   *out = be;
   return Status::Ok();
 }
@@ -184,7 +186,9 @@ Status prefill(const PrefillParams& p) {
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
     if (p.check_indices) {
       if (pr.device != Device::kCPU)
-        return {StatusCode::kUnsupported, "argument 'check_indices': expected CPU tensors (the cuda backend does not check prefill indices), got CUDA tensors"};
+        return {StatusCode::kUnsupported,
+                "argument 'check_indices': expected CPU tensors (the cuda backend does not check "
+                "prefill indices), got CUDA tensors"};
       Status s = detail::check_prefill_index_values(pr, pr.state_indices.data);
       if (!s.ok()) return s;
     }

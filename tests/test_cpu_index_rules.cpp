@@ -37,12 +37,12 @@ TEST(IndexRulesSmoke, SpansOfValidSequences) {
 }
 
 TEST(IndexRules, ClampSpanKeepsBadCuSeqlensInBounds) {
-  expect_span(rules::clamp_span(-5, 4, 30), 0, 0, 4);     // bos < 0
-  expect_span(rules::clamp_span(25, 40, 30), 0, 25, 5);   // eos > total
-  expect_span(rules::clamp_span(20, 10, 30), 0, 20, 0);   // decreasing: empty
-  expect_span(rules::clamp_span(35, 50, 30), 0, 30, 0);   // bos > total
-  expect_span(rules::clamp_span(-9, -3, 30), 0, 0, 0);    // both negative
-  expect_span(rules::clamp_span(0, 10, 0), 0, 0, 0);      // no tokens at all
+  expect_span(rules::clamp_span(-5, 4, 30), 0, 0, 4);    // bos < 0
+  expect_span(rules::clamp_span(25, 40, 30), 0, 25, 5);  // eos > total
+  expect_span(rules::clamp_span(20, 10, 30), 0, 20, 0);  // decreasing: empty
+  expect_span(rules::clamp_span(35, 50, 30), 0, 30, 0);  // bos > total
+  expect_span(rules::clamp_span(-9, -3, 30), 0, 0, 0);   // both negative
+  expect_span(rules::clamp_span(0, 10, 0), 0, 0, 0);     // no tokens at all
   // Extremes of both index dtypes never overflow: the span stays within [0, total].
   expect_span(rules::clamp_span(kI32Min, kI32Max, 30), 0, 0, 30);
   expect_span(rules::clamp_span(kI32Max, kI32Min, 30), 0, 30, 0);
@@ -211,9 +211,9 @@ TEST(IndexRules, SeqSpanOfCuSeqlensTensors) {
     d.T = 12;
     const TensorView v = cu.view();
     expect_span(detail::seq_span_at(d, v, v.data, 0), 0, 0, 4);
-    expect_span(detail::seq_span_at(d, v, v.data, 1), 0, 4, 0);   // decreasing: empty
-    expect_span(detail::seq_span_at(d, v, v.data, 2), 0, 0, 9);   // negative bos: 0
-    expect_span(detail::seq_span_at(d, v, v.data, 3), 0, 9, 3);   // eos past T: T
+    expect_span(detail::seq_span_at(d, v, v.data, 1), 0, 4, 0);  // decreasing: empty
+    expect_span(detail::seq_span_at(d, v, v.data, 2), 0, 0, 9);  // negative bos: 0
+    expect_span(detail::seq_span_at(d, v, v.data, 3), 0, 9, 3);  // eos past T: T
     expect_span(cpu::seq_span(d, v, 3), 0, 9, 3);
   }
 }
@@ -246,7 +246,8 @@ TEST(IndexRules, EveryRowStateThroughTheBackendsAndTheCheck) {
       c.dtype = c.out_dtype = DType::kFloat32;
       c.index_dtype = idt;
       c.pool_extra = 2;
-      if (rc.state == RowState::kAcceptedOutOfRange || rc.state == RowState::kLongerThanIndexColumns) {
+      if (rc.state == RowState::kAcceptedOutOfRange ||
+          rc.state == RowState::kLongerThanIndexColumns) {
         c.seqlens = {2, 2, 1};
         c.indices = 2;
         c.num_accepted = true;
@@ -268,7 +269,8 @@ TEST(IndexRules, EveryRowStateThroughTheBackendsAndTheCheck) {
       detail::DecodeProblem pr;
       ASSERT_TRUE(detail::validate_decode(p, &pr).ok());
       const rules::SeqSpan span = cpu::seq_span(pr.d, pr.cu_seqlens, 1);
-      const rules::ReadSlot r = detail::decode_row_slot(pr, detail::own_index_data(pr), 1, span.len);
+      const rules::ReadSlot r =
+          detail::decode_row_slot(pr, detail::own_index_data(pr), 1, span.len);
       EXPECT_EQ(r.state, rc.state);
       EXPECT_EQ(cpu::decode_read_slot(pr, 1, span.len), r.slot);
       if (rc.state == RowState::kNoSlotForRow) {  // row 0 has slot 0; rows 1 and 2 have none

@@ -174,7 +174,7 @@ TEST(DuplicateSlots, DecodeSpeculativeWriteSlotReadByAnotherRow) {
   c.indices = 2;
   DecodeData d = make_decode(c);
   const int64_t s0 = static_cast<int64_t>(d.idx.get(0));  // row 0 reads (and writes) it
-  d.idx.set(1 * 2 + 1, static_cast<double>(s0));           // row 1 writes it after token 1
+  d.idx.set(1 * 2 + 1, static_cast<double>(s0));          // row 1 writes it after token 1
   expect_check_rejects(d, "slot " + std::to_string(s0) + " for sequences 0 and 1");
   // With the states going to intermediate_states the pool is only read: no conflict.
   DecodeCase ci = c;
@@ -289,18 +289,18 @@ TEST(OutputOverlap, ExactAgainstBruteForce) {
 }
 
 TEST(OutputOverlap, Layouts) {
-  using detail::Overlap;
   using detail::internal_overlap;
-  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {128, 16, 1})), Overlap::kNo);   // dense
-  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {16, 64, 1})), Overlap::kNo);    // permuted
-  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {300, 20, 1})), Overlap::kNo);   // padded
-  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {0, 16, 1})), Overlap::kYes);    // broadcast
-  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {128, 8, 1})), Overlap::kYes);   // rows overlap
-  EXPECT_EQ(internal_overlap(raw_view({1, 8, 16}, {0, 16, 1})), Overlap::kNo);     // size 1
-  EXPECT_EQ(internal_overlap(raw_view({0, 8, 16}, {0, 0, 0})), Overlap::kNo);      // empty
-  EXPECT_EQ(internal_overlap(raw_view({2, 3, 2}, {1, 4, 6})), Overlap::kNo);       // irregular
-  EXPECT_EQ(internal_overlap(raw_view({2, 4, 3}, {1, 4, 6})), Overlap::kYes);      // 3*4 = 2*6
-  EXPECT_EQ(internal_overlap(raw_view({2, 3, 3}, {1, 4, 6})), Overlap::kNo);       // it needs 3
+  using detail::Overlap;
+  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {128, 16, 1})), Overlap::kNo);  // dense
+  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {16, 64, 1})), Overlap::kNo);   // permuted
+  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {300, 20, 1})), Overlap::kNo);  // padded
+  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {0, 16, 1})), Overlap::kYes);   // broadcast
+  EXPECT_EQ(internal_overlap(raw_view({4, 8, 16}, {128, 8, 1})), Overlap::kYes);  // rows overlap
+  EXPECT_EQ(internal_overlap(raw_view({1, 8, 16}, {0, 16, 1})), Overlap::kNo);    // size 1
+  EXPECT_EQ(internal_overlap(raw_view({0, 8, 16}, {0, 0, 0})), Overlap::kNo);     // empty
+  EXPECT_EQ(internal_overlap(raw_view({2, 3, 2}, {1, 4, 6})), Overlap::kNo);      // irregular
+  EXPECT_EQ(internal_overlap(raw_view({2, 4, 3}, {1, 4, 6})), Overlap::kYes);     // 3*4 = 2*6
+  EXPECT_EQ(internal_overlap(raw_view({2, 3, 3}, {1, 4, 6})), Overlap::kNo);      // it needs 3
   // Large dense shapes are decided at once.
   EXPECT_EQ(internal_overlap(raw_view({1 << 20, 1 << 20, 4}, {int64_t{4} << 20, 4, 1})),
             Overlap::kNo);
@@ -421,8 +421,8 @@ TEST(ThreadFailure, PrefillAndDecodeReturnAnErrorAndWriteNothing) {
       ThreadLimit guard(limit);
       for (const Status& s : {prefill(p), decode(dp)}) {
         EXPECT_EQ(s.code(), StatusCode::kInternal);
-        EXPECT_TRUE(contains(s.message(), "could not create worker thread " +
-                                              std::to_string(limit + 1) + " of 5"))
+        EXPECT_TRUE(contains(
+            s.message(), "could not create worker thread " + std::to_string(limit + 1) + " of 5"))
             << s.message();
         EXPECT_TRUE(contains(s.message(), "exec.num_threads")) << s.message();
       }
@@ -501,10 +501,7 @@ TEST(ViewLimits, EntryPointsRejectThemNamingTheArgument) {
       {"out_rank7", [&](PrefillParams& p) { p.out = rank7; }, "'out'", "got rank 7"},
       {"dt_bias_rank_negative", [](PrefillParams& p) { p.dt_bias.ndim = -1; }, "'dt_bias'",
        "got rank -1"},
-      {"q_numel_overflow",
-       [](PrefillParams& p) {
-         p.q.shape[0] = p.q.shape[1] = int64_t{1} << 40;
-       },
+      {"q_numel_overflow", [](PrefillParams& p) { p.q.shape[0] = p.q.shape[1] = int64_t{1} << 40; },
        "'q'", "expected an element count that fits in int64"},
       {"g_offsets_overflow", [](PrefillParams& p) { p.g.strides[1] = int64_t{1} << 62; }, "'g'",
        "expected element offsets that fit in int64"},
@@ -569,7 +566,8 @@ TEST(DtypeMessages, ExactMessages) {
   DecodeData dd = make_decode(DecodeCase{});
   DecodeParams dp = dd.params();
   dp.dt_bias.dtype = DType::kFloat16;
-  EXPECT_EQ(validate(dp).message(), "argument 'dt_bias': expected dtype fp32 or bf16, got dtype fp16");
+  EXPECT_EQ(validate(dp).message(),
+            "argument 'dt_bias': expected dtype fp32 or bf16, got dtype fp16");
 }
 
 // Every tensor argument given an invalid dtype code: the message names it and lists what it
@@ -609,8 +607,8 @@ TEST(DtypeMessages, InvalidDtypeCodesGetTheArgumentsOwnList) {
   dc.num_accepted = true;
   dc.T = 2;
   DecodeData dd = make_decode(dc);
-  for (auto field : {&DecodeParams::state, &DecodeParams::state_indices,
-                     &DecodeParams::num_accepted_tokens}) {
+  for (auto field :
+       {&DecodeParams::state, &DecodeParams::state_indices, &DecodeParams::num_accepted_tokens}) {
     DecodeParams p = dd.params();
     (p.*field).dtype = static_cast<DType>(11);
     const std::string m = validate(p).message();

@@ -108,9 +108,8 @@ KDA_HOST_DEVICE inline ReadColumn read_column(const DecodeIndexing& ix, int64_t 
 // num_accepted_tokens[n] (any value without it); load_slot(col) returns state_indices[n, col]
 // and is called at most once, only for a column the rule has checked (col < Tmax).
 template <typename LoadSlot>
-KDA_HOST_DEVICE inline ReadSlot decode_read_slot(const DecodeIndexing& ix, int64_t n,
-                                                 int64_t len, int64_t accepted,
-                                                 LoadSlot&& load_slot) {
+KDA_HOST_DEVICE inline ReadSlot decode_read_slot(const DecodeIndexing& ix, int64_t n, int64_t len,
+                                                 int64_t accepted, LoadSlot&& load_slot) {
   if (!ix.has_indices) {
     if (n < ix.P) return {RowState::kLive, n, n};
     return {RowState::kNoSlotForRow, kNoSlot, n};

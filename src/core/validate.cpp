@@ -328,7 +328,8 @@ Overlap internal_overlap(const TensorView& t) {
     dims[nd++] = {t.shape[i], t.strides[i]};
   }
   for (int i = 1; i < nd; ++i)  // largest stride first (insertion sort of at most 6)
-    for (int j = i; j > 0 && dims[j - 1].stride < dims[j].stride; --j) std::swap(dims[j - 1], dims[j]);
+    for (int j = i; j > 0 && dims[j - 1].stride < dims[j].stride; --j)
+      std::swap(dims[j - 1], dims[j]);
   // rest[i]: the span of dimensions i.. (largest stride first); offsets fit in int64.
   int64_t rest[kMaxDims + 1] = {};
   bool nested = true;  // every stride beyond the span of the smaller ones (any dense layout)
@@ -531,7 +532,8 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   }
   // The outputs the call writes: the pool only in place (neither separate output present).
   if (p.store_final_state) {
-    if (p.final_state.present()) KDA_RETURN_IF_ERROR(check_output_strides("final_state", p.final_state));
+    if (p.final_state.present())
+      KDA_RETURN_IF_ERROR(check_output_strides("final_state", p.final_state));
     if (p.intermediate_states.present())
       KDA_RETURN_IF_ERROR(check_output_strides("intermediate_states", p.intermediate_states));
     if (!p.final_state.present() && !p.intermediate_states.present())
@@ -587,7 +589,8 @@ Status check_shared_slots(std::vector<SlotUse> uses) {
     if (writer != nullptr) {
       for (size_t m = i; m < j; ++m) {
         if (uses[m].row == writer->row) continue;
-        const int64_t r0 = std::min(uses[m].row, writer->row), r1 = std::max(uses[m].row, writer->row);
+        const int64_t r0 = std::min(uses[m].row, writer->row);
+        const int64_t r1 = std::max(uses[m].row, writer->row);
         return Err("state_indices",
                    "no slot shared by two live sequences when one of them writes it",
                    "slot " + std::to_string(writer->slot) + " for sequences " + std::to_string(r0) +
@@ -627,7 +630,8 @@ Status check_decode_index_values(const DecodeProblem& pr, const void* indices_ho
         return Err("state_indices", "slots < P = " + std::to_string(P) + " (or negative for padding)",
                    "slot " + std::to_string(r.value) + " for " + seq);
       case rules::RowState::kNoSlotForRow:
-        return Err("state", "at least N = " + std::to_string(pr.d.N) + " slots without state_indices",
+        return Err("state",
+                   "at least N = " + std::to_string(pr.d.N) + " slots without state_indices",
                    "P = " + std::to_string(P));
     }
     if (!pr.state_indices.present()) continue;  // row n uses slot n: never shared
@@ -654,7 +658,8 @@ Status check_prefill_index_values(const PrefillProblem& pr, const void* state_in
   for (int64_t n = 0; n < pr.d.N; ++n) {
     const int64_t value = load_index_at(pr.state_indices, state_indices_host, n);
     if (value >= P)
-      return Err("state_indices", "slots < P = " + std::to_string(P) + " (or negative: no pooled state)",
+      return Err("state_indices",
+                 "slots < P = " + std::to_string(P) + " (or negative: no pooled state)",
                  "slot " + std::to_string(value) + " for sequence " + std::to_string(n));
     if (rules::pool_slot(value, P) != rules::kNoSlot) uses.push_back({value, n, true});
   }
