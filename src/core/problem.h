@@ -74,4 +74,16 @@ inline int64_t load_index(const TensorView& t, int64_t i) {
   return reinterpret_cast<const int64_t*>(base)[i * t.strides[0]];
 }
 
+// The validated backward of a prefill: the forward's inputs (fwd.out and fwd.final_state absent,
+// no pool, no checkpoints) and the gradient views, per-token ones rank 4 as in the forward
+// (dbeta [B, T, HV, 1]). Absent views are not read (upstream) or not computed (gradients).
+struct PrefillBackwardProblem {
+  PrefillProblem fwd;
+  TensorView d_out, d_final_state;
+  TensorView dq, dk, dv, dg, dbeta;
+  TensorView dA_log, ddt_bias, d_initial_state;
+};
+
+Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackwardProblem* out);
+
 }  // namespace kda::detail
