@@ -212,8 +212,8 @@ Status prefill_backward(const PrefillBackwardParams& p) {
     const bool cuda_choice = p.exec.backend == Backend::kAuto || p.exec.backend == Backend::kCuda;
     if (pr.fwd.device == Device::kCUDA && cuda_choice)
       return {StatusCode::kUnsupported,
-              std::string("argument 'exec.backend': expected kCpu or kCpuReference on CPU tensors (the "
-                          "prefill backward has no CUDA implementation yet), got ") +
+              std::string("argument 'exec.backend': expected kCpu or kCpuReference on CPU "
+                          "tensors (the prefill backward has no CUDA implementation yet), got ") +
                   backend_name(p.exec.backend) + " on CUDA tensors"};
     Backend be;
     s = choose_backend(p.exec, pr.fwd.device, &be);

@@ -26,7 +26,7 @@ constexpr double kStep = 1.0 / 128;   // h
 
 struct BackwardCase {
   PrefillCase c;
-  bool d_out = true;             // upstream gradient of out present
+  bool d_out = true;            // upstream gradient of out present
   double softplus_extreme = 0;  // if != 0, 1 in 5 gate inputs set to this (softplus x > 20)
   std::string tag;
   std::string name() const { return test_name(tag + "_" + c.name()); }
@@ -38,8 +38,12 @@ struct Problem {
   HostTensor d_out, d_ht;
   HostTensor dq, dk, dv, dg, dbeta, dA_log, ddt_bias, dh0;
 
-  std::vector<HostTensor*> inputs() { return {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.A_log, &d.dt_bias, &d.h0}; }
-  std::vector<HostTensor*> grads() { return {&dq, &dk, &dv, &dg, &dbeta, &dA_log, &ddt_bias, &dh0}; }
+  std::vector<HostTensor*> inputs() {
+    return {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.A_log, &d.dt_bias, &d.h0};
+  }
+  std::vector<HostTensor*> grads() {
+    return {&dq, &dk, &dv, &dg, &dbeta, &dA_log, &ddt_bias, &dh0};
+  }
 
   PrefillBackwardParams params() const {
     PrefillBackwardParams p;
@@ -147,7 +151,8 @@ TEST_P(BackwardSweep, GradientsMatchFiniteDifferences) {
   std::mt19937_64 rng(bc.c.seed + 7);
   for (size_t t = 0; t < in.size(); ++t) {
     HostTensor& g = *gr[t];
-    for (int64_t i = 0; i < g.numel(); ++i) ASSERT_TRUE(std::isfinite(g.get(i))) << kNames[t] << "[" << i << "]";
+    for (int64_t i = 0; i < g.numel(); ++i)
+      ASSERT_TRUE(std::isfinite(g.get(i))) << kNames[t] << "[" << i << "]";
     if (in[t]->empty()) {
       // Without A_log / dt_bias / initial state the gradient is the one at 0 (zero for the
       // precomputed gate); the initial state's is checked in InitialStateGradientWithoutState.
@@ -175,8 +180,8 @@ TEST_P(BackwardSweep, GradientsMatchFiniteDifferences) {
     }
     const double rms_err = std::sqrt(num / count), bound = 4 * std::sqrt(err2 / count) + 1e-9;
     EXPECT_LE(rms_err, bound) << kNames[t] << ": rms error " << rms_err << " vs bound " << bound
-                              << " (gradient rms " << std::sqrt(den / count) << "; worst at " << worst_i
-                              << ": analytic " << g.get(worst_i) << ")";
+                              << " (gradient rms " << std::sqrt(den / count) << "; worst at "
+                              << worst_i << ": analytic " << g.get(worst_i) << ")";
     // The gradient is not trivially zero where the input matters.
     const bool q_unused = t == 0 && !bc.d_out;  // q reaches only out
     if ((t < 5 || gate_params) && !q_unused) EXPECT_GT(den, 0.0) << kNames[t];
@@ -197,28 +202,69 @@ std::vector<BackwardCase> backward_cases() {
   };
   for (GateForm g : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
     for (BetaForm be : {BetaForm::kActivated, BetaForm::kLogits})
-      add("forms", [&](BackwardCase& b) { b.c.gate = g; b.c.beta = be; });
+      add("forms", [&](BackwardCase& b) {
+        b.c.gate = g;
+        b.c.beta = be;
+      });
   add("neg_eigval", [](BackwardCase& b) { b.c.allow_neg_eigval = true; });
-  add("gate_minus_1000", [](BackwardCase& b) { b.c.gate = GateForm::kPrecomputed; b.c.gate_extreme = -1000; });
+  add("gate_minus_1000", [](BackwardCase& b) {
+    b.c.gate = GateForm::kPrecomputed;
+    b.c.gate_extreme = -1000;
+  });
   add("softplus_linear", [](BackwardCase& b) { b.softplus_extreme = 25; });
-  add("lower_bound_weak", [](BackwardCase& b) { b.c.gate = GateForm::kLowerBound; b.c.lower_bound = -0.5; });
+  add("lower_bound_weak", [](BackwardCase& b) {
+    b.c.gate = GateForm::kLowerBound;
+    b.c.lower_bound = -0.5;
+  });
   add("no_l2norm", [](BackwardCase& b) { b.c.l2norm = false; });
-  add("no_l2norm_lb", [](BackwardCase& b) { b.c.l2norm = false; b.c.gate = GateForm::kLowerBound; });
-  add("gva", [](BackwardCase& b) { b.c.H = 2; b.c.HV = 6; b.c.seqlens = {9}; });
-  add("varlen_empty", [](BackwardCase& b) { b.c.varlen = true; b.c.seqlens = {0, 13, 0, 6, 1}; });
-  add("varlen_strided", [](BackwardCase& b) { b.c.varlen = true; b.c.seqlens = {11, 0, 8}; b.c.strided = true; });
+  add("no_l2norm_lb", [](BackwardCase& b) {
+    b.c.l2norm = false;
+    b.c.gate = GateForm::kLowerBound;
+  });
+  add("gva", [](BackwardCase& b) {
+    b.c.H = 2;
+    b.c.HV = 6;
+    b.c.seqlens = {9};
+  });
+  add("varlen_empty", [](BackwardCase& b) {
+    b.c.varlen = true;
+    b.c.seqlens = {0, 13, 0, 6, 1};
+  });
+  add("varlen_strided", [](BackwardCase& b) {
+    b.c.varlen = true;
+    b.c.seqlens = {11, 0, 8};
+    b.c.strided = true;
+  });
   add("no_initial_state", [](BackwardCase& b) { b.c.init = InitState::kNone; });
   add("no_final_grad", [](BackwardCase& b) { b.c.final_state = false; });
   add("final_grad_only", [](BackwardCase& b) { b.d_out = false; });
-  add("k_first", [](BackwardCase& b) { b.c.layout = StateLayout::kKFirst; b.c.K = 6; b.c.V = 10; });
-  add("k_first_varlen", [](BackwardCase& b) {
-    b.c.layout = StateLayout::kKFirst; b.c.varlen = true; b.c.seqlens = {7, 0, 12}; b.c.gate = GateForm::kLowerBound;
+  add("k_first", [](BackwardCase& b) {
+    b.c.layout = StateLayout::kKFirst;
+    b.c.K = 6;
+    b.c.V = 10;
   });
-  add("v_first_K_ne_V", [](BackwardCase& b) { b.c.K = 10; b.c.V = 6; b.c.beta = BetaForm::kActivated; });
+  add("k_first_varlen", [](BackwardCase& b) {
+    b.c.layout = StateLayout::kKFirst;
+    b.c.varlen = true;
+    b.c.seqlens = {7, 0, 12};
+    b.c.gate = GateForm::kLowerBound;
+  });
+  add("v_first_K_ne_V", [](BackwardCase& b) {
+    b.c.K = 10;
+    b.c.V = 6;
+    b.c.beta = BetaForm::kActivated;
+  });
   // Longer than the backward's 64-token checkpoint interval: recomputation across chunks.
-  add("checkpoints", [](BackwardCase& b) { b.c.seqlens = {150}; b.c.H = b.c.HV = 1; b.c.K = b.c.V = 4; });
+  add("checkpoints", [](BackwardCase& b) {
+    b.c.seqlens = {150};
+    b.c.H = b.c.HV = 1;
+    b.c.K = b.c.V = 4;
+  });
   add("checkpoint_edge", [](BackwardCase& b) {
-    b.c.varlen = true; b.c.seqlens = {64, 65, 128}; b.c.H = b.c.HV = 1; b.c.K = b.c.V = 4;
+    b.c.varlen = true;
+    b.c.seqlens = {64, 65, 128};
+    b.c.H = b.c.HV = 1;
+    b.c.K = b.c.V = 4;
   });
   return cs;
 }
@@ -243,7 +289,8 @@ TEST(BackwardSmoke, InitialStateGradientWithoutState) {
   for (size_t t = 0; t < a.size(); ++t) EXPECT_TRUE(bitwise_equal(*a[t], *b[t])) << kNames[t];
   // Sequence 1 is empty: its rows of d_initial_state equal d_final_state's.
   const int64_t per_seq = with_zero.dh0.numel() / 3;
-  for (int64_t i = per_seq; i < 2 * per_seq; ++i) EXPECT_EQ(with_zero.dh0.get(i), with_zero.d_ht.get(i));
+  for (int64_t i = per_seq; i < 2 * per_seq; ++i)
+    EXPECT_EQ(with_zero.dh0.get(i), with_zero.d_ht.get(i));
 }
 
 // No upstream gradient at all: every gradient is zero (and written).
@@ -275,12 +322,14 @@ TEST(BackwardSmoke, HalfInputsGiveGradientsInTheirDtypes) {
     // The same problem on fp32 storage of the same values.
     Problem W = P;
     W.d = widen(P.d);
-    for (HostTensor* t : {&W.d_out, &W.d_ht, &W.dq, &W.dk, &W.dv, &W.dg, &W.dbeta, &W.dh0}) *t = t->to(DType::kFloat32);
+    for (HostTensor* t : {&W.d_out, &W.d_ht, &W.dq, &W.dk, &W.dv, &W.dg, &W.dbeta, &W.dh0})
+      *t = t->to(DType::kFloat32);
     ASSERT_TRUE(prefill_backward(W.params()).ok());
     std::vector<HostTensor*> a = P.grads(), b = W.grads();
     for (size_t t = 0; t < a.size(); ++t) {
       const Compare c = compare(*a[t], *b[t], tolerance_for(a[t]->dtype));
-      EXPECT_TRUE(c.ok(tolerance_for(a[t]->dtype))) << kNames[t] << " " << c.rel_l2 << c.first_mismatches;
+      EXPECT_TRUE(c.ok(tolerance_for(a[t]->dtype)))
+          << kNames[t] << " " << c.rel_l2 << c.first_mismatches;
     }
   }
 }
@@ -319,15 +368,25 @@ std::vector<BadBackward> bad_backward_inputs() {
       {"k_dtype", [](P& p, D&) { p.forward.k.dtype = DType::kFloat16; }, "'k'"},
       {"g_shape", [](P& p, D&) { p.forward.g.shape[2] = 5; }, "'g'"},
       {"cu_values", [](P& p, D& d) { d.d.cu.set(1, 35); }, "'cu_seqlens'"},
-      {"initial_state_shape", [](P& p, D&) { p.forward.initial_state.shape[1] = 1; }, "'initial_state'"},
-      {"pool", [](P& p, D&) { p.forward.state_pool = p.d_final_state; p.forward.initial_state = TensorView{}; }, "'forward.state_pool'"},
-      {"indices", [](P& p, D& d) { p.forward.state_indices = d.d.cu.view(); }, "'forward.state_indices'"},
-      {"checkpoints", [](P& p, D&) { p.forward.checkpoints = p.d_final_state; }, "'forward.checkpoints'"},
-      {"checkpoint_every", [](P& p, D&) { p.forward.checkpoint_every = 64; }, "'forward.checkpoint_every'"},
+      {"initial_state_shape", [](P& p, D&) { p.forward.initial_state.shape[1] = 1; },
+       "'initial_state'"},
+      {"pool",
+       [](P& p, D&) {
+         p.forward.state_pool = p.d_final_state;
+         p.forward.initial_state = TensorView{};
+       },
+       "'forward.state_pool'"},
+      {"indices", [](P& p, D& d) { p.forward.state_indices = d.d.cu.view(); },
+       "'forward.state_indices'"},
+      {"checkpoints", [](P& p, D&) { p.forward.checkpoints = p.d_final_state; },
+       "'forward.checkpoints'"},
+      {"checkpoint_every", [](P& p, D&) { p.forward.checkpoint_every = 64; },
+       "'forward.checkpoint_every'"},
       {"d_out_shape", [](P& p, D&) { p.d_out.shape[1] = 1; }, "'d_out'"},
       {"d_out_dtype", [](P& p, D&) { p.d_out.dtype = DType::kFloat16; }, "'d_out'"},
       {"d_final_state_layout", [](P& p, D&) { p.d_final_state.shape[2] = 7; }, "'d_final_state'"},
-      {"d_final_state_device", [](P& p, D&) { p.d_final_state.device = Device::kCUDA; }, "'d_final_state'"},
+      {"d_final_state_device", [](P& p, D&) { p.d_final_state.device = Device::kCUDA; },
+       "'d_final_state'"},
       {"dq_shape", [](P& p, D&) { p.dq.shape[2] = 3; }, "'dq'"},
       {"dq_dtype", [](P& p, D&) { p.dq.dtype = DType::kBFloat16; }, "'dq'"},
       {"dk_last_stride", [](P& p, D&) { p.dk.strides[p.dk.ndim - 1] = 2; }, "'dk'"},
@@ -336,18 +395,25 @@ std::vector<BadBackward> bad_backward_inputs() {
       {"dbeta_shape", [](P& p, D&) { p.dbeta.shape[1] = 1; }, "'dbeta'"},
       {"dA_log_dtype", [](P& p, D&) { p.dA_log.dtype = DType::kBFloat16; }, "'dA_log'"},
       {"ddt_bias_shape", [](P& p, D&) { p.ddt_bias.shape[1] = 1; }, "'ddt_bias'"},
-      {"d_initial_state_dtype", [](P& p, D&) { p.d_initial_state.dtype = DType::kBFloat16; }, "'d_initial_state'"},
-      {"d_initial_state_rows", [](P& p, D&) { p.d_initial_state.shape[0] = 1; }, "'d_initial_state'"},
-      {"backend_code", [](P& p, D&) { p.exec.backend = static_cast<Backend>(7); }, "'exec.backend'"},
-      {"cuda_backend_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; }, "'exec.backend'"},
-      {"cuda_tensors", [](P& p, D&) {
-         for (TensorView* t : {&p.forward.q, &p.forward.k, &p.forward.v, &p.forward.g, &p.forward.beta,
-                               &p.forward.A_log, &p.forward.dt_bias, &p.forward.cu_seqlens,
-                               &p.forward.initial_state, &p.d_out, &p.d_final_state, &p.dq, &p.dk, &p.dv,
-                               &p.dg, &p.dbeta, &p.dA_log, &p.ddt_bias, &p.d_initial_state})
+      {"d_initial_state_dtype", [](P& p, D&) { p.d_initial_state.dtype = DType::kBFloat16; },
+       "'d_initial_state'"},
+      {"d_initial_state_rows", [](P& p, D&) { p.d_initial_state.shape[0] = 1; },
+       "'d_initial_state'"},
+      {"backend_code", [](P& p, D&) { p.exec.backend = static_cast<Backend>(7); },
+       "'exec.backend'"},
+      {"cuda_backend_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; },
+       "'exec.backend'"},
+      {"cuda_tensors",
+       [](P& p, D&) {
+         for (TensorView* t :
+              {&p.forward.q, &p.forward.k, &p.forward.v, &p.forward.g, &p.forward.beta,
+               &p.forward.A_log, &p.forward.dt_bias, &p.forward.cu_seqlens,
+               &p.forward.initial_state, &p.d_out, &p.d_final_state, &p.dq, &p.dk, &p.dv, &p.dg,
+               &p.dbeta, &p.dA_log, &p.ddt_bias, &p.d_initial_state})
            t->device = Device::kCUDA;
          p.exec.backend = Backend::kAuto;
-       }, "'exec.backend'", StatusCode::kUnsupported},
+       },
+       "'exec.backend'", StatusCode::kUnsupported},
   };
 }
 
@@ -367,7 +433,8 @@ TEST_P(BackwardBadInput, ReturnsErrorNamingArgumentAndWritesNothing) {
   EXPECT_NE(s.message().find(GetParam().argument), std::string::npos) << s.message();
   EXPECT_NE(s.message().find("expected"), std::string::npos) << s.message();
   std::vector<HostTensor*> after = P.grads();
-  for (size_t t = 0; t < after.size(); ++t) EXPECT_TRUE(bitwise_equal(*after[t], before[t])) << kNames[t];
+  for (size_t t = 0; t < after.size(); ++t)
+    EXPECT_TRUE(bitwise_equal(*after[t], before[t])) << kNames[t];
   const bool exec_error = GetParam().argument == "'exec.backend'";
   EXPECT_EQ(validate(p).code(), exec_error ? StatusCode::kOk : StatusCode::kInvalidArgument);
 }

@@ -576,7 +576,8 @@ Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackward
     KDA_RETURN_IF_ERROR(check_dtype_float("d_out", p.d_out, q.dtype, true));
   }
   if (p.d_final_state.present())
-    KDA_RETURN_IF_ERROR(check_state("d_final_state", p.d_final_state, d.N, d, f.state_layout, q, true));
+    KDA_RETURN_IF_ERROR(
+        check_state("d_final_state", p.d_final_state, d.N, d, f.state_layout, q, true));
   KDA_RETURN_IF_ERROR(check_grad_token("dq", p.dq, d, d.H, d.K, q, q.dtype, "q"));
   KDA_RETURN_IF_ERROR(check_grad_token("dk", p.dk, d, d.H, d.K, q, q.dtype, "k"));
   KDA_RETURN_IF_ERROR(check_grad_token("dv", p.dv, d, d.HV, d.V, q, q.dtype, "v"));
@@ -596,7 +597,8 @@ Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackward
     KDA_RETURN_IF_ERROR(check_grad_dtype("ddt_bias", p.ddt_bias, DType::kFloat32, "dt_bias"));
   }
   if (p.d_initial_state.present()) {
-    KDA_RETURN_IF_ERROR(check_state("d_initial_state", p.d_initial_state, d.N, d, f.state_layout, q, true));
+    KDA_RETURN_IF_ERROR(
+        check_state("d_initial_state", p.d_initial_state, d.N, d, f.state_layout, q, true));
     if (f.initial_state.present())
       KDA_RETURN_IF_ERROR(check_grad_dtype("d_initial_state", p.d_initial_state,
                                            f.initial_state.dtype, "initial_state"));

@@ -46,7 +46,8 @@ double normalize(double* x, int64_t n, bool l2norm) {
   return r;
 }
 
-// Backward of x_hat = x / r (r as returned by normalize): dx = (dx_hat - x_hat (x_hat . dx_hat)) / r.
+// Backward of x_hat = x / r (r as returned by normalize): dx = (dx_hat - x_hat (x_hat . dx_hat)) /
+// r.
 void normalize_backward(const double* x_hat, double r, int64_t n, bool l2norm, double* dx) {
   if (!l2norm) return;
   double dot = 0;
@@ -233,8 +234,10 @@ void head_backward(const detail::PrefillBackwardProblem& bp, const Forms& f, int
     for (int64_t j = L - 1; j >= 0; --j) {
       const int64_t t = t0 + j, tok = span.bos + t;
       forward_step(*ht, t, &chunk_states[j * KV], K, V, &st, nullptr);
-      if (bp.d_out.present()) load_row(bp.d_out, offset4(bp.d_out, span.b, tok, hv, 0), V, dO.data());
-      backward_step(*ht, t, st, bp.d_out.present() ? dO.data() : nullptr, f.scale, K, V, G.data(), &tg);
+      if (bp.d_out.present())
+        load_row(bp.d_out, offset4(bp.d_out, span.b, tok, hv, 0), V, dO.data());
+      backward_step(*ht, t, st, bp.d_out.present() ? dO.data() : nullptr, f.scale, K, V, G.data(),
+                    &tg);
 
       // Chain through the preprocessing of spec section 2.
       if (bp.dv.present()) store_row(bp.dv, offset4(bp.dv, span.b, tok, hv, 0), V, tg.dv.data());
@@ -282,14 +285,17 @@ void reference_prefill_backward(const detail::PrefillBackwardProblem& bp) {
         head_backward(bp, f, n, span, hv, &ht, &sums);
       for (int64_t t = 0; t < span.len; ++t) {
         const int64_t tok = span.bos + t;
-        if (bp.dq.present()) store_row(bp.dq, offset4(bp.dq, span.b, tok, h, 0), d.K, &sums.dq[t * d.K]);
-        if (bp.dk.present()) store_row(bp.dk, offset4(bp.dk, span.b, tok, h, 0), d.K, &sums.dk[t * d.K]);
+        if (bp.dq.present())
+          store_row(bp.dq, offset4(bp.dq, span.b, tok, h, 0), d.K, &sums.dq[t * d.K]);
+        if (bp.dk.present())
+          store_row(bp.dk, offset4(bp.dk, span.b, tok, h, 0), d.K, &sums.dk[t * d.K]);
       }
     }
   }
   // The precomputed gate reads neither A_log nor dt_bias: their gradients stay zero.
   if (bp.dA_log.present())
-    for (int64_t hv = 0; hv < d.HV; ++hv) store_row(bp.dA_log, hv * bp.dA_log.strides[0], 1, &sums.dA_log[hv]);
+    for (int64_t hv = 0; hv < d.HV; ++hv)
+      store_row(bp.dA_log, hv * bp.dA_log.strides[0], 1, &sums.dA_log[hv]);
   if (bp.ddt_bias.present())
     for (int64_t hv = 0; hv < d.HV; ++hv)
       store_row(bp.ddt_bias, hv * bp.ddt_bias.strides[0], d.K, &sums.ddt_bias[hv * d.K]);
