@@ -197,10 +197,11 @@ struct PrefillParams {
 //   dv               [B, T, HV, V]  q's dtype
 //   dg               [B, T, HV, K]  g's dtype (through the gate form that ran)
 //   dbeta            [B, T, HV]     beta's dtype (through the beta form that ran)
-//   dA_log           [HV]           fp32 (zero for the precomputed gate)
-//   ddt_bias         [HV, K]        fp32 (zero for the precomputed gate)
-//   d_initial_state  [N, HV, ...]   as d_final_state; also allowed without initial_state, as
-//                                   the gradient at the zero initial state
+//   dA_log           [HV]           fp32   zero for the precomputed gate; an absent A_log or
+//   ddt_bias         [HV, K]        fp32   dt_bias gets the gradient at 0
+//   d_initial_state  [N, HV, ...]   layout as d_final_state, initial_state's dtype; also allowed
+//                                   without initial_state (any state dtype): the gradient at
+//                                   the zero initial state
 // Varlen tensors may drop the leading 1, as in the forward. dA_log and ddt_bias are sums over
 // every token of every sequence in a fixed order, so results are bitwise deterministic.
 //
