@@ -221,6 +221,32 @@ Status decode(const DecodeParams& p) {
   });
 }
 
+Status validate(const PrefillBackwardParams& p) {
+  detail::PrefillBackwardProblem pr;
+  return guarded([&] { return detail::validate_prefill_backward(p, &pr); });
+}
+
+// The CPU backends both run the fp64 reference backward; there is no CUDA backward yet.
+Status prefill_backward(const PrefillBackwardParams& p) {
+  return guarded([&]() -> Status {
+    detail::PrefillBackwardProblem pr;
+    Status s = detail::validate_prefill_backward(p, &pr);
+    if (!s.ok()) return s;
+    const bool cuda_choice = p.exec.backend == Backend::kAuto || p.exec.backend == Backend::kCuda;
+    if (pr.fwd.device == Device::kCUDA && cuda_choice)
+      return {StatusCode::kUnsupported,
+              std::string("argument 'exec.backend': expected kCpu or kCpuReference on CPU "
+                          "tensors (the prefill backward has no CUDA implementation yet), got ") +
+                  backend_name(p.exec.backend) + " on CUDA tensors"};
+    Backend be;
+    s = choose_backend(p.exec, pr.fwd.device, &be);
+    if (!s.ok()) return s;
+    if (be != Backend::kCpu && be != Backend::kCpuReference) return not_available();
+    cpu::reference_prefill_backward(pr);
+    return Status::Ok();
+  });
+}
+
 Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
   if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
   *bytes = 0;

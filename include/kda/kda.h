@@ -201,6 +201,55 @@ struct PrefillParams {
 };
 
 // ---------------------------------------------------------------------------------------------
+// Prefill backward (spec section 8)
+// ---------------------------------------------------------------------------------------------
+//
+// Gradients of a prefill. `forward` holds the forward call's inputs exactly as given to
+// prefill(): q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_layout, gate.
+// The forward's outputs are not needed: forward.out and forward.final_state are neither read nor
+// written (they may be absent), and forward.exec is ignored (this struct's `exec` is used).
+// Pool mode (forward.state_pool / state_indices) and checkpoints are refused.
+//
+// Upstream gradients (optional; absent = zero):
+//   d_out          [B, T, HV, V]   q's dtype or fp32
+//   d_final_state  [N, HV, V, K] (V-first) or [N, HV, K, V] (K-first), fp32/bf16/fp16
+// Gradients (each optional; absent = not computed; every present one is overwritten):
+//   dq, dk           [B, T, H, K]   q's dtype (summed over the HV / H value heads of each group)
+//   dv               [B, T, HV, V]  q's dtype
+//   dg               [B, T, HV, K]  g's dtype (through the gate form that ran)
+//   dbeta            [B, T, HV]     beta's dtype (through the beta form that ran)
+//   dA_log           [HV]           fp32   zero for the precomputed gate; an absent A_log or
+//   ddt_bias         [HV, K]        fp32   dt_bias gets the gradient at 0
+//   d_initial_state  [N, HV, ...]   layout as d_final_state, initial_state's dtype; also allowed
+//                                   without initial_state (any state dtype): the gradient at
+//                                   the zero initial state
+// Varlen tensors may drop the leading 1, as in the forward. dA_log and ddt_bias are sums over
+// every token of every sequence in a fixed order, so results are bitwise deterministic.
+//
+// Backends: kCpuReference runs the analytic fp64 backward (reference_backward.cpp); kCpu runs
+// the same reference for now; kCuda (and kAuto on CUDA tensors) returns kUnsupported.
+struct PrefillBackwardParams {
+  PrefillParams forward;  // the forward's inputs (see above)
+
+  TensorView d_out;          // [B, T, HV, V], optional
+  TensorView d_final_state;  // [N, HV, V, K] / [N, HV, K, V], optional
+
+  TensorView dq, dk;         // [B, T, H, K]
+  TensorView dv;             // [B, T, HV, V]
+  TensorView dg;             // [B, T, HV, K]
+  TensorView dbeta;          // [B, T, HV]
+  TensorView dA_log;         // [HV] fp32
+  TensorView ddt_bias;       // [HV, K] fp32
+  TensorView d_initial_state;  // [N, HV, V, K] / [N, HV, K, V]
+
+  ExecOptions exec;
+};
+
+// Computes the gradients; on any error nothing is written. validate() checks alone.
+Status prefill_backward(const PrefillBackwardParams& params);
+Status validate(const PrefillBackwardParams& params);
+
+// ---------------------------------------------------------------------------------------------
 // Decode (spec section 5)
 // ---------------------------------------------------------------------------------------------
 //

@@ -9,6 +9,7 @@
 #include <nanobind/stl/vector.h>
 
 #include "kda/kda.h"
+#include "backward.h"
 #include "views.h"
 
 namespace nb = nanobind;
@@ -178,4 +179,5 @@ NB_MODULE(_C, m) {
         "Checkpoint offsets [N + 1] for host cu_seqlens.");
   m.def("cuda_compiled", &kda::cuda_compiled, "Whether this build contains the CUDA backend.");
   m.def("info", &kp::info, "Version, build and CUDA device information.");
+  kp::register_backward(m);
 }

@@ -125,4 +125,16 @@ Status check_decode_index_values(const DecodeProblem& pr, const void* indices_ho
 // check_indices of prefill: pool slots >= P, then two sequences with the same pool slot.
 Status check_prefill_index_values(const PrefillProblem& pr, const void* state_indices_host);
 
+// The validated backward of a prefill: the forward's inputs (fwd.out and fwd.final_state absent,
+// no pool, no checkpoints) and the gradient views, per-token ones rank 4 as in the forward
+// (dbeta [B, T, HV, 1]). Absent views are not read (upstream) or not computed (gradients).
+struct PrefillBackwardProblem {
+  PrefillProblem fwd;
+  TensorView d_out, d_final_state;
+  TensorView dq, dk, dv, dg, dbeta;
+  TensorView dA_log, ddt_bias, d_initial_state;
+};
+
+Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackwardProblem* out);
+
 }  // namespace kda::detail

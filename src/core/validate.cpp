@@ -666,4 +666,109 @@ Status check_prefill_index_values(const PrefillProblem& pr, const void* state_in
   return check_shared_slots(std::move(uses));
 }
 
+// ---------------------------------------------------------------------------------------------
+// Prefill backward
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// A gradient output: `dtype` exactly (the dtype of the tensor it is the gradient of, `of`).
+Status check_grad_dtype(const char* arg, const TensorView& t, DType dtype, const char* of) {
+  if (t.dtype == dtype) return Status::Ok();
+  return Err(arg, std::string("dtype ") + dtype_name(dtype) + " (as " + of + ")",
+             std::string("dtype ") + dtype_name(t.dtype));
+}
+
+Status check_grad_token(const char* arg, const TensorView& t, const Dims& d, int64_t d2,
+                        int64_t d3, const TensorView& q, DType dtype, const char* of) {
+  if (!t.present()) return Status::Ok();
+  KDA_RETURN_IF_ERROR(check_token_tensor(arg, t, d, d2, d3, q));
+  return check_grad_dtype(arg, t, dtype, of);
+}
+
+// Refuses a forward argument the backward does not implement.
+Status refuse_in_backward(const char* arg, const TensorView& t) {
+  if (!t.present()) return Status::Ok();
+  return Err(arg, "absent (the prefill backward has no pool mode or checkpoints)", shape_str(t));
+}
+
+}  // namespace
+
+Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackwardProblem* pr) {
+  const PrefillParams& f = p.forward;
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.state_pool", f.state_pool));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.state_indices", f.state_indices));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.checkpoints", f.checkpoints));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.checkpoint_offsets", f.checkpoint_offsets));
+  if (f.checkpoint_every != 0)
+    return Err("forward.checkpoint_every", "0 (the prefill backward has no checkpoints)",
+               std::to_string(f.checkpoint_every));
+  Dims d;
+  KDA_RETURN_IF_ERROR(parse_qkv(f.q, f.k, f.v, f.cu_seqlens, &d));
+
+  // The forward's outputs are not inputs of the backward: the forward's checks run on its inputs
+  // with a stand-in `out` of the right shape (a view of q's memory, never read or written).
+  PrefillParams fi = f;
+  fi.final_state = TensorView{};
+  fi.out = f.q;
+  fi.out.shape[fi.out.ndim - 2] = d.HV;
+  fi.out.shape[fi.out.ndim - 1] = d.V;
+  int64_t inner = 1;
+  for (int i = fi.out.ndim - 1; i >= 0; --i) {
+    fi.out.strides[i] = inner;
+    inner *= std::max<int64_t>(fi.out.shape[i], 1);
+  }
+  PrefillProblem fwd;
+  KDA_RETURN_IF_ERROR(validate_prefill(fi, &fwd));
+  fwd.out = TensorView{};
+
+  const TensorView& q = f.q;
+  if (p.d_out.present()) {
+    KDA_RETURN_IF_ERROR(check_token_tensor("d_out", p.d_out, d, d.HV, d.V, q));
+    KDA_RETURN_IF_ERROR(check_dtype_float("d_out", p.d_out, q.dtype, true));
+  }
+  if (p.d_final_state.present())
+    KDA_RETURN_IF_ERROR(
+        check_state("d_final_state", p.d_final_state, d.N, d, f.state_layout, q, true));
+  KDA_RETURN_IF_ERROR(check_grad_token("dq", p.dq, d, d.H, d.K, q, q.dtype, "q"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dk", p.dk, d, d.H, d.K, q, q.dtype, "k"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dv", p.dv, d, d.HV, d.V, q, q.dtype, "v"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dg", p.dg, d, d.HV, d.K, q, f.g.dtype, "g"));
+  if (p.dbeta.present()) {
+    KDA_RETURN_IF_ERROR(check_token_tensor3("dbeta", p.dbeta, d, d.HV, q));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("dbeta", p.dbeta, f.beta.dtype, "beta"));
+  }
+  if (p.dA_log.present()) {
+    KDA_RETURN_IF_ERROR(check_view("dA_log", p.dA_log, q));
+    KDA_RETURN_IF_ERROR(check_shape("dA_log", p.dA_log, {d.HV}));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("dA_log", p.dA_log, DType::kFloat32, "A_log"));
+  }
+  if (p.ddt_bias.present()) {
+    KDA_RETURN_IF_ERROR(check_view("ddt_bias", p.ddt_bias, q));
+    KDA_RETURN_IF_ERROR(check_shape("ddt_bias", p.ddt_bias, {d.HV, d.K}));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("ddt_bias", p.ddt_bias, DType::kFloat32, "dt_bias"));
+  }
+  if (p.d_initial_state.present()) {
+    KDA_RETURN_IF_ERROR(
+        check_state("d_initial_state", p.d_initial_state, d.N, d, f.state_layout, q, true));
+    if (f.initial_state.present())
+      KDA_RETURN_IF_ERROR(check_grad_dtype("d_initial_state", p.d_initial_state,
+                                           f.initial_state.dtype, "initial_state"));
+  }
+
+  pr->fwd = fwd;
+  auto rank4 = [](const TensorView& t) { return t.present() ? as_rank4(t) : TensorView{}; };
+  pr->d_out = rank4(p.d_out);
+  pr->d_final_state = p.d_final_state;
+  pr->dq = rank4(p.dq);
+  pr->dk = rank4(p.dk);
+  pr->dv = rank4(p.dv);
+  pr->dg = rank4(p.dg);
+  pr->dbeta = p.dbeta.present() ? beta_as_rank4(p.dbeta) : TensorView{};
+  pr->dA_log = p.dA_log;
+  pr->ddt_bias = p.ddt_bias;
+  pr->d_initial_state = p.d_initial_state;
+  return Status::Ok();
+}
+
 }  // namespace kda::detail

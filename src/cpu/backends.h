@@ -11,6 +11,8 @@ namespace kda::cpu {
 // fp64 token-by-token reference (reference.cpp).
 void reference_prefill(const detail::PrefillProblem& pr);
 void reference_decode(const detail::DecodeProblem& pr);
+// Analytic fp64 backward of the prefill (reference_backward.cpp).
+void reference_prefill_backward(const detail::PrefillBackwardProblem& bp);
 
 // Fast fp32 backend (prefill_chunked.cpp, decode_fast.cpp): threads over (sequence, value head).
 // An error (threads that could not be created) leaves every output untouched.
