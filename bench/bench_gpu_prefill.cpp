@@ -413,7 +413,7 @@ int main(int argc, char** argv) {
   }
   if (f) std::fclose(f);
   cudaFree(flush);
-  std::printf("speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time (scripts/fla_prefill_bench.py\n"
-              "measures FLA on the same inputs in the same session). err: rel L2 of value head 0 vs the fp64 reference.\n");
+  std::printf("speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time (bench/peers/fla_prefill_bench.py\n"
+              "measures FLA on the same inputs on the same GPU). err: rel L2 of value head 0 vs the fp64 reference.\n");
   return all_ok ? 0 : 1;
 }

@@ -1,4 +1,5 @@
 // api.cpp — public entry points: validation, backend choice, dispatch, discovery.
+#include <climits>
 #include <exception>
 #include <new>
 #include <string>
@@ -32,9 +33,16 @@ size_t dtype_size(DType dtype) {
 }
 
 int64_t TensorView::numel() const {
+  if (ndim == 0) return 0;
+  if (ndim < 0 || ndim > kMaxDims) return -1;
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] < 0) return -1;
+    if (shape[i] == 0) return 0;
+  }
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
-  return ndim > 0 ? n : 0;
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(n, shape[i], &n)) return -1;
+  return n;
 }
 
 TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape,
@@ -44,7 +52,9 @@ TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape
   t.dtype = dtype;
   t.device = device;
   t.device_index = device_index;
-  t.ndim = static_cast<int32_t>(std::min<size_t>(shape.size(), kMaxDims));
+  // More than kMaxDims dimensions: the rank is recorded and nothing else (validation rejects it).
+  t.ndim = static_cast<int32_t>(std::min<size_t>(shape.size(), INT32_MAX));
+  if (t.ndim > kMaxDims) return t;
   for (int i = 0; i < t.ndim; ++i) {
     t.shape[i] = shape[i];
     t.strides[i] = i < static_cast<int>(strides.size()) ? strides[i] : 0;
@@ -54,8 +64,11 @@ TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape
 
 TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device device,
                      int32_t device_index) {
+  // Row-major strides, saturated at INT64_MAX where the product overflows (validation then
+  // rejects the view, unless it has no element).
   std::vector<int64_t> strides(shape.size(), 1);
-  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
+    if (__builtin_mul_overflow(strides[i + 1], shape[i + 1], &strides[i])) strides[i] = INT64_MAX;
   return make_strided_view(data, dtype, std::move(shape), std::move(strides), device, device_index);
 }
 
@@ -148,8 +161,10 @@ Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
   if (be == Backend::kCuda && !cuda_compiled())
     return {StatusCode::kUnsupported, "backend",
             "'cuda' requested, but this build has no CUDA backend"};
-  if (exec.num_threads < 0)
-    return invalid("num_threads", "expected >= 0, got " + std::to_string(exec.num_threads));
+  if (exec.num_threads < 0 || exec.num_threads > kMaxNumThreads)
+    return invalid("num_threads", "expected 0 (all hardware threads) to " +
+                                      std::to_string(kMaxNumThreads) + ", got " +
+                                      std::to_string(exec.num_threads));
   *out = be;
   return Status::Ok();
 }
@@ -213,9 +228,17 @@ Status validate(const DecodeParams& p) {
 
 Status prefill(const PrefillParams& p) {
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
+    if (p.check_indices) {
+      if (pr.device != Device::kCPU)
+        return {StatusCode::kUnsupported, "check_indices",
+                "expected CPU tensors (the cuda backend does not check prefill indices), got CUDA "
+                "tensors"};
+      Status s = detail::check_prefill_index_values(pr, pr.state_indices.data);
+      if (!s.ok()) return s;
+    }
     switch (be) {
       case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();
-      case Backend::kCpu: cpu::fast_prefill(pr, p.exec.num_threads); return Status::Ok();
+      case Backend::kCpu: return cpu::fast_prefill(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
       case Backend::kCuda: {
         ExecOptions exec = p.exec;
@@ -237,12 +260,38 @@ Status decode(const DecodeParams& p) {
     }
     switch (be) {
       case Backend::kCpuReference: cpu::reference_decode(pr); return Status::Ok();
-      case Backend::kCpu: cpu::fast_decode(pr, p.exec.num_threads); return Status::Ok();
+      case Backend::kCpu: return cpu::fast_decode(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
       case Backend::kCuda: return cuda::decode(pr, p.exec, p.check_indices);
 #endif
       default: return not_available();
     }
+  });
+}
+
+Status validate(const PrefillBackwardParams& p) {
+  detail::PrefillBackwardProblem pr;
+  return guarded([&] { return detail::validate_prefill_backward(p, &pr); });
+}
+
+// The CPU backends both run the fp64 reference backward; there is no CUDA backward yet.
+Status prefill_backward(const PrefillBackwardParams& p) {
+  return guarded([&]() -> Status {
+    detail::PrefillBackwardProblem pr;
+    Status s = detail::validate_prefill_backward(p, &pr);
+    if (!s.ok()) return s;
+    const bool cuda_choice = p.exec.backend == Backend::kAuto || p.exec.backend == Backend::kCuda;
+    if (pr.fwd.device == Device::kCUDA && cuda_choice)
+      return {StatusCode::kUnsupported, "backend",
+              std::string("expected 'cpu' or 'reference' on CPU tensors (the prefill backward "
+                          "has no CUDA implementation yet), got '") +
+                  backend_name(p.exec.backend) + "' on CUDA tensors"};
+    Backend be;
+    s = choose_backend(p.exec, pr.fwd.device, &be);
+    if (!s.ok()) return s;
+    if (be != Backend::kCpu && be != Backend::kCpuReference) return not_available();
+    cpu::reference_prefill_backward(pr);
+    return Status::Ok();
   });
 }
 

@@ -4,7 +4,9 @@
 //   kda::prefill(PrefillParams)  — chunked forward over whole prompts (dense or varlen);
 //   kda::decode(DecodeParams)    — one or a few tokens per sequence against a state pool.
 // Tensors cross as non-owning views (pointer, dtype, device, shape, int64 strides in elements);
-// only the last dimension must be contiguous. Optional tensors are views with ndim == 0.
+// only the last dimension must be contiguous. Optional tensors are views with ndim == 0. Inputs
+// may be broadcast views; a tensor the call writes whose strides put two elements at one address
+// is refused (kInvalidArgument naming it).
 //
 // This header has no CUDA or framework dependency: a stream crosses as an opaque pointer.
 #pragma once
@@ -30,7 +32,11 @@ size_t dtype_size(DType dtype);
 inline constexpr int kMaxDims = 6;
 
 // A non-owning strided view. `strides` count elements, not bytes. An absent optional tensor is a
-// default-constructed view (ndim == 0).
+// default-constructed view (ndim == 0). A view of more than kMaxDims dimensions cannot be
+// represented: make_view / make_strided_view then return a view whose ndim is the requested rank
+// and whose shape and strides are left zero, and every entry point rejects it naming the
+// argument ("expected rank 1..6, got rank 7"). So is a view whose element count does not fit in
+// int64, or whose largest element offset does not.
 struct TensorView {
   void* data = nullptr;
   DType dtype = DType::kFloat32;
@@ -40,7 +46,9 @@ struct TensorView {
   int64_t shape[kMaxDims] = {};
   int64_t strides[kMaxDims] = {};
 
-  bool present() const { return ndim > 0; }
+  bool present() const { return ndim != 0; }
+  // Product of the sizes; 0 when absent or when a size is 0; -1 when the view is invalid (ndim
+  // outside [0, kMaxDims], a negative size, or a product that overflows int64).
   int64_t numel() const;
   int64_t size(int d) const { return shape[d < 0 ? d + ndim : d]; }
   int64_t stride(int d) const { return strides[d < 0 ? d + ndim : d]; }
@@ -164,8 +172,14 @@ struct ExecOptions {
   // workspace_bytes (then workspace/workspace_bytes are ignored); nullptr = not used.
   WorkspaceAllocator allocate_workspace = nullptr;
   void* allocate_context = nullptr;  // passed to allocate_workspace
-  int num_threads = 0;           // CPU backends: 0 = all hardware threads (or $KDA_NUM_THREADS)
+  int num_threads = 0;           // CPU backends: 0 = all hardware threads (or $KDA_NUM_THREADS);
+                                 // else 1..kMaxNumThreads (other values: kInvalidArgument)
 };
+
+// Largest ExecOptions::num_threads. A CPU call runs on at most this many threads; when the
+// system cannot create the threads a call asks for, it returns kInternal naming the failure and
+// writes nothing.
+inline constexpr int kMaxNumThreads = 1024;
 
 // ---------------------------------------------------------------------------------------------
 // Prefill (spec section 4)
@@ -206,10 +220,66 @@ struct PrefillParams {
   TensorView checkpoints;          // [num_checkpoints, HV, V, K]
   TensorView checkpoint_offsets;   // [N + 1] int32/int64
 
+  // Host-side check of the pool slots: a slot >= P, or two sequences with the same slot in
+  // [0, P), is kInvalidArgument naming both sequences (negative slots stay "no pooled state").
+  // Without it such sequences' results are unspecified; every other sequence and slot is exact.
+  // It reads state_indices on the host: for CUDA tensors it copies them and synchronizes the
+  // stream.
+  bool check_indices = false;
+
   StateLayout state_layout = StateLayout::kVFirst;
   MathOptions math;
   ExecOptions exec;
 };
+
+// ---------------------------------------------------------------------------------------------
+// Prefill backward (spec section 8)
+// ---------------------------------------------------------------------------------------------
+//
+// Gradients of a prefill. `forward` holds the forward call's inputs exactly as given to
+// prefill(): q, k, v, g, beta, A_log, dt_bias, cu_seqlens, initial_state, state_layout, gate.
+// The forward's outputs are not needed: forward.out and forward.final_state are neither read nor
+// written (they may be absent), and forward.exec is ignored (this struct's `exec` is used).
+// Pool mode (forward.state_pool / state_indices) and checkpoints are refused.
+//
+// Upstream gradients (optional; absent = zero):
+//   d_out          [B, T, HV, V]   q's dtype or fp32
+//   d_final_state  [N, HV, V, K] (V-first) or [N, HV, K, V] (K-first), fp32/bf16/fp16
+// Gradients (each optional; absent = not computed; every present one is overwritten):
+//   dq, dk           [B, T, H, K]   q's dtype (summed over the HV / H value heads of each group)
+//   dv               [B, T, HV, V]  q's dtype
+//   dg               [B, T, HV, K]  g's dtype (through the gate form that ran)
+//   dbeta            [B, T, HV]     beta's dtype (through the beta form that ran)
+//   dA_log           [HV]           fp32   zero for the precomputed gate; an absent A_log or
+//   ddt_bias         [HV, K]        fp32   dt_bias gets the gradient at 0
+//   d_initial_state  [N, HV, ...]   layout as d_final_state, initial_state's dtype; also allowed
+//                                   without initial_state (any state dtype): the gradient at
+//                                   the zero initial state
+// Varlen tensors may drop the leading 1, as in the forward. dA_log and ddt_bias are sums over
+// every token of every sequence in a fixed order, so results are bitwise deterministic.
+//
+// Backends: kCpuReference runs the analytic fp64 backward (reference_backward.cpp); kCpu runs
+// the same reference for now; kCuda (and kAuto on CUDA tensors) returns kUnsupported.
+struct PrefillBackwardParams {
+  PrefillParams forward;  // the forward's inputs (see above)
+
+  TensorView d_out;          // [B, T, HV, V], optional
+  TensorView d_final_state;  // [N, HV, V, K] / [N, HV, K, V], optional
+
+  TensorView dq, dk;         // [B, T, H, K]
+  TensorView dv;             // [B, T, HV, V]
+  TensorView dg;             // [B, T, HV, K]
+  TensorView dbeta;          // [B, T, HV]
+  TensorView dA_log;         // [HV] fp32
+  TensorView ddt_bias;       // [HV, K] fp32
+  TensorView d_initial_state;  // [N, HV, V, K] / [N, HV, K, V]
+
+  ExecOptions exec;
+};
+
+// Computes the gradients; on any error nothing is written. validate() checks alone.
+Status prefill_backward(const PrefillBackwardParams& params);
+Status validate(const PrefillBackwardParams& params);
 
 // ---------------------------------------------------------------------------------------------
 // Decode (spec section 5)
@@ -224,8 +294,10 @@ struct PrefillParams {
 // (num_accepted_tokens present, indices [N, Tmax]), else state_indices[n] / state_indices[n, 0],
 // or n without indices. A negative read slot, a slot >= P, or num_accepted_tokens outside
 // [1, T_n] makes the row a padding row: zero output, no state read or written.
-// check_indices = true reports the last two as kInvalidArgument instead (it reads the indices on
-// the host, so for CUDA tensors it copies them and synchronizes the stream).
+// check_indices = true reports the last two as kInvalidArgument instead, and so are two live rows
+// that share a slot which one of them writes (naming both rows; rows may share a slot they only
+// read). Without it such rows' results are unspecified; every other row and slot is exact. It
+// reads the indices on the host, so for CUDA tensors it copies them and synchronizes the stream.
 //
 // Writes (when store_final_state):
 //   * intermediate_states present: the state after every token goes to its token row;

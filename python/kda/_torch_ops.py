@@ -60,15 +60,17 @@ def _prefill_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out:
                   A_log: OptTensor, dt_bias: OptTensor, cu_seqlens: OptTensor,
                   initial_state: OptTensor, final_state: OptTensor, state_pool: OptTensor,
                   state_indices: OptTensor, checkpoints: OptTensor, checkpoint_offsets: OptTensor,
-                  workspace: OptTensor, checkpoint_every: int, state_layout: str,
+                  workspace: OptTensor, checkpoint_every: int, check_indices: bool,
+                  state_layout: str,
                   use_qk_l2norm: bool, scale: Optional[float], gate: str, lower_bound: float,
                   beta_logits: bool, allow_neg_eigval: bool, backend: str,
                   num_threads: int) -> None:
     s, allocate = cuda_call(q)
     _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
                state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
-               checkpoint_every, state_layout, use_qk_l2norm, scale, gate, lower_bound,
-               beta_logits, allow_neg_eigval, backend, num_threads, s, allocate, None)
+               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
+               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, s, allocate,
+               None)
 
 
 def _decode_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,

@@ -104,7 +104,8 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
             final_state: Optional[Array] = None, state_pool: Optional[Array] = None,
             state_indices: Optional[Array] = None, checkpoint_every: int = 0,
             checkpoints: Optional[Array] = None, checkpoint_offsets: Optional[Array] = None,
-            state_layout: str = "v_first", out: Optional[Array] = None, backend: str = "auto",
+            check_indices: bool = False, state_layout: str = "v_first",
+            out: Optional[Array] = None, backend: str = "auto",
             workspace: Optional[Array] = None,
             num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
     """Chunked KDA forward over whole prompts (spec section 4), dense or varlen.
@@ -140,6 +141,9 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
             ``checkpoint_offsets[n] + j``. Without ``checkpoint_offsets`` they are computed on the
             host from ``cu_seqlens`` (a device-to-host copy for CUDA arrays; pass them explicitly
             under CUDA-graph capture), see :func:`checkpoint_offsets`.
+        check_indices: report a slot ``>= P`` or two sequences with the same slot in ``[0, P)``
+            as ValueError (reads state_indices on the host; CPU arrays only). Without it such
+            sequences' results are unspecified; every other sequence and slot is exact.
         state_layout: ``"v_first"`` (default, FlashKDA/MATE) or ``"k_first"`` (FLA), for every
             state argument of the call.
         out: preallocated output ``[B, T, HV, V]`` in q's dtype (allocated when absent).
@@ -166,7 +170,8 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
                           final_state=final_state, state_pool=state_pool,
                           state_indices=state_indices, checkpoints=checkpoints,
                           checkpoint_offsets=checkpoint_offsets, out=out, workspace=workspace)
-            options = dict(checkpoint_every=checkpoint_every, state_layout=state_layout,
+            options = dict(checkpoint_every=checkpoint_every, check_indices=check_indices,
+                           state_layout=state_layout,
                            use_qk_l2norm=use_qk_l2norm,
                            scale=None if scale is None else float(scale), gate=gate,
                            lower_bound=float(lower_bound), beta_logits=beta_logits,
@@ -202,8 +207,9 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     stream, allocate = _device_call(q, torch) if torch or _arrays.is_array(q) else (0, None)
     _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
                state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
-               checkpoint_every, state_layout, use_qk_l2norm, scale, gate, lower_bound,
-               beta_logits, allow_neg_eigval, backend, num_threads, stream, allocate, names)
+               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
+               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, stream, allocate,
+               names)
     return (out, final_state) if want_final else out
 
 

@@ -16,6 +16,7 @@
 #include <iterator>
 #include <string>
 
+#include "backward.h"
 #include "kda/kda.h"
 #include "views.h"
 
@@ -29,8 +30,8 @@ namespace {
 constexpr const char* kPrefillArguments[] = {
     "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "initial_state",
     "final_state", "state_pool", "state_indices", "checkpoints", "checkpoint_offsets",
-    "workspace", "checkpoint_every", "state_layout", "use_qk_l2norm", "scale", "gate",
-    "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads", "stream",
+    "workspace", "checkpoint_every", "check_indices", "state_layout", "use_qk_l2norm", "scale",
+    "gate", "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads", "stream",
     "allocate", "names"};
 
 constexpr const char* kDecodeArguments[] = {
@@ -163,6 +164,7 @@ void run_prefill(const nb::args& args) {
   p.checkpoint_offsets = r.array("checkpoint_offsets", c.next("checkpoint_offsets"), false);
   r.workspace("workspace", c.next("workspace"), &p.exec.workspace, &p.exec.workspace_bytes);
   p.checkpoint_every = r.integer("checkpoint_every", c.next("checkpoint_every"));
+  p.check_indices = r.flag("check_indices", c.next("check_indices"));
   p.state_layout =
       r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
   read_math(c, r, &p.math);
@@ -270,4 +272,5 @@ NB_MODULE(_C, m) {
         "Checkpoint offsets [N + 1] for host cu_seqlens.");
   m.def("cuda_compiled", &kda::cuda_compiled, "Whether this build contains the CUDA backend.");
   m.def("info", &kp::info, "Version, build and CUDA device information.");
+  kp::register_backward(m);
 }

@@ -233,11 +233,7 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
   const auto& d = pr.d;
   const int K = static_cast<int>(d.K), V = static_cast<int>(d.V);
   const SeqSpan span = seq_span(d, pr.cu_seqlens, n);
-  int64_t slot = -1;
-  if (pr.state_pool.present()) {
-    slot = detail::load_index(pr.state_indices, n);
-    if (slot < 0 || slot >= pr.state_pool.shape[0]) slot = -1;
-  }
+  const int64_t slot = prefill_pool_slot(pr, n);
   std::fill(w.S, w.S + K * V, 0.0f);
   if (pr.initial_state.present()) load_state(pr.initial_state, pr.layout, n, hv, K, V, w.S);
   if (slot >= 0) load_state(pr.state_pool, pr.layout, slot, hv, K, V, w.S);
@@ -275,11 +271,11 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
 
 }  // namespace
 
-void fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
+Status fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
   const int64_t tasks = pr.d.N * pr.d.HV;
-  const int nt = static_cast<int>(std::min<int64_t>(resolve_num_threads(num_threads), std::max<int64_t>(tasks, 1)));
+  const int nt = worker_count(num_threads, tasks);
   std::vector<std::unique_ptr<Scratch>> scratch(nt);
-  parallel_for(tasks, nt, [&](int64_t i, int worker) {
+  return parallel_for(tasks, nt, [&](int64_t i, int worker) {
     ScopedFlushDenormals ftz;
     if (!scratch[worker]) scratch[worker] = std::make_unique<Scratch>();
     prefill_task(pr, i / pr.d.HV, i % pr.d.HV, *scratch[worker]);

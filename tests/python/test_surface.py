@@ -139,7 +139,8 @@ def test_prefill_passes_every_argument_in_the_extension_order(monkeypatch):
     rec = _Recorder()
     monkeypatch.setattr(_C, "prefill", rec)
     arrays = {n: np.zeros((1,), np.float32) for n in PREFILL_ARRAYS}
-    options = dict(checkpoint_every=0, state_layout="k_first", use_qk_l2norm=False, scale=0.5,
+    options = dict(checkpoint_every=0, check_indices=True, state_layout="k_first",
+                   use_qk_l2norm=False, scale=0.5,
                    gate="softplus", lower_bound=-2.0, beta_logits=True, allow_neg_eigval=True,
                    backend="reference", num_threads=3)
     kda.prefill(**arrays, **options)
@@ -166,6 +167,17 @@ def test_decode_passes_every_argument_in_the_extension_order(monkeypatch):
     for n, x in {**arrays, **options}.items():
         assert got[n] is x, n
     assert got["stream"] == 0 and got["names"] is None
+
+
+def test_prefill_check_indices_reports_a_shared_slot():
+    pool = random_state(16, (4, 4, 32, 32))
+    call = prefill_call(initial_state=None, final_state=None, state_pool=pool,
+                        state_indices=np.array([1, 1], np.int32))
+    kda.prefill(**dict(call, state_pool=pool.copy()))  # unchecked: runs
+    before = pool.copy()
+    with pytest.raises(ValueError, match="argument 'state_indices'"):
+        kda.prefill(**call, check_indices=True)
+    np.testing.assert_array_equal(pool, before)
 
 
 def test_enum_values_come_from_the_library():
