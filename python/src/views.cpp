@@ -299,23 +299,39 @@ int64_t Reader::integer(const char* arg, nb::handle obj) {
   return v;
 }
 
+namespace {
+
+// A Python float, int (not bool) or other number: a numpy scalar, or a 0-d array or tensor; not
+// a string or an array with elements in a dimension.
+bool is_real(PyObject* o) {
+  if (PyFloat_Check(o)) return true;
+  if (PyBool_Check(o) || PyUnicode_Check(o)) return false;
+  if (PyLong_Check(o)) return true;
+  const PyNumberMethods* num = Py_TYPE(o)->tp_as_number;
+  if (num == nullptr || num->nb_float == nullptr) return false;
+  if (!PySequence_Check(o)) return true;
+  PyObject* ndim = PyObject_GetAttrString(o, "ndim");  // arrays: only 0-d ones
+  if (ndim == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool zero = PyLong_Check(ndim) && PyLong_AsLong(ndim) == 0;
+  Py_DECREF(ndim);
+  return zero;
+}
+
+}  // namespace
+
 double Reader::real(const char* arg, nb::handle obj) {
-  PyObject* o = obj.ptr();
-  const bool number = PyFloat_Check(o) || PyLong_Check(o) ||
-                      (Py_TYPE(o)->tp_as_number != nullptr &&
-                       Py_TYPE(o)->tp_as_number->nb_float != nullptr && !PySequence_Check(o));
-  if (PyBool_Check(o) || PyUnicode_Check(o) || !number)
-    type_error(arg, "expected float, got " + py_type_name(obj));
-  const double v = PyFloat_AsDouble(o);
+  if (!is_real(obj.ptr())) type_error(arg, "expected float, got " + py_type_name(obj));
+  const double v = PyFloat_AsDouble(obj.ptr());
   if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
   return v;
 }
 
 std::optional<double> Reader::optional_real(const char* arg, nb::handle obj) {
   if (obj.is_none()) return std::nullopt;
-  PyObject* o = obj.ptr();
-  if (PyBool_Check(o) || PyUnicode_Check(o) || PySequence_Check(o))
-    type_error(arg, "expected float or None, got " + py_type_name(obj));
+  if (!is_real(obj.ptr())) type_error(arg, "expected float or None, got " + py_type_name(obj));
   return real(arg, obj);
 }
 

@@ -180,6 +180,20 @@ def test_prefill_check_indices_reports_a_shared_slot():
     np.testing.assert_array_equal(pool, before)
 
 
+def test_scalar_options_take_numbers_and_0d_arrays():
+    ref = kda.prefill(**prefill_call(scale=0.25, lower_bound=-2.0, gate="lower_bound"))
+    for scale in (np.float32(0.25), np.array(0.25), 0.25):
+        got = kda.prefill(**prefill_call(scale=scale, lower_bound=np.float64(-2.0),
+                                         gate="lower_bound"))
+        np.testing.assert_array_equal(got[0], ref[0])
+    for bad in (np.array([0.25]), "0.25", True, [0.25]):
+        with pytest.raises(TypeError, match="argument 'scale': expected float or None"):
+            kda.prefill(**prefill_call(scale=bad))
+    with pytest.raises(TypeError, match="argument 'num_threads': expected int"):
+        kda.prefill(**prefill_call(num_threads=1.0))
+    kda.prefill(**prefill_call(num_threads=np.int64(1), use_qk_l2norm=np.bool_(True)))
+
+
 def test_enum_values_come_from_the_library():
     assert _C.enum_values == {"gate": ("precomputed", "softplus", "lower_bound"),
                               "state_layout": ("v_first", "k_first"),
