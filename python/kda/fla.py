@@ -76,6 +76,10 @@ def _flag(name: str, x: Any) -> bool:
     raise TypeError(f"argument '{name}': expected bool, got {type(x).__name__}")
 
 
+def _flags(**values: Any) -> Dict[str, bool]:
+    return {name: _flag(name, x) for name, x in values.items()}
+
+
 def _unsupported(name: str, value: Any, default: Any, why: str) -> None:
     """FLA arguments this package does not implement: only their default is accepted."""
     if value is not default and value != default:
@@ -281,13 +285,13 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     _unsupported("cp_context", cp_context, None, "context parallel is not implemented")
     _unsupported("disable_recompute", disable_recompute, False,
                  "a training knob; no backward is implemented")
-    flags = {n: _flag(n, x) for n, x in (
-        ("output_final_state", output_final_state),
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel),
-        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval), ("safe_gate", safe_gate),
-        ("return_intermediate_states", return_intermediate_states), ("use_graph", use_graph))}
+    flags = _flags(output_final_state=output_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval, safe_gate=safe_gate,
+                   return_intermediate_states=return_intermediate_states,
+                   use_graph=use_graph)
     _check_scale(scale)
     B, T, H, K, HV, V, N = _qkv_dims(q, k, v, cu_seqlens, initial_state)
     q, k, v, initial_state = (_dense_rows(x) for x in (q, k, v, initial_state))
@@ -445,12 +449,11 @@ def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     torch = _torch()
     state_v_first = _state_v_first(state_v_first, kwargs)
     _check_kwargs("fused_recurrent_kda", kwargs, ())
-    flags = {n: _flag(n, x) for n, x in (
-        ("output_final_state", output_final_state),
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel),
-        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval))}
+    flags = _flags(output_final_state=output_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("argument 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=True")
     _B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
@@ -542,13 +545,12 @@ def fused_recurrent_kda_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     torch = _torch()
     state_v_first = _state_v_first(state_v_first, kwargs)
     _check_kwargs("fused_recurrent_kda_fwd", kwargs, ())
-    flags = {n: _flag(n, x) for n, x in (
-        ("output_final_state", output_final_state),
-        ("inplace_final_state", inplace_final_state),
-        ("use_qk_l2norm_in_kernel", use_qk_l2norm_in_kernel),
-        ("use_gate_in_kernel", use_gate_in_kernel),
-        ("use_beta_sigmoid_in_kernel", use_beta_sigmoid_in_kernel),
-        ("allow_neg_eigval", allow_neg_eigval))}
+    flags = _flags(output_final_state=output_final_state,
+                   inplace_final_state=inplace_final_state,
+                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+                   use_gate_in_kernel=use_gate_in_kernel,
+                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
+                   allow_neg_eigval=allow_neg_eigval)
     for name, x in (("ssm_state_indices", ssm_state_indices),
                     ("num_accepted_tokens", num_accepted_tokens), ("out", out)):
         _check_tensor(name, x, required=False)
