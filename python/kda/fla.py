@@ -384,7 +384,7 @@ def _prefill_can_run(q: Any, K: int, V: int) -> bool:
                                                                   torch.float16))
 
 
-def _runs_on_decode(q: Any, v: Any, beta: Any, T: int, N: int, K: int, V: int) -> bool:
+def _runs_on_decode(q: Any, v: Any, beta: Any, tokens: int, N: int, K: int, V: int) -> bool:
     """fused_recurrent_kda's kernel choice: decode (FLA's token-by-token recurrence) for short
     sequences and per-row beta; the chunked prefill (the same function, faster on long ones)
     where decode cannot take the head dims or the sequences are long."""
@@ -392,8 +392,7 @@ def _runs_on_decode(q: Any, v: Any, beta: Any, T: int, N: int, K: int, V: int) -
         return True  # beta [B, T, HV, V]: decode only
     if K != V or K % 32 != 0:
         return False
-    long = T > _RECURRENT_MAX_TOKENS * max(N, 1) if q.shape[0] == 1 else (
-        T > _RECURRENT_MAX_TOKENS)
+    long = tokens > _RECURRENT_MAX_TOKENS * max(N, 1)  # (on average per sequence)
     return not (long and _prefill_can_run(q, K, V))
 
 
@@ -456,7 +455,7 @@ def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
                    allow_neg_eigval=allow_neg_eigval)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("argument 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=True")
-    _B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
+    B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
         q, k, v, g, beta, cu_seqlens, initial_state, scale, flags, A_log, dt_bias, lower_bound,
         decode_dt_bias=True)
     initial_state = _dense_rows(initial_state)  # read only
@@ -466,7 +465,7 @@ def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     if output_final_state:
         final = torch.empty(shape, dtype=torch.float32, device=q.device)
 
-    if not _runs_on_decode(q, v, beta, T, N, K, V):
+    if not _runs_on_decode(q, v, beta, B * T, N, K, V):
         if options["dt_bias"] is not None and options["dt_bias"].dtype != torch.float32:
             options["dt_bias"] = options["dt_bias"].float()
         o = _call(prefill, q, k, v, g, beta, cu_seqlens=cu_seqlens, initial_state=initial_state,

@@ -7,8 +7,9 @@ strided views, numpy or torch arrays) run on the fast CPU backend and on the fp6
 theirs (kdatest.tolerance, docs/design.md section 5), and slots no row uses stay bit-identical.
 
 Invalid draws break one thing of a valid call (a shape, a dtype, a last-dimension stride, an
-index dtype or value, an option, an array replaced by a list): the call raises TypeError or
-ValueError naming the broken argument and leaves every output and pool byte unchanged.
+index dtype or value, an option, an array replaced by a list), in numpy or torch: the call
+raises TypeError or ValueError naming the broken argument and leaves every output and pool byte
+unchanged.
 """
 
 import numpy as np
@@ -358,10 +359,25 @@ def _snapshot(a, k):
     """Bytes of every output and pool of the call."""
     snap = {}
     for name, x in list(zip(["q", "k", "v", "g", "beta", "state"], a)) + list(k.items()):
-        if name in ("out", "state", "state_pool", "final_state", "checkpoints",
-                    "intermediate_states") and isinstance(x, np.ndarray):
+        if name not in ("out", "state", "state_pool", "final_state", "checkpoints",
+                        "intermediate_states"):
+            continue
+        if isinstance(x, np.ndarray):
             snap[name] = x.tobytes()
+        elif torch is not None and isinstance(x, torch.Tensor):
+            snap[name] = x.clone().numpy().tobytes()
     return snap
+
+
+def _to_library(a, k, lib):
+    """The (broken) numpy call as `lib` arrays: same values, dtypes and strides."""
+    if lib == "numpy":
+        return a, k
+
+    def conv(x):
+        return _convert(x, "torch", "fp32") if isinstance(x, np.ndarray) else x
+
+    return [conv(x) for x in a], {n: conv(x) for n, x in k.items()}
 
 
 @pytest.mark.parametrize("op", ["prefill", "decode"])
@@ -369,8 +385,8 @@ def _snapshot(a, k):
 @given(data=st.data())
 def test_invalid_draws_raise_the_named_error_and_write_nothing(op, data):
     args, kw, meta = data.draw(calls(op))
-    if meta["lib"] != "numpy" or meta["dtype"] != "fp32":
-        meta = dict(meta, lib="numpy", dtype="fp32", state_dtype="fp32")
+    lib = meta["lib"]  # the call is built and broken in numpy fp32, then converted
+    meta = dict(meta, lib="numpy", dtype="fp32", state_dtype="fp32")
     a, k = materialize(args, kw, meta)
     hypothesis.assume(EMPTY_NUMPY_OK or not any(
         isinstance(x, np.ndarray) and x.size == 0 for x in [*a, *k.values()]))
@@ -378,6 +394,7 @@ def test_invalid_draws_raise_the_named_error_and_write_nothing(op, data):
     k["out"] = np.full(tuple(a[2].shape), 7.0, np.float32)
     name, how = data.draw(st.sampled_from(_mutations(op)))
     hypothesis.assume(_break((a, k), name, how, op))
+    a, k = _to_library(a, k, lib)
     before = _snapshot(a, k)
     fn = kda.prefill if op == "prefill" else kda.decode
     with pytest.raises((TypeError, ValueError)) as info:
