@@ -397,19 +397,20 @@ def _runs_on_decode(q: Any, v: Any, beta: Any, tokens: int, N: int, K: int, V: i
 
 
 def _recurrent_checks(q: Any, k: Any, v: Any, g: Any, beta: Any, cu_seqlens: Any,
-                      initial_state: Any, scale: Any, flags: Dict[str, Any],
-                      A_log: Any, dt_bias: Any, lower_bound: Any,
-                      decode_dt_bias: bool) -> Tuple[Any, ...]:
+                      initial_state: Any, scale: Any, A_log: Any, dt_bias: Any, lower_bound: Any,
+                      l2norm: Any, gate_in_kernel: Any, beta_sigmoid: Any,
+                      neg_eigval: Any) -> Tuple[Any, ...]:
     """Shapes and options of the recurrent entry points: (B, T, H, K, HV, V, N, q, k, v, g,
     beta, options)."""
+    flags = _flags(use_qk_l2norm_in_kernel=l2norm, use_gate_in_kernel=gate_in_kernel,
+                   use_beta_sigmoid_in_kernel=beta_sigmoid, allow_neg_eigval=neg_eigval)
     _check_scale(scale)
     B, T, H, K, HV, V, N = _qkv_dims(q, k, v, cu_seqlens, initial_state)
     q, k, v = (_dense_rows(x) for x in (q, k, v))
     g = _token_input("g", g, q, (B, T, HV, K))
     _check_tensor("beta", beta)
     beta = _token_input("beta", beta, q, (B, T, HV, V) if beta.ndim == 4 else (B, T, HV))
-    options = dict(_gate(flags["use_gate_in_kernel"], A_log, dt_bias, lower_bound, HV, K,
-                         decode_dt_bias),
+    options = dict(_gate(gate_in_kernel, A_log, dt_bias, lower_bound, HV, K, True),
                    **_beta(flags["use_beta_sigmoid_in_kernel"], flags["allow_neg_eigval"]),
                    scale=scale, use_qk_l2norm=flags["use_qk_l2norm_in_kernel"])
     if flags["use_gate_in_kernel"] and options["gate"] == "softplus" and A_log is None:
@@ -448,16 +449,12 @@ def fused_recurrent_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor
     torch = _torch()
     state_v_first = _state_v_first(state_v_first, kwargs)
     _check_kwargs("fused_recurrent_kda", kwargs, ())
-    flags = _flags(output_final_state=output_final_state,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel=use_gate_in_kernel,
-                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                   allow_neg_eigval=allow_neg_eigval)
+    _flag("output_final_state", output_final_state)
+    B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
+        q, k, v, g, beta, cu_seqlens, initial_state, scale, A_log, dt_bias, lower_bound,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     if allow_neg_eigval and not use_beta_sigmoid_in_kernel:
         raise ValueError("argument 'allow_neg_eigval': requires use_beta_sigmoid_in_kernel=True")
-    B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
-        q, k, v, g, beta, cu_seqlens, initial_state, scale, flags, A_log, dt_bias, lower_bound,
-        decode_dt_bias=True)
     initial_state = _dense_rows(initial_state)  # read only
     layout = "v_first" if state_v_first else "k_first"
     shape = (N, HV, V, K) if state_v_first else (N, HV, K, V)
@@ -544,19 +541,14 @@ def fused_recurrent_kda_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
     torch = _torch()
     state_v_first = _state_v_first(state_v_first, kwargs)
     _check_kwargs("fused_recurrent_kda_fwd", kwargs, ())
-    flags = _flags(output_final_state=output_final_state,
-                   inplace_final_state=inplace_final_state,
-                   use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
-                   use_gate_in_kernel=use_gate_in_kernel,
-                   use_beta_sigmoid_in_kernel=use_beta_sigmoid_in_kernel,
-                   allow_neg_eigval=allow_neg_eigval)
+    _flags(output_final_state=output_final_state, inplace_final_state=inplace_final_state)
     for name, x in (("ssm_state_indices", ssm_state_indices),
                     ("num_accepted_tokens", num_accepted_tokens), ("out", out)):
         _check_tensor(name, x, required=False)
     # (the pool may have any number of rows: initial_state is not checked as one per sequence)
     B, T, _H, K, HV, V, N, q, k, v, g, beta, options = _recurrent_checks(
-        q, k, v, g, beta, cu_seqlens, None, scale, flags, A_log, dt_bias, lower_bound,
-        decode_dt_bias=True)
+        q, k, v, g, beta, cu_seqlens, None, scale, A_log, dt_bias, lower_bound,
+        use_qk_l2norm_in_kernel, use_gate_in_kernel, use_beta_sigmoid_in_kernel, allow_neg_eigval)
     _check_tensor("initial_state", initial_state, required=False)
     layout = "v_first" if state_v_first else "k_first"
     if inplace_final_state and initial_state is None:
