@@ -674,3 +674,12 @@ def test_torch_compile_fullgraph():
     for x, y in zip(e, c):
         torch.testing.assert_close(x, y)
     torch.testing.assert_close(p_eager, p_comp)
+
+
+def test_import_kda_does_not_import_torch():
+    """kda.fla is part of `import kda`, and imports torch only on its first call."""
+    import subprocess
+    import sys
+    code = "import sys, kda; kda.fla.chunk_kda; print('torch' in sys.modules)"
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert res.stdout.strip() == "False"
