@@ -572,8 +572,11 @@ def fused_recurrent_kda_fwd(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Te
         if pool is None:
             pool, final_arg = (final if final is not None else
                                torch.empty(shape, dtype=torch.float32, device=q.device)), None
-        elif final is not None and pool.dtype != torch.float32:
-            pool, final_arg = final.copy_(initial_state), None
+        elif final is not None and pool.dtype != torch.float32:  # read in fp32, as FLA
+            if int(pool.shape[0]) < N:
+                raise ValueError(f"argument 'initial_state': expected at least {N} rows (one "
+                                 f"per sequence), got {int(pool.shape[0])}")
+            pool, final_arg = final.copy_(initial_state[:N]), None
         o = _call(decode, q, k, v, g, beta, pool, final_state=final_arg,
                   use_initial_state=initial_state is not None, store_final_state=final is not None,
                   num_accepted_tokens=num_accepted_tokens, **common)

@@ -583,6 +583,28 @@ def test_fused_recurrent_kda_fwd_separate_final_state(device):
     check("ht", final2, ref_ht, dtype, device, state=True)
 
 
+def test_fused_recurrent_kda_fwd_bf16_pool_into_a_new_fp32_state():
+    """Without indices and not in place: rows 0..N-1 of a larger bf16 pool are read in fp32 and
+    the final state is a new fp32 array (FLA's kernel keeps fp32 in registers)."""
+    torch.manual_seed(11)
+    N, H, D = 3, 2, 32
+    q = normalize(torch.rand(N, 1, H, D)).bfloat16()
+    v, beta = torch.rand(N, 1, H, D).bfloat16(), torch.rand(N, 1, H).bfloat16()
+    g = F.logsigmoid(torch.randn(N, 1, H, D))
+    pool = torch.randn(N + 2, H, D, D).bfloat16()
+    before = pool.clone()
+    o, final = kda.fla.fused_recurrent_kda_fwd(q, q, v, g, beta, initial_state=pool,
+                                               inplace_final_state=False,
+                                               output_final_state=True)
+    ref, ref_ht = reference(q, q, v, g, beta, None, pool[:N].float(), False)
+    assert torch.equal(pool, before) and final.dtype == torch.float32
+    check("o", o, ref, torch.bfloat16, "cpu")
+    check("ht", final, ref_ht, torch.bfloat16, "cpu", state=True)
+    with pytest.raises(ValueError, match="initial_state"):
+        kda.fla.fused_recurrent_kda_fwd(q, q, v, g, beta, initial_state=pool[:2],
+                                        inplace_final_state=False, output_final_state=True)
+
+
 # --- errors, autograd, torch.compile --------------------------------------------------------------
 
 def small(B=2, T=8, H=2, D=32, dtype=torch.float32):
