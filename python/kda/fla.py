@@ -201,29 +201,10 @@ def _check_scale(scale: Any) -> None:
         raise TypeError(f"argument 'scale': expected float or None, got {type(scale).__name__}")
 
 
-def _no_backward(fn: str, outputs: Tuple[Any, ...], inputs: Tuple[Any, ...]) -> Tuple[Any, ...]:
-    """Outputs that raise on backward when autograd would otherwise silently cut the graph
-    (inputs that require grad, grad mode on): this package has no backward yet."""
+def _needs_grad(*inputs: Any) -> bool:
     torch = _torch()
-    if not torch.is_grad_enabled() or not any(
-            isinstance(t, torch.Tensor) and t.requires_grad for t in inputs):
-        return outputs
-    present = tuple(t for t in outputs if t is not None)
-
-    class _Forward(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, *args: Any) -> Any:
-            return tuple(t.detach() for t in present)
-
-        @staticmethod
-        def backward(ctx: Any, *grads: Any) -> Any:
-            raise NotImplementedError(f"kda.fla.{fn}: no backward (training is not "
-                                      "implemented); run it under torch.no_grad() or "
-                                      "torch.inference_mode()")
-
-    grad_inputs = tuple(t for t in inputs if isinstance(t, torch.Tensor) and t.requires_grad)
-    res = iter(_Forward.apply(*grad_inputs))
-    return tuple(None if t is None else next(res) for t in outputs)
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in inputs)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -268,9 +249,13 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         ``(o, final_state)`` (``final_state`` None without ``output_final_state``), or
         ``(o, final_state, h)`` with ``return_intermediate_states``. ``o`` has q's dtype.
 
+    Differentiable as FLA's when an input requires grad (grad mode on): gradients of q, k, v, g,
+    beta, A_log, dt_bias and initial_state from the analytic backward of ``kda._autograd`` (CPU
+    tensors; on CUDA tensors ``backward()`` raises NotImplementedError, there is no CUDA
+    backward yet).
+
     Not implemented (an error naming them when set): ``cp_context`` (context parallel),
-    ``disable_recompute=True`` (a training knob), ``head_first=True``, and the backward: outputs
-    of inputs that require grad raise NotImplementedError on ``backward()``.
+    ``disable_recompute=True`` (a knob of FLA's backward), ``head_first=True``.
 
     Differences from FLA: the CUDA backend takes bf16/fp16 inputs with K = V = 128 (others raise
     NotImplementedError; the CPU backends take any K, V <= 256 and fp32); ``lower_bound`` must
@@ -284,7 +269,7 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
     _check_kwargs("chunk_kda", kwargs, ())
     _unsupported("cp_context", cp_context, None, "context parallel is not implemented")
     _unsupported("disable_recompute", disable_recompute, False,
-                 "a training knob; no backward is implemented")
+                 "a memory knob of FLA's backward, not implemented here")
     flags = _flags(output_final_state=output_final_state,
                    use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
                    use_gate_in_kernel=use_gate_in_kernel,
@@ -341,6 +326,17 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         shape = (offsets[-1], HV, V, K) if state_v_first else (offsets[-1], HV, K, V)
         ckpt = torch.empty(shape, dtype=k.dtype, device=q.device)
 
+    if ckpt is None and _needs_grad(q, k, v, g, beta, options["A_log"], options["dt_bias"],
+                                    initial_state):
+        # Differentiable (kda._autograd: the analytic backward, CPU tensors; CUDA tensors raise
+        # NotImplementedError from backward()).
+        from ._autograd import PrefillFunction
+        options = dict(options, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel,
+                       state_layout=layout)
+        A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
+        o, ht = _call(PrefillFunction.apply, q, k, v, g, beta, A_log, dt_bias, initial_state,
+                      cu_seqlens, options)
+        return o, (ht if output_final_state else None)
     o = _call(prefill, q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
               use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
               final_state=final, state_layout=layout, **options,
@@ -351,8 +347,6 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         o = o[0]
     if ckpt is not None:
         return o, final, _chunk_starts(ckpt, offsets, starts, initial_state, B, cu_seqlens)
-    o, final = _no_backward("chunk_kda", (o, final),
-                            (q, k, v, g, beta, A_log, dt_bias, initial_state))
     return o, final
 
 

@@ -655,15 +655,49 @@ def test_library_errors_use_fla_names_and_write_nothing():
     assert torch.equal(pool, before)
 
 
-def test_backward_raises_instead_of_cutting_the_graph():
-    q, k, v, g, beta = small()
-    q.requires_grad_(True)
-    o, _ = kda.fla.chunk_kda(q, k, v, g, beta)
-    assert o.requires_grad
-    with pytest.raises(NotImplementedError, match="backward"):
-        o.sum().backward()
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("gate_in_kernel", [False, True])
+def test_chunk_gradients_match_fla_reference(device, gate_in_kernel):
+    """Gradients of chunk_kda (FLA's test_chunk backward part) against autograd through
+    fla.ops.kda.naive in fp32 on the CPU; on CUDA tensors backward() raises
+    NotImplementedError (no CUDA backward yet)."""
+    torch.manual_seed(12)
+    B, T, H, HV, D = 2, 70, 1, 2, 16
+    q, k = torch.rand(B, T, H, D), torch.rand(B, T, H, D)
+    v, beta = torch.rand(B, T, HV, D), torch.rand(B, T, HV).sigmoid()
+    g = torch.randn(B, T, HV, D) if gate_in_kernel else F.logsigmoid(torch.randn(B, T, HV, D))
+    A_log, dt_bias = torch.rand(HV), torch.randn(HV * D)
+    h0 = torch.randn(B, HV, D, D)
+    leaves = [x.requires_grad_(True) for x in (q, k, v, g, beta, A_log, dt_bias, h0)]
+    do, dht = torch.randn(B, T, HV, D), torch.randn(B, HV, D, D)
+    g_ref = fla_gate.naive_kda_gate(g, A_log, dt_bias) if gate_in_kernel else g
+    ref, ref_ht = reference(q, k, v, g_ref, beta, 0.5, h0, True)
+    ((ref * do).sum() + (ref_ht * dht).sum()).backward()
+    ref_grads = [x.grad for x in leaves]
+    for x in leaves:
+        x.grad = None
+    args = to(device, q, k, v, g, beta, A_log, dt_bias, h0)
+    args = [x.detach().requires_grad_(True) for x in args]
+    o, ht = kda.fla.chunk_kda(*args[:5], A_log=args[5], dt_bias=args[6], scale=0.5,
+                              initial_state=args[7], output_final_state=True,
+                              use_qk_l2norm_in_kernel=True, use_gate_in_kernel=gate_in_kernel)
+    assert o.requires_grad and ht.requires_grad
+    loss = (o * do.to(device)).sum() + (ht * dht.to(device)).sum()
+    if device == "cuda":
+        with pytest.raises(NotImplementedError):
+            loss.backward()
+        return
+    loss.backward()
+    names = ["dq", "dk", "dv", "dg", "dbeta", "dA_log", "ddt_bias", "dh0"]
+    for name, x, want in zip(names, args, ref_grads):
+        if not gate_in_kernel and name in ("dA_log", "ddt_bias"):
+            assert x.grad is None or not x.grad.any()  # not used without the gate in kernel
+            continue
+        check(name, x.grad, want, torch.float32, "cpu", state=True)
     with torch.no_grad():
-        o2, _ = kda.fla.chunk_kda(q, k, v, g, beta)
+        o2, _ = kda.fla.chunk_kda(*args[:5], scale=0.5, use_qk_l2norm_in_kernel=True,
+                                  A_log=args[5], dt_bias=args[6], initial_state=args[7],
+                                  use_gate_in_kernel=gate_in_kernel)
     assert not o2.requires_grad
     torch.testing.assert_close(o2, o.detach(), rtol=0, atol=0)
 
