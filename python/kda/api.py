@@ -23,6 +23,21 @@ Array = Any  # torch.Tensor, numpy.ndarray, or any array with __dlpack__
 # functions (kda.compat) for the extension, which names arguments in every message with them.
 NAMES: "ContextVar[Optional[Dict[str, str]]]" = ContextVar("kda_argument_names", default=None)
 
+
+class caller_names:
+    """Within the block, kda.prefill / kda.decode name their arguments as `names` maps them
+    ({API name: caller's name}), in the errors of the extension and of the API alike."""
+
+    def __init__(self, names: Dict[str, str]) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        self.token = NAMES.set(self.names or None)
+
+    def __exit__(self, et: Any, e: Any, tb: Any) -> bool:
+        NAMES.reset(self.token)
+        return False
+
 _TORCH_OPS: Any = None
 
 

@@ -9,24 +9,9 @@ docstring.
 from typing import Any, Optional, Tuple, Union
 
 from . import _arrays
-from .api import NAMES, Array, decode, prefill
+from .api import Array, caller_names, decode, prefill
 
 __all__ = ["chunk_kda", "fwd", "gated_delta_rule_decode"]
-
-
-class _renamed:
-    """Within the block, kda.prefill / kda.decode name their arguments as `names` maps them
-    ({API name: caller's name}), in the errors of the extension and of the API alike."""
-
-    def __init__(self, names: dict) -> None:
-        self.names = names
-
-    def __enter__(self) -> None:
-        self.token = NAMES.set(self.names or None)
-
-    def __exit__(self, et: Any, e: Any, tb: Any) -> bool:
-        NAMES.reset(self.token)
-        return False
 
 
 def _dt_bias_2d(dt_bias: Any, q: Any, v: Any) -> Any:
@@ -72,7 +57,7 @@ def fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, scale: Optional[flo
     workspace is allocated per call on CUDA (torch's caching allocator); ``lower_bound = 0`` is
     rejected (the contract is ``[-5, 0)``).
     """
-    with _renamed({}):
+    with caller_names({}):
         if not _arrays.is_array(out):
             raise TypeError("argument 'out': expected a preallocated array [B, T, H, V], got "
                             f"{type(out).__name__}")
@@ -124,8 +109,14 @@ def chunk_kda(q: Array, k: Array, v: Array, g: Array, beta: Array,
     Differences from MATE: ``A_log`` and ``dt_bias`` need not come together (a missing one means
     ``exp(A_log) = 1`` / ``dt_bias = 0``); head dims other than 128 are accepted where the library
     takes them; fp32 inputs work on CPU.
+
+    Where MATE's documentation is silent (MATE's KDA source could not be consulted; these are
+    the choices made): a precomputed ``g`` (neither A_log nor dt_bias) is the natural-log decay
+    ``a_t`` (``exp(g)`` multiplies the state, as in FLA), not a base-2 log nor a linear
+    multiplier; ``lower_bound`` must lie in ``[-5, 0)``; ``final_state`` given without
+    ``output_final_state`` is left untouched.
     """
-    with _renamed(_CHUNK_NAMES):
+    with caller_names(_CHUNK_NAMES):
         if not isinstance(output_final_state, bool):
             raise TypeError("argument 'output_final_state': expected bool, got "
                             f"{type(output_final_state).__name__}")
@@ -187,9 +178,12 @@ def gated_delta_rule_decode(
         use_initial_state: None = on; off: every row starts from zero.
         state_v_first: None = on (``[P, HV, V, K]``).
         is_varlen: None = ``cu_seqlens is not None``.
-        store_final_state: return (and write) the final state.
-        inplace_final_state: write it into ``state`` (the slots of ``state_indices``); else into
-            a new ``[N, HV, ...]`` array.
+        store_final_state: return (and write) the final state. With ``state_indices`` the pool
+            is advanced in place whatever this says (as MATE's code does); the flag then only
+            chooses what is returned.
+        inplace_final_state: return ``state`` itself (written in place, through the slots of
+            ``state_indices`` when given); else a new ``[N, HV, ...]`` array (with
+            ``state_indices``: a copy of the advanced slots, zero for padding rows).
         state_dtype: the state's dtype (checked against ``state``; the dtype of a state allocated
             here, default fp32).
 
@@ -198,14 +192,20 @@ def gated_delta_rule_decode(
         None without ``store_final_state``.
 
     Differences from MATE: with ``use_gate_in_kernel=False``, ``a`` is the log-space decay
-    (``a_t`` itself, as in FLA), where MATE takes it as a linear multiplier. A separate (not in
-    place) final state with ``[B, T]`` state_indices raises NotImplementedError. When ``state`` is
-    None, state_indices and num_accepted_tokens are not used (nothing is read or written through
-    them, so negative indices do not mark padding rows there). Rows of padding sequences in a
-    separately allocated final state are zero.
+    (``a_t`` itself, natural log, as in FLA), where MATE takes it as a linear multiplier. A
+    separate (not in place) final state with ``[B, T]`` state_indices raises
+    NotImplementedError. When ``state`` is None, state_indices and num_accepted_tokens are not
+    used (nothing is read or written through them, so negative indices do not mark padding rows
+    there). Rows of padding sequences in a separately allocated final state are zero.
+
+    Where MATE's documentation is silent (MATE's KDA source could not be consulted; these are
+    the choices made): ``state_indices`` advance the pool whatever ``store_final_state`` says
+    (the behaviour reported of MATE's code); ``use_lower_bound=True`` with ``lower_bound=None``
+    uses -5 (the spec's default lower bound); slots outside ``[0, P)`` are padding rows (zero
+    output, no state access); fp32 inputs run on the CPU backends.
     """
     names = _DECODE_NAMES
-    with _renamed(names):
+    with caller_names(names):
         def opt_bool(name: str, x: Any, default: bool) -> bool:
             if x is None:
                 return default
@@ -261,6 +261,7 @@ def gated_delta_rule_decode(
             shape = (max(n, 0), hv, vv, kk) if v_first else (max(n, 0), hv, kk, vv)
             state = _arrays.empty(q, shape, sdt or "fp32", "state")
 
+        pool_advanced = indices is not None  # MATE writes the pool through state_indices
         final = None
         if store and not inplace:
             if indices is not None and len(getattr(indices, "shape", ())) == 2:
@@ -269,17 +270,45 @@ def gated_delta_rule_decode(
                     "state_indices is not supported; pass inplace_final_state=True (the states "
                     "go to the slots of state_indices)")
             n = int(cu.shape[0]) - 1 if cu is not None else int(q.shape[0])
-            if n >= 0:
+            if n >= 0 and not pool_advanced:
                 shape = (n, *tuple(int(s) for s in state.shape[1:]))
                 final = _arrays.empty(q, shape, _arrays.dtype_name(state), "final_state",
                                       zero=True)
+            elif pool_advanced and _arrays.library(state) not in ("torch", "numpy"):
+                raise NotImplementedError(
+                    "argument 'inplace_final_state': a separate final state with state_indices "
+                    "takes torch or numpy arrays; pass inplace_final_state=True")
 
         out = decode(q, k, v, a, b, state, A_log=A_log, dt_bias=dt_bias, cu_seqlens=cu,
                      state_indices=indices, num_accepted_tokens=accepted, final_state=final,
-                     use_initial_state=use_init, store_final_state=store, out=output,
-                     scale=scale, use_qk_l2norm=l2, gate=gate,
+                     use_initial_state=use_init, store_final_state=store or pool_advanced,
+                     out=output, scale=scale, use_qk_l2norm=l2, gate=gate,
                      lower_bound=-5.0 if lower_bound is None else float(lower_bound),
                      beta_logits=beta_sigmoid, allow_neg_eigval=neg, state_layout=layout)
     if not store:
         return out, None
+    if not inplace and pool_advanced:
+        final = _slots_copy(state, indices)
     return out, (state if inplace else final)
+
+
+def _slots_copy(state: Any, indices: Any) -> Any:
+    """``state[indices[n]]`` for every row n, zero where the slot is outside ``[0, P)``
+    (torch or numpy arrays; no host synchronization for torch)."""
+    P = int(state.shape[0])
+    if _arrays.library(state) == "torch":
+        import torch
+        idx = indices.to(device=state.device, dtype=torch.int64)
+        if P == 0:
+            return torch.zeros((idx.shape[0], *state.shape[1:]), dtype=state.dtype,
+                               device=state.device)
+        rows = state.index_select(0, idx.clamp(0, P - 1))
+        valid = ((idx >= 0) & (idx < P)).view(-1, *([1] * (state.ndim - 1)))
+        return torch.where(valid, rows, torch.zeros((), dtype=state.dtype, device=state.device))
+    import numpy as np
+    idx = np.asarray(indices).astype(np.int64)
+    if P == 0:
+        return np.zeros((idx.shape[0], *state.shape[1:]), dtype=state.dtype)
+    valid = ((idx >= 0) & (idx < P)).reshape(-1, *([1] * (state.ndim - 1)))
+    return np.where(valid, np.take(state, np.clip(idx, 0, P - 1), axis=0),
+                    np.zeros((), dtype=state.dtype))

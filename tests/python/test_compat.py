@@ -166,12 +166,49 @@ def test_decode_defaults_softplus_gate_beta_as_given():
     s1, s2 = pool.copy(), pool.copy()
     out, fs = kda.gated_delta_rule_decode(q, k, v, s1, d["A_log"], a, d["dt_bias"], None, None, b,
                                           state_indices=idx)
-    assert fs is None
-    np.testing.assert_array_equal(s1, pool)  # store_final_state defaults to False
+    assert fs is None  # store_final_state defaults to False: nothing returned ...
     ref = kda.decode(q, k, v, a, b, s2, A_log=d["A_log"], dt_bias=d["dt_bias"],
-                     state_indices=idx, gate="softplus", store_final_state=False)
+                     state_indices=idx, gate="softplus")
     np.testing.assert_array_equal(out, ref)
+    np.testing.assert_array_equal(s1, s2)  # ... but the pool is advanced, as MATE does
+    assert not np.array_equal(s1[idx], pool[idx])
+    np.testing.assert_array_equal(s1[[1, 2]], pool[[1, 2]])  # slots no row uses
     assert out.dtype == q.dtype
+
+
+def test_decode_without_indices_writes_only_with_store_final_state():
+    d, q, k, v, a, b = decode_inputs(seed=21, gate="softplus")
+    pool = random_state(22, (3, 4, 32, 32))
+    s1 = pool.copy()
+    _out, fs = kda.gated_delta_rule_decode(q, k, v, s1, d["A_log"], a, d["dt_bias"], None, None, b)
+    assert fs is None
+    np.testing.assert_array_equal(s1, pool)
+
+
+def test_decode_lower_bound_none_means_minus_five():
+    d, q, k, v, a, b = decode_inputs(seed=23, gate="lower_bound")
+    pool = random_state(24, (3, 4, 32, 32))
+    out, _ = kda.gated_delta_rule_decode(q, k, v, pool.copy(), d["A_log"], a, d["dt_bias"], None,
+                                         None, b, use_lower_bound=True)
+    ref = kda.decode(q, k, v, a, b, pool.copy(), A_log=d["A_log"], dt_bias=d["dt_bias"],
+                     gate="lower_bound", lower_bound=-5.0)
+    np.testing.assert_array_equal(out, ref)
+
+
+def test_chunk_kda_precomputed_gate_is_natural_log():
+    """Without A_log/dt_bias, g is the natural-log decay: g = log(0.5) halves the state."""
+    H, K = 1, 32
+    q = np.zeros((1, 1, H, K), np.float32)
+    q[..., 0] = 1.0
+    k = np.zeros_like(q)
+    k[..., 1] = 1.0  # orthogonal to q: o reads the decayed initial state only
+    v = np.zeros((1, 1, H, K), np.float32)
+    g = np.full((1, 1, H, K), np.log(0.5), np.float32)
+    beta = np.zeros((1, 1, H), np.float32)  # sigmoid(0) = 0.5, on k's row only
+    h0 = np.ones((1, H, K, K), np.float32)
+    out = kda.chunk_kda(q, k, v, g, beta, scale=1.0, initial_state=h0,
+                        use_qk_l2norm_in_kernel=False)
+    np.testing.assert_allclose(out[0, 0, 0], 0.5 * np.ones(K), rtol=1e-6)
 
 
 def test_decode_in_place_and_separate_final_state():
@@ -186,8 +223,8 @@ def test_decode_in_place_and_separate_final_state():
     s_sep = pool.copy()
     out2, fs2 = kda.gated_delta_rule_decode(q, k, v, s_sep, d["A_log"], a, d["dt_bias"], None,
                                             None, b, **common)
-    np.testing.assert_array_equal(s_sep, pool)
-    assert fs2.shape == (3, 4, 32, 32)
+    np.testing.assert_array_equal(s_sep, s_in)  # the pool is advanced through state_indices
+    assert fs2.shape == (3, 4, 32, 32) and fs2 is not s_sep
     np.testing.assert_array_equal(out1, out2)
     np.testing.assert_array_equal(fs2[0], s_in[3])
     np.testing.assert_array_equal(fs2[2], s_in[4])
@@ -288,3 +325,18 @@ def test_decode_errors_use_mate_names():
     with pytest.raises(ValueError, match="argument 'lower_bound'"):
         call(use_lower_bound=True, lower_bound=0.5)
     np.testing.assert_array_equal(pool, snap)
+
+
+def test_decode_separate_final_state_with_indices_torch():
+    torch = pytest.importorskip("torch")
+    d, q, k, v, a, b = decode_inputs(seed=25, gate="softplus")
+    pool = torch.from_numpy(random_state(26, (5, 4, 32, 32)))
+    idx = torch.tensor([4, -1, 7], dtype=torch.int32)  # 7 >= P: padding too
+    t = [torch.from_numpy(x) for x in (q, k, v, a, b)]
+    s1 = pool.clone()
+    out, fs = kda.gated_delta_rule_decode(t[0], t[1], t[2], s1, torch.from_numpy(d["A_log"]),
+                                          t[3], torch.from_numpy(d["dt_bias"]), None, None, t[4],
+                                          state_indices=idx, store_final_state=True)
+    assert torch.equal(fs[0], s1[4]) and not torch.equal(s1[4], pool[4])
+    assert (fs[1:] == 0).all() and (out[1:] == 0).all()
+    assert torch.equal(s1[:4], pool[:4])
