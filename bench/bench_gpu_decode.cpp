@@ -122,10 +122,10 @@ struct Problem {
     p.dt_bias = dev_view(dt_bias, *ddt_bias);
     p.state = make_view(pool->p, c.state_dtype, {P, kHV, kV, kK}, Device::kCUDA);
     p.state_indices = dev_view(x.idx, *x.didx);
-    p.gate.gate_form = GateForm::kLowerBound;
-    p.gate.lower_bound = -5.0f;
-    p.gate.beta_form = BetaForm::kLogits;
-    p.gate.use_qk_l2norm = true;
+    p.math.gate = GateForm::kLowerBound;
+    p.math.lower_bound = -5.0f;
+    p.math.beta_logits = true;
+    p.math.use_qk_l2norm = true;
     p.exec.backend = Backend::kCuda;
     p.exec.stream = stream;
     return p;
@@ -237,9 +237,9 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   p.A_log = pr.A_log.view();
   p.dt_bias = pr.dt_bias.view();
   p.state = st0.view();
-  p.gate.gate_form = GateForm::kLowerBound;
-  p.gate.lower_bound = -5.0f;
-  p.gate.beta_form = BetaForm::kLogits;
+  p.math.gate = GateForm::kLowerBound;
+  p.math.lower_bound = -5.0f;
+  p.math.beta_logits = true;
   p.exec.backend = Backend::kCpuReference;
   const Status rs = decode(p);
   if (!rs.ok()) {

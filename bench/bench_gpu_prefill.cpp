@@ -171,10 +171,10 @@ void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<in
   p.out = make_view(rout.data(), DType::kFloat32, {1, tsel, 1, V});
   p.initial_state = make_view(rh0.data(), DType::kFloat32, {nsel, 1, V, K});
   p.final_state = make_view(rht.data(), DType::kFloat32, {nsel, 1, V, K});
-  p.gate.gate_form = GateForm::kLowerBound;
-  p.gate.lower_bound = -5.0f;
-  p.gate.beta_form = BetaForm::kLogits;
-  p.gate.use_qk_l2norm = true;
+  p.math.gate = GateForm::kLowerBound;
+  p.math.lower_bound = -5.0f;
+  p.math.beta_logits = true;
+  p.math.use_qk_l2norm = true;
   p.exec.backend = Backend::kCpuReference;
   const Status s = prefill(p);
   if (!s.ok()) {
@@ -266,10 +266,10 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
   p.initial_state = make_view(dh0, DType::kFloat32, {N, HV, V, K}, dev);
   p.final_state = make_view(dht, DType::kFloat32, {N, HV, V, K}, dev);
   p.state_layout = StateLayout::kVFirst;
-  p.gate.gate_form = GateForm::kLowerBound;
-  p.gate.lower_bound = -5.0f;
-  p.gate.beta_form = BetaForm::kLogits;
-  p.gate.use_qk_l2norm = true;
+  p.math.gate = GateForm::kLowerBound;
+  p.math.lower_bound = -5.0f;
+  p.math.beta_logits = true;
+  p.math.use_qk_l2norm = true;
   p.exec.backend = Backend::kCuda;
   size_t ws_bytes = 0;
   Status s = prefill_workspace_size(p, &ws_bytes);
@@ -413,7 +413,7 @@ int main(int argc, char** argv) {
   }
   if (f) std::fclose(f);
   cudaFree(flush);
-  std::printf("speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time (scripts/fla_prefill_bench.py\n"
-              "measures FLA on the same inputs in the same session). err: rel L2 of value head 0 vs the fp64 reference.\n");
+  std::printf("speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time (bench/peers/fla_prefill_bench.py\n"
+              "measures FLA on the same inputs on the same GPU). err: rel L2 of value head 0 vs the fp64 reference.\n");
   return all_ok ? 0 : 1;
 }

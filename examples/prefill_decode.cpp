@@ -56,9 +56,9 @@ bool run(kda::Backend backend, Tokens& prompt, std::vector<Tokens>& steps, std::
   r->prefill_out.assign(T * kHV * kV, 0.0f);
   r->decode_out.assign(kSteps * N * kHV * kV, 0.0f);
 
-  kda::GateOptions gate;
-  gate.gate_form = kda::GateForm::kSoftplus;  // Kimi-Linear: a = -exp(A_log) softplus(g + dt_bias)
-  gate.beta_form = kda::BetaForm::kLogits;    // b = sigmoid(beta)
+  kda::MathOptions math;
+  math.gate = kda::GateForm::kSoftplus;  // Kimi-Linear: a = -exp(A_log) softplus(g + dt_bias)
+  math.beta_logits = true;               // b = sigmoid(beta)
   kda::ExecOptions exec;
   exec.backend = backend;
 
@@ -74,7 +74,7 @@ bool run(kda::Backend backend, Tokens& prompt, std::vector<Tokens>& steps, std::
   p.out = view(r->prefill_out, {1, T, kHV, kV});
   p.state_pool = view(r->pool, {kPoolSlots, kHV, kV, kK});
   p.state_indices = kda::make_view(slots.data(), kda::DType::kInt32, {N});
-  p.gate = gate;
+  p.math = math;
   p.exec = exec;
   kda::Status s = kda::prefill(p);
   if (!s.ok()) {
@@ -95,7 +95,7 @@ bool run(kda::Backend backend, Tokens& prompt, std::vector<Tokens>& steps, std::
                            {N, 1, kHV, kV});
     d.state = p.state_pool;  // read and written in place at state_indices
     d.state_indices = p.state_indices;
-    d.gate = gate;
+    d.math = math;
     d.exec = exec;
     s = kda::decode(d);
     if (!s.ok()) {

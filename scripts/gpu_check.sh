@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
-# One device session: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
+# On an H100/H200: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python). Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). Logs go to $OUT (or ./gpu_out); a short summary is printed last.
+# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python).
+# Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
+# (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
+# benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
+# summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -16,7 +20,7 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu
 if has build; then
   t0=$(date +%s)
   extra=()
-  # The device image has no GoogleTest: use the copy carried in .deps/gtest (scripts/carry_gtest.sh).
+  # Without a system GoogleTest, use the copy in .deps/gtest (dev/carry_gtest.sh).
   [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
   if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON "${extra[@]}" >"$OUT/build.log" 2>&1 &&
      cmake --build build-gpu --parallel >>"$OUT/build.log" 2>&1; then
@@ -111,14 +115,13 @@ if has fla; then
   if ls .whl/*.whl >/dev/null 2>&1; then
     python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
     for b in ${FLA_BENCHES:-decode prefill}; do
-      [ -f scripts/fla_${b}_bench.py ] || continue
+      [ -f bench/peers/fla_${b}_bench.py ] || continue
       if [ "$b" = prefill ]; then
         # One case per process, each with its own limit: Triton compiles FLA's kernels for every
-        # case (session 8: P1 and P2 took most of 200 s, P3-P7 one by one ~350 s: all seven need
-        # a device call of their own, or FLA_CASES for a subset).
+        # case (P1 and P2 take most of 200 s, P3-P7 one by one ~350 s; FLA_CASES picks a subset).
         rcs=""
         for c in ${FLA_CASES:-P1 P2 P3 P4 P5 P6 P7}; do
-          timeout 150 python3 scripts/fla_prefill_bench.py --case "$c" >"$OUT/fla_case.log" 2>&1
+          timeout 150 python3 bench/peers/fla_prefill_bench.py --case "$c" >"$OUT/fla_case.log" 2>&1
           rcs="$rcs $c:$?"
           [ -s "$OUT/fla_prefill.log" ] || head -2 "$OUT/fla_case.log" | grep -E "^(device|case)" >"$OUT/fla_prefill.log"
           grep -E "^P[0-9]" "$OUT/fla_case.log" >>"$OUT/fla_prefill.log"
@@ -126,7 +129,7 @@ if has fla; then
         rm -f "$OUT/fla_case.log"
         note "fla prefill rc per case:$rcs"
       else
-        timeout 200 python3 scripts/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
+        timeout 200 python3 bench/peers/fla_${b}_bench.py >"$OUT/fla_$b.log" 2>&1
         note "fla $b rc=$?"
       fi
     done

@@ -1,4 +1,5 @@
 // api.cpp — public entry points: validation, backend choice, dispatch, discovery.
+#include <climits>
 #include <exception>
 #include <new>
 #include <string>
@@ -33,9 +34,16 @@ size_t dtype_size(DType dtype) {
 }
 
 int64_t TensorView::numel() const {
+  if (ndim == 0) return 0;
+  if (ndim < 0 || ndim > kMaxDims) return -1;
+  for (int i = 0; i < ndim; ++i) {
+    if (shape[i] < 0) return -1;
+    if (shape[i] == 0) return 0;
+  }
   int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
-  return ndim > 0 ? n : 0;
+  for (int i = 0; i < ndim; ++i)
+    if (__builtin_mul_overflow(n, shape[i], &n)) return -1;
+  return n;
 }
 
 TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape,
@@ -45,7 +53,9 @@ TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape
   t.dtype = dtype;
   t.device = device;
   t.device_index = device_index;
-  t.ndim = static_cast<int32_t>(std::min<size_t>(shape.size(), kMaxDims));
+  // More than kMaxDims dimensions: the rank is recorded and nothing else (validation rejects it).
+  t.ndim = static_cast<int32_t>(std::min<size_t>(shape.size(), INT32_MAX));
+  if (t.ndim > kMaxDims) return t;
   for (int i = 0; i < t.ndim; ++i) {
     t.shape[i] = shape[i];
     t.strides[i] = i < static_cast<int>(strides.size()) ? strides[i] : 0;
@@ -55,8 +65,11 @@ TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape
 
 TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device device,
                      int32_t device_index) {
+  // Row-major strides, saturated at INT64_MAX where the product overflows (validation then
+  // rejects the view, unless it has no element).
   std::vector<int64_t> strides(shape.size(), 1);
-  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
+  for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
+    if (__builtin_mul_overflow(strides[i + 1], shape[i + 1], &strides[i])) strides[i] = INT64_MAX;
   return make_strided_view(data, dtype, std::move(shape), std::move(strides), device, device_index);
 }
 
@@ -93,7 +106,24 @@ const char* backend_name(Backend backend) {
     case Backend::kAuto: return "auto";
     case Backend::kCpu: return "cpu";
     case Backend::kCuda: return "cuda";
-    case Backend::kCpuReference: return "cpu-reference";
+    case Backend::kCpuReference: return "reference";
+  }
+  return "unknown";
+}
+
+const char* gate_name(GateForm gate) {
+  switch (gate) {
+    case GateForm::kPrecomputed: return "precomputed";
+    case GateForm::kSoftplus: return "softplus";
+    case GateForm::kLowerBound: return "lower_bound";
+  }
+  return "unknown";
+}
+
+const char* state_layout_name(StateLayout layout) {
+  switch (layout) {
+    case StateLayout::kVFirst: return "v_first";
+    case StateLayout::kKFirst: return "k_first";
   }
   return "unknown";
 }
@@ -111,23 +141,52 @@ std::vector<int64_t> checkpoint_offsets(const std::vector<int64_t>& cu_seqlens, 
 
 namespace {
 
+Status invalid(const char* argument, const std::string& what) {
+  return {StatusCode::kInvalidArgument, argument, what};
+}
+
 // Picks the backend for tensors on `device` and checks that it can reach them.
 Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
   const int b = static_cast<int>(exec.backend);
-  if (b < 0 || b > 3)
-    return {StatusCode::kInvalidArgument, "argument 'exec.backend': expected kAuto, kCpu, kCuda or kCpuReference, got code " + std::to_string(b)};
+  if (b < 0 || b >= kNumBackends)
+    return invalid("backend",
+                   "expected 'auto', 'cpu', 'cuda' or 'reference', got code " + std::to_string(b));
   const Backend be = resolve_backend(exec.backend, device);
   if ((be == Backend::kCpu || be == Backend::kCpuReference) && device != Device::kCPU)
-    return {StatusCode::kInvalidArgument, std::string("argument 'exec.backend': expected a backend that reads CUDA tensors (auto or cuda), got ") + backend_name(be)};
+    return invalid("backend",
+                   std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
+                       backend_name(be) + "'");
   if (be == Backend::kCuda && device != Device::kCUDA)
-    return {StatusCode::kInvalidArgument, "argument 'exec.backend': expected tensors on a CUDA device for the cuda backend, got cpu tensors"};
+    return invalid("backend",
+                   "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
   if (be == Backend::kCuda && !cuda_compiled())
-    return {StatusCode::kUnsupported, "argument 'exec.backend': cuda requested, but this build has no CUDA backend"};
-  if (exec.num_threads < 0)
-    return {StatusCode::kInvalidArgument, "argument 'exec.num_threads': expected >= 0, got " + std::to_string(exec.num_threads)};
+    return {StatusCode::kUnsupported, "backend",
+            "'cuda' requested, but this build has no CUDA backend"};
+  if (exec.num_threads < 0 || exec.num_threads > kMaxNumThreads)
+    return invalid("num_threads", "expected 0 (all hardware threads) to " +
+                                      std::to_string(kMaxNumThreads) + ", got " +
+                                      std::to_string(exec.num_threads));
   *out = be;
   return Status::Ok();
 }
+
+#ifdef KDA_WITH_CUDA
+// The caller's workspace, or one from exec.allocate_workspace when the call needs more.
+Status cuda_workspace(const detail::PrefillProblem& pr, ExecOptions* exec) {
+  if (exec->allocate_workspace == nullptr) return Status::Ok();
+  size_t need = 0;
+  Status s = cuda::prefill_workspace_size(pr, &need);
+  if (!s.ok() || need == 0) return s;
+  if (exec->workspace != nullptr && exec->workspace_bytes >= need) return Status::Ok();
+  void* w = exec->allocate_workspace(need, exec->allocate_context);
+  if (w == nullptr)
+    return {StatusCode::kInternal, "workspace",
+            "allocating " + std::to_string(need) + " bytes of device workspace failed"};
+  exec->workspace = w;
+  exec->workspace_bytes = need;
+  return Status::Ok();
+}
+#endif
 
 template <typename Fn>
 Status guarded(Fn&& fn) {
@@ -154,7 +213,7 @@ Status run_op(const Params& p, Validate&& validate_fn, Body&& body) {
   });
 }
 
-Status not_available() { return {StatusCode::kUnsupported, "argument 'exec.backend': backend not available"}; }
+Status not_available() { return {StatusCode::kUnsupported, "backend", "backend not available"}; }
 
 }  // namespace
 
@@ -170,11 +229,23 @@ Status validate(const DecodeParams& p) {
 
 Status prefill(const PrefillParams& p) {
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
+    if (p.check_indices) {
+      if (pr.device != Device::kCPU)
+        return {StatusCode::kUnsupported, "check_indices",
+                "expected CPU tensors (the cuda backend does not check prefill indices), got CUDA "
+                "tensors"};
+      Status s = detail::check_prefill_index_values(pr, pr.state_indices.data);
+      if (!s.ok()) return s;
+    }
     switch (be) {
       case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();
-      case Backend::kCpu: cpu::fast_prefill(pr, p.exec.num_threads); return Status::Ok();
+      case Backend::kCpu: return cpu::fast_prefill(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
-      case Backend::kCuda: return cuda::prefill(pr, p.exec);
+      case Backend::kCuda: {
+        ExecOptions exec = p.exec;
+        Status s = cuda_workspace(pr, &exec);
+        return s.ok() ? cuda::prefill(pr, exec) : s;
+      }
 #endif
       default: return not_available();
     }
@@ -190,7 +261,7 @@ Status decode(const DecodeParams& p) {
     }
     switch (be) {
       case Backend::kCpuReference: cpu::reference_decode(pr); return Status::Ok();
-      case Backend::kCpu: cpu::fast_decode(pr, p.exec.num_threads); return Status::Ok();
+      case Backend::kCpu: return cpu::fast_decode(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
       case Backend::kCuda: return cuda::decode(pr, p.exec, p.check_indices);
 #endif
@@ -199,8 +270,34 @@ Status decode(const DecodeParams& p) {
   });
 }
 
+Status validate(const PrefillBackwardParams& p) {
+  detail::PrefillBackwardProblem pr;
+  return guarded([&] { return detail::validate_prefill_backward(p, &pr); });
+}
+
+// The CPU backends both run the fp64 reference backward; there is no CUDA backward yet.
+Status prefill_backward(const PrefillBackwardParams& p) {
+  return guarded([&]() -> Status {
+    detail::PrefillBackwardProblem pr;
+    Status s = detail::validate_prefill_backward(p, &pr);
+    if (!s.ok()) return s;
+    const bool cuda_choice = p.exec.backend == Backend::kAuto || p.exec.backend == Backend::kCuda;
+    if (pr.fwd.device == Device::kCUDA && cuda_choice)
+      return {StatusCode::kUnsupported, "backend",
+              std::string("expected 'cpu' or 'reference' on CPU tensors (the prefill backward "
+                          "has no CUDA implementation yet), got '") +
+                  backend_name(p.exec.backend) + "' on CUDA tensors"};
+    Backend be;
+    s = choose_backend(p.exec, pr.fwd.device, &be);
+    if (!s.ok()) return s;
+    if (be != Backend::kCpu && be != Backend::kCpuReference) return not_available();
+    cpu::reference_prefill_backward(pr);
+    return Status::Ok();
+  });
+}
+
 Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
-  if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
+  if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
 #ifdef KDA_WITH_CUDA
@@ -211,7 +308,7 @@ Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
 }
 
 Status decode_workspace_size(const DecodeParams& p, size_t* bytes) {
-  if (bytes == nullptr) return {StatusCode::kInvalidArgument, "argument 'bytes': expected a pointer, got nullptr"};
+  if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;  // decode needs no workspace on any backend
   return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode,
                                                      [](const auto&, Backend) { return Status::Ok(); });

@@ -160,7 +160,7 @@ std::string PrefillCase::name() const {
   s << (varlen ? "varlen" : "dense");
   for (int64_t l : seqlens) s << "_" << l;
   s << "_H" << H << "_HV" << HV << "_K" << K << "_V" << V << "_" << short_dtype(dtype);
-  s << "_g" << static_cast<int>(gate) << (beta == BetaForm::kLogits ? "_blogit" : "_bact");
+  s << "_g" << static_cast<int>(gate) << (beta_logits ? "_blogit" : "_bact");
   if (allow_neg_eigval) s << "_neg";
   if (!l2norm) s << "_nol2";
   s << (init == InitState::kNone ? "_h0none" : init == InitState::kZero ? "_h0zero" : "_h0rand");
@@ -222,7 +222,7 @@ PrefillData make_prefill(const PrefillCase& c) {
     d.dt_bias = HostTensor(DType::kFloat32, {c.HV, c.K});
     d.dt_bias.fill_uniform(rng, 0.0, 1.0);
   }
-  if (c.beta == BetaForm::kLogits) d.beta.fill_normal(rng, 1.0);
+  if (c.beta_logits) d.beta.fill_normal(rng, 1.0);
   else d.beta.fill_uniform(rng, 0.0, 1.0);
   if (c.gate_beta_fp32) {  // the same values, widened
     d.g = d.g.to(DType::kFloat32, s);
@@ -283,7 +283,7 @@ DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t) {
   d.beta = token(p.beta);
   d.A_log = p.A_log;
   d.dt_bias = p.dt_bias;
-  d.gate = p.gate;
+  d.math = p.math;
   return d;
 }
 
@@ -311,9 +311,9 @@ void set_token_fields(Params& p, const Data& d) {
   p.cu_seqlens = d.cu.view();
   p.out = d.out.view();
   p.state_layout = d.c.layout;
-  p.gate.gate_form = d.c.gate;
-  p.gate.beta_form = d.c.beta;
-  p.gate.allow_neg_eigval = d.c.allow_neg_eigval;
+  p.math.gate = d.c.gate;
+  p.math.beta_logits = d.c.beta_logits;
+  p.math.allow_neg_eigval = d.c.allow_neg_eigval;
 }
 
 PrefillParams PrefillData::params() const {
@@ -326,8 +326,8 @@ PrefillParams PrefillData::params() const {
   p.checkpoint_every = c.checkpoint_every;
   p.checkpoints = ckpt.view();
   p.checkpoint_offsets = ckpt_off.view();
-  p.gate.use_qk_l2norm = c.l2norm;
-  p.gate.lower_bound = static_cast<float>(c.lower_bound);
+  p.math.use_qk_l2norm = c.l2norm;
+  p.math.lower_bound = static_cast<float>(c.lower_bound);
   return p;
 }
 
@@ -342,7 +342,7 @@ std::string DecodeCase::name() const {
   }
   s << "_H" << H << "_HV" << HV << "_K" << K << "_" << short_dtype(dtype) << "_out" << short_dtype(out_dtype)
     << "_st" << short_dtype(state_dtype) << (layout == StateLayout::kKFirst ? "_kfirst" : "")
-    << "_g" << static_cast<int>(gate) << (beta == BetaForm::kLogits ? "_blogit" : "_bact")
+    << "_g" << static_cast<int>(gate) << (beta_logits ? "_blogit" : "_bact")
     << (allow_neg_eigval ? "_neg" : "") << (beta_per_v ? "_betav" : "") << "_idx" << indices
     << (index_dtype == DType::kInt64 ? "i64" : "") << (num_accepted ? "_nat" : "") << (padding ? "_pad" : "")
     << (final_state_separate ? "_sepfinal" : "") << (intermediate ? "_inter" : "")
@@ -387,7 +387,7 @@ DecodeData make_decode(const DecodeCase& c) {
     d.dt_bias = HostTensor(DType::kFloat32, {c.HV, K});
     d.dt_bias.fill_uniform(rng, 0.0, 1.0);
   }
-  if (c.beta == BetaForm::kLogits) d.beta.fill_normal(rng, 1.0);
+  if (c.beta_logits) d.beta.fill_normal(rng, 1.0);
   else d.beta.fill_uniform(rng, 0.0, 1.0);
   d.out = HostTensor(c.out_dtype, {d.B, d.T, c.HV, V});
   d.out.fill_bytes(0xff);

@@ -46,7 +46,7 @@ struct PrefillCase {
   int64_t H = 2, HV = 2, K = 32, V = 32;
   DType dtype = DType::kFloat32;
   GateForm gate = GateForm::kSoftplus;
-  BetaForm beta = BetaForm::kLogits;
+  bool beta_logits = true;
   bool allow_neg_eigval = false;
   bool l2norm = true;
   InitState init = InitState::kRandom;
@@ -92,7 +92,7 @@ struct DecodeCase {
   DType state_dtype = DType::kFloat32;
   StateLayout layout = StateLayout::kVFirst;
   GateForm gate = GateForm::kSoftplus;
-  BetaForm beta = BetaForm::kLogits;
+  bool beta_logits = true;
   bool allow_neg_eigval = false;
   bool beta_per_v = false;
   int indices = 1;                // 0: none, 1: [N], 2: [N, T] (speculative)

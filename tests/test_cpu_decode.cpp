@@ -97,8 +97,8 @@ std::vector<DecodeCase> decode_cases() {
   add([](DecodeCase& c) { c.K = 256; c.N = 2; c.HV = 2; c.H = 1; });
   add([](DecodeCase& c) { c.K = 96; c.T = 2; });
   for (GateForm g : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
-    for (BetaForm b : {BetaForm::kActivated, BetaForm::kLogits})
-      add([&](DecodeCase& c) { c.gate = g; c.beta = b; c.T = 2; });
+    for (bool b : {false, true})
+      add([&](DecodeCase& c) { c.gate = g; c.beta_logits = b; c.T = 2; });
   add([](DecodeCase& c) { c.allow_neg_eigval = true; });
   add([](DecodeCase& c) { c.beta_per_v = true; c.T = 2; });
   add([](DecodeCase& c) { c.out_dtype = DType::kFloat32; });

@@ -16,7 +16,8 @@ PrefillData prefill_with(const cpu::FastKernels& level, const PrefillData& d) {
   detail::PrefillProblem pr;
   const Status s = detail::validate_prefill(r.params(), &pr);
   EXPECT_TRUE(s.ok()) << s.to_string();
-  level.prefill(pr, 2);
+  const Status run = level.prefill(pr, 2);
+  EXPECT_TRUE(run.ok()) << run.to_string();
   return r;
 }
 
@@ -25,7 +26,8 @@ DecodeData decode_with(const cpu::FastKernels& level, const DecodeData& d) {
   detail::DecodeProblem pr;
   const Status s = detail::validate_decode(r.params(), &pr);
   EXPECT_TRUE(s.ok()) << s.to_string();
-  level.decode(pr, 2);
+  const Status run = level.decode(pr, 2);
+  EXPECT_TRUE(run.ok()) << run.to_string();
   return r;
 }
 

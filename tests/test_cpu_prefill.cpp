@@ -73,8 +73,8 @@ std::vector<PrefillCase> sweep_cases() {
   add([](PrefillCase& c) { c.H = 2; c.HV = 6; c.seqlens = {90, 90}; });
   // Gate and beta forms.
   for (GateForm g : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
-    for (BetaForm b : {BetaForm::kActivated, BetaForm::kLogits})
-      add([&](PrefillCase& c) { c.gate = g; c.beta = b; c.seqlens = {150}; });
+    for (bool b : {false, true})
+      add([&](PrefillCase& c) { c.gate = g; c.beta_logits = b; c.seqlens = {150}; });
   add([](PrefillCase& c) { c.allow_neg_eigval = true; c.seqlens = {150}; });
   add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.gate_extreme = -1000; c.seqlens = {300}; });
   add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.weak_decay = true; c.seqlens = {300}; });

@@ -68,15 +68,15 @@ std::vector<BadPrefill> bad_prefill_inputs() {
       {"checkpoints_without_every", [](P& p, D&) { p.checkpoint_every = 0; }, "'checkpoint_every'"},
       {"checkpoint_offsets_absent", [](P& p, D&) { p.checkpoint_offsets = TensorView{}; }, "'checkpoint_offsets'"},
       {"checkpoint_offsets_values", [](P& p, D& d) { d.ckpt_off.set(1, 5); }, "'checkpoint_offsets'"},
-      {"lower_bound_range", [](P& p, D&) { p.gate.gate_form = GateForm::kLowerBound; p.gate.lower_bound = -6; }, "'gate.lower_bound'"},
-      {"lower_bound_zero", [](P& p, D&) { p.gate.gate_form = GateForm::kLowerBound; p.gate.lower_bound = 0; }, "'gate.lower_bound'"},
-      {"gate_form_code", [](P& p, D&) { p.gate.gate_form = static_cast<GateForm>(9); }, "'gate.gate_form'"},
-      {"neg_eigval_needs_logits", [](P& p, D&) { p.gate.beta_form = BetaForm::kActivated; p.gate.allow_neg_eigval = true; }, "'gate.allow_neg_eigval'"},
-      {"scale_nan", [](P& p, D&) { p.gate.scale = std::nan(""); }, "'gate.scale'"},
+      {"lower_bound_range", [](P& p, D&) { p.math.gate = GateForm::kLowerBound; p.math.lower_bound = -6; }, "'lower_bound'"},
+      {"lower_bound_zero", [](P& p, D&) { p.math.gate = GateForm::kLowerBound; p.math.lower_bound = 0; }, "'lower_bound'"},
+      {"gate_code", [](P& p, D&) { p.math.gate = static_cast<GateForm>(9); }, "'gate'"},
+      {"neg_eigval_needs_logits", [](P& p, D&) { p.math.beta_logits = false; p.math.allow_neg_eigval = true; }, "'allow_neg_eigval'"},
+      {"scale_nan", [](P& p, D&) { p.math.scale = std::nan(""); }, "'scale'"},
       {"layout_code", [](P& p, D&) { p.state_layout = static_cast<StateLayout>(5); }, "'state_layout'"},
-      {"backend_cuda_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; }, "'exec.backend'",
+      {"backend_cuda_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; }, "'backend'",
        StatusCode::kInvalidArgument},
-      {"num_threads_negative", [](P& p, D&) { p.exec.num_threads = -2; }, "'exec.num_threads'"},
+      {"num_threads_negative", [](P& p, D&) { p.exec.num_threads = -2; }, "'num_threads'"},
   };
 }
 
@@ -91,12 +91,13 @@ TEST_P(PrefillBadInput, ReturnsErrorNamingArgumentAndWritesNothing) {
   const Status s = prefill(p);
   EXPECT_EQ(s.code(), GetParam().code) << s.to_string();
   EXPECT_NE(s.message().find(GetParam().argument), std::string::npos) << s.message();
+  EXPECT_EQ("'" + s.argument() + "'", GetParam().argument) << s.message();
   EXPECT_NE(s.message().find("expected"), std::string::npos) << s.message();
   EXPECT_TRUE(bitwise_equal(d.out, out));
   EXPECT_TRUE(bitwise_equal(d.ht, ht));
   EXPECT_TRUE(bitwise_equal(d.ckpt, ck));
-  EXPECT_EQ(validate(p).code(), s.code() == StatusCode::kInvalidArgument && GetParam().argument != "'exec.backend'" &&
-                                        GetParam().argument != "'exec.num_threads'"
+  EXPECT_EQ(validate(p).code(), s.code() == StatusCode::kInvalidArgument && GetParam().argument != "'backend'" &&
+                                        GetParam().argument != "'num_threads'"
                                     ? StatusCode::kInvalidArgument
                                     : StatusCode::kOk);
 }
@@ -142,6 +143,7 @@ TEST_P(DecodeBadInput, ReturnsErrorNamingArgumentAndWritesNothing) {
   const Status s = decode(p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
   EXPECT_NE(s.message().find(GetParam().argument), std::string::npos) << s.message();
+  EXPECT_EQ("'" + s.argument() + "'", GetParam().argument) << s.message();
   EXPECT_TRUE(bitwise_equal(d.out, out));
   EXPECT_TRUE(bitwise_equal(d.state, st));
 }

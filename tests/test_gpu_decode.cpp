@@ -135,9 +135,9 @@ DecodeData make_data(const GpuDecodeCase& gc) {
 }
 
 void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
-  p.gate.use_qk_l2norm = gc.l2norm;
-  if (gc.scale) p.gate.scale = gc.scale;
-  p.gate.lower_bound = gc.lower_bound;
+  p.math.use_qk_l2norm = gc.l2norm;
+  if (gc.scale) p.math.scale = gc.scale;
+  p.math.lower_bound = gc.lower_bound;
 }
 
 // Sets KDA_CUDA_DECODE_KERNEL (baseline / tile / persistent with a grid) and KDA_CUDA_DECODE_GRID
@@ -411,7 +411,7 @@ std::vector<GpuDecodeCase> sweep_cases() {
       for (bool per_v : {false, true}) {
         GpuDecodeCase g = base(64);
         g.c.gate = gf;
-        g.c.beta = bf == 0 ? BetaForm::kActivated : BetaForm::kLogits;
+        g.c.beta_logits = bf != 0;
         g.c.allow_neg_eigval = bf == 2;
         g.c.beta_per_v = per_v;
         g.c.out_dtype = DType::kFloat32;

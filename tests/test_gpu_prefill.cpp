@@ -222,11 +222,11 @@ std::vector<PrefillCase> sweep_cases() {
   add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.gate_extreme = -1000; c.seqlens = {150}; });
   add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.weak_decay = true; c.seqlens = {300}; });
   // Beta forms.
-  add([](PrefillCase& c) { c.beta = BetaForm::kActivated; c.seqlens = {100}; });
+  add([](PrefillCase& c) { c.beta_logits = false; c.seqlens = {100}; });
   add([](PrefillCase& c) { c.allow_neg_eigval = true; c.seqlens = {100}; });
   // Normalization off (keys normalized by the caller, see make_data).
   add([](PrefillCase& c) { c.l2norm = false; c.seqlens = {80}; });
-  add([](PrefillCase& c) { c.l2norm = false; c.gate = GateForm::kLowerBound; c.beta = BetaForm::kActivated; c.seqlens = {140}; });
+  add([](PrefillCase& c) { c.l2norm = false; c.gate = GateForm::kLowerBound; c.beta_logits = false; c.seqlens = {140}; });
   // States.
   add([](PrefillCase& c) { c.init = InitState::kNone; c.seqlens = {90}; });
   add([](PrefillCase& c) { c.init = InitState::kZero; c.seqlens = {90}; });
@@ -579,7 +579,7 @@ void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") 
   c.HV = 8;
   c.gate = gate;
   c.lower_bound = lower_bound;
-  c.beta = BetaForm::kLogits;
+  c.beta_logits = true;
   c.seed = 2026;
   PrefillData d = make_prefill(c);
   for (int64_t i = 0; i < d.h0.numel(); ++i)

@@ -64,6 +64,14 @@ bool parse_int(const std::string& s, int64_t lo, int64_t hi, int64_t* out) {
 }
 
 // Parses demo flags; returns an error message or "".
+// The code of an enum value named `v` (kda's *_name() spelling), or -1.
+template <typename Enum>
+int enum_code(const std::string& v, const char* (*name)(Enum), int count) {
+  for (int i = 0; i < count; ++i)
+    if (v == name(static_cast<Enum>(i))) return i;
+  return -1;
+}
+
 std::string parse_demo(int argc, char** argv, DemoOptions* o) {
   for (int i = 2; i < argc; ++i) {
     const std::string f = argv[i];
@@ -72,7 +80,7 @@ std::string parse_demo(int argc, char** argv, DemoOptions* o) {
     const std::string v = argv[++i];
     int64_t x = 0;
     if (f == "--backend") {
-      if (v != "auto" && v != "cpu" && v != "cuda" && v != "reference")
+      if (enum_code(v, backend_name, kNumBackends) < 0)
         return "--backend: expected auto, cpu, cuda or reference, got " + v;
       o->backend = v;
     } else if (f == "--dtype") {
@@ -80,7 +88,7 @@ std::string parse_demo(int argc, char** argv, DemoOptions* o) {
         return "--dtype: expected bf16, fp16 or fp32, got " + v;
       o->dtype = v;
     } else if (f == "--gate") {
-      if (v != "softplus" && v != "lower_bound" && v != "precomputed")
+      if (enum_code(v, gate_name, kNumGateForms) < 0)
         return "--gate: expected softplus, lower_bound or precomputed, got " + v;
       o->gate = v;
     } else if (f == "--heads") {
@@ -190,19 +198,16 @@ double seconds_since(std::chrono::steady_clock::time_point t0) {
 
 int cmd_demo(const DemoOptions& o) {
   // Backend choice: auto = CUDA when a supported device is present.
-  Backend backend = Backend::kCpu;
-  if (o.backend == "reference") backend = Backend::kCpuReference;
-  if (o.backend == "cuda") backend = Backend::kCuda;
-  if (o.backend == "auto") {
+  Backend backend = static_cast<Backend>(enum_code(o.backend, backend_name, kNumBackends));
+  if (backend == Backend::kAuto) {
+    backend = Backend::kCpu;
     for (const auto& d : cuda_devices())
       if (d.supported) backend = Backend::kCuda;
   }
   const DType dt = o.dtype == "bf16"   ? DType::kBFloat16
                    : o.dtype == "fp16" ? DType::kFloat16
                                        : DType::kFloat32;
-  const GateForm gate = o.gate == "softplus"      ? GateForm::kSoftplus
-                        : o.gate == "lower_bound" ? GateForm::kLowerBound
-                                                  : GateForm::kPrecomputed;
+  const GateForm gate = static_cast<GateForm>(enum_code(o.gate, gate_name, kNumGateForms));
   const int64_t N = static_cast<int64_t>(o.seqlens.size()), H = o.H, HV = o.HV, K = o.D, V = o.D,
                 S = o.steps;
   std::vector<int64_t> cu = {0};
@@ -251,8 +256,8 @@ int cmd_demo(const DemoOptions& o) {
   pp.out = m.place(out);
   pp.state_pool = m.place(pool);
   pp.state_indices = m.place(idx);
-  pp.gate.gate_form = gate;
-  pp.gate.beta_form = BetaForm::kLogits;
+  pp.math.gate = gate;
+  pp.math.beta_logits = true;
   pp.exec.backend = backend;
   pp.exec.num_threads = o.threads;
   if (!m.err.ok()) return std::fprintf(stderr, "kda: %s\n", m.err.to_string().c_str()), 1;
@@ -283,7 +288,7 @@ int cmd_demo(const DemoOptions& o) {
   dp.dt_bias = pp.dt_bias;
   dp.state = pp.state_pool;
   dp.state_indices = pp.state_indices;
-  dp.gate = pp.gate;
+  dp.math = pp.math;
   dp.exec = pp.exec;
   TensorView vq = m.place(dq), vk = m.place(dk), vv = m.place(dv), vg = m.place(dg),
              vb = m.place(dbeta), vo = m.place(dout);
@@ -363,7 +368,7 @@ int cmd_demo(const DemoOptions& o) {
   rp.dt_bias = rd.view();
   rp.out = ro.view();
   rp.final_state = rs.view();
-  rp.gate = pp.gate;
+  rp.math = pp.math;
   rp.exec.backend = Backend::kCpuReference;
   t0 = std::chrono::steady_clock::now();
   s = prefill(rp);

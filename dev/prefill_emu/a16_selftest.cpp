@@ -98,7 +98,7 @@ void run(const PrefillCase& c) {
                                                          c.lower_bound);
               G[r][cc] = (r ? G[r - 1][cc] : 0.0) + a;
             }
-            b[r] = detail::activate_beta<double>(c.beta == BetaForm::kLogits, c.allow_neg_eigval, d.beta.get((n * T + t) * HV + hv));
+            b[r] = detail::activate_beta<double>(c.beta_logits, c.allow_neg_eigval, d.beta.get((n * T + t) * HV + hv));
           }
           // Akk, Aqk, Tm = (I + diag(b) Akk)^-1 diag(b), W, qg, kbT, gL.
           double Aqk[16][16] = {}, M[16][16] = {}, X[16][16] = {}, Tm[16][16] = {};

@@ -41,7 +41,7 @@ int main(int argc, char** argv) {
   { auto c = base(); c.varlen = true; c.seqlens = {0, 1, 15, 65}; c.H = 1; c.HV = 2; cases.push_back({c, 0}); } // 5
   { auto c = base(); c.seqlens = {70}; c.layout = StateLayout::kKFirst; c.state_dtype = DType::kBFloat16; c.strided = true; cases.push_back({c, 0}); } // 6
   { auto c = base(); c.varlen = true; c.seqlens = {130, 64, 3}; c.pool = true; c.checkpoint_every = 64; c.dtype = DType::kFloat16; c.state_dtype = DType::kFloat16; cases.push_back({c, 0}); } // 7
-  { auto c = base(); c.seqlens = {40}; c.l2norm = false; c.beta = BetaForm::kActivated; c.init = InitState::kNone; cases.push_back({c, 0}); } // 8
+  { auto c = base(); c.seqlens = {40}; c.l2norm = false; c.beta_logits = false; c.init = InitState::kNone; cases.push_back({c, 0}); } // 8
   { auto c = base(); c.seqlens = {70}; c.allow_neg_eigval = true; c.gate = GateForm::kPrecomputed; c.weak_decay = true; cases.push_back({c, 0}); } // 9
   { auto c = base(); c.seqlens = {200, 200}; c.H = 2; c.HV = 4; c.checkpoint_every = 128; cases.push_back({c, 0}); } // 10 GVA dense B=2
   { auto c = base(); c.varlen = true; c.seqlens.clear(); for (int i = 0; i < 45; ++i) c.seqlens.push_back((i * 37) % 90); cases.push_back({c, 0}); } // 11 many seqs

@@ -7,8 +7,9 @@ One import for the three families of callers:
 * FlashKDA callers: :func:`fwd`;
 * MATE / FLA callers: :func:`chunk_kda` and :func:`gated_delta_rule_decode`.
 
-With torch installed, torch tensors run through the custom ops ``torch.ops.kda.prefill`` and
-``torch.ops.kda.decode`` (torch.compile and CUDA graphs work); torch is never imported otherwise.
+Torch tensors run on torch's current stream; under torch.compile through the custom ops
+``torch.ops.kda.prefill`` and ``torch.ops.kda.decode`` (torch.compile and CUDA graphs work). torch
+is imported only once a torch tensor reaches kda.
 """
 
 from . import _C

@@ -1,101 +1,91 @@
-"""torch.library custom ops ``kda::prefill`` and ``kda::decode``, registered when this module is
-first imported (the first time a torch tensor reaches kda).
+"""torch glue: the tensor reader's registration, streams, allocation, and the custom ops
+``kda::prefill`` / ``kda::decode`` (imported the first time a torch tensor reaches kda).
 
-Both ops mutate their output arguments in place and return nothing, so the fake (meta)
-implementations have nothing to compute: torch.compile sees an opaque op with declared
-mutations, and CUDA-graph capture records the kernel launches on the current stream. The ops take
-the enum options as integer codes (see ``kda.api``); users call ``kda.prefill`` / ``kda.decode``.
-
-Tensors cross into the extension as DLPack capsules made by ``torch.utils.dlpack.to_dlpack``: zero
-copies and, unlike ``Tensor.__dlpack__(stream=None)``, no stream synchronization, which would
-break CUDA-graph capture.
+Eager calls go straight to the extension: it reads each tensor's pointer, shape, strides, dtype and
+device through the tensor's attributes (torch.Tensor and its dtypes are registered with ``kda._C``
+here; the extension neither includes nor links torch), with torch's current stream and, for the
+CUDA workspace, torch's caching allocator. While torch.compile traces a call, ``kda.prefill`` /
+``kda.decode`` call the custom ops instead: both mutate their output arguments in place and return
+nothing, so the fake (meta) implementations have nothing to compute, torch.compile sees an opaque
+op with declared mutations, and CUDA-graph capture records the kernel launches on the current
+stream. The ops run the same extension call as eager mode.
 """
 
 from typing import Any, Callable, Dict, Optional
 
 import torch
-import torch.utils.dlpack
 
 from . import _C
 
 Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
-_DTYPE_NAMES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+_C.register_torch(torch.Tensor, (torch.float32, torch.float16, torch.bfloat16, torch.int32,
+                                 torch.int64))
+
+_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
-def _capsule(t: Optional[torch.Tensor]) -> Any:
-    if t is None:
-        return None
-    t = t.detach()
-    to_dlpack = getattr(torch.utils.dlpack, "to_dlpack", None)
-    if to_dlpack is not None:
-        return to_dlpack(t)
-    return t.__dlpack__(stream=-1)  # -1: no synchronization
+def stream(t: torch.Tensor) -> int:
+    """The address of torch's current CUDA stream on `t`'s device (`t` a CUDA tensor)."""
+    if _raw_stream is not None:
+        return int(_raw_stream(t.get_device()))
+    return int(torch.cuda.current_stream(t.device).cuda_stream)
 
 
-def _call(fn: Callable[..., Any], tensors: Dict[str, Optional[torch.Tensor]],
-          options: Dict[str, Any]) -> Any:
-    """Calls an extension function with fresh capsules (a capsule can be consumed only once)."""
-    kwargs = {name: _capsule(t) for name, t in tensors.items()}
-    kwargs.update(options)
-    return fn(**kwargs)
+_CUDA_DEVICES: Dict[int, torch.device] = {}
 
 
-def run(op: str, tensors: Dict[str, Optional[torch.Tensor]], options: Dict[str, Any]) -> None:
-    """Runs kda prefill/decode on torch tensors; on CUDA, on the current stream of q's device."""
-    q = tensors["q"]
-    if not q.is_cuda:
-        _call(_C.prefill if op == "prefill" else _C.decode, tensors, options)
-        return
-    with torch.cuda.device(q.device):
-        options = dict(options, stream=int(torch.cuda.current_stream(q.device).cuda_stream))
-        if op == "prefill":
-            if tensors.get("workspace") is None:
-                nbytes = _call(_C.prefill_workspace_size, tensors, options)
-                if nbytes > 0:
-                    tensors = dict(tensors, workspace=torch.empty(nbytes, dtype=torch.uint8,
-                                                                  device=q.device))
-            _call(_C.prefill, tensors, options)
-        else:
-            _call(_C.decode, tensors, options)
+def allocate_workspace(nbytes: int, index: int) -> torch.Tensor:
+    """Device workspace from torch's caching allocator (stream-ordered on the current stream)."""
+    dev = _CUDA_DEVICES.get(index)
+    if dev is None:
+        dev = _CUDA_DEVICES.setdefault(index, torch.device("cuda", index))
+    return torch.empty(nbytes, dtype=torch.uint8, device=dev)
 
 
-def _prefill_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, output: Tensor,
+def cuda_call(q: torch.Tensor) -> tuple:
+    """(stream, allocate) for a call on `q`'s device."""
+    if q.is_cuda:
+        return stream(q), allocate_workspace
+    return 0, None
+
+
+def dtype(name: Optional[str], like: torch.Tensor) -> torch.dtype:
+    return like.dtype if name is None else _DTYPES[name]
+
+
+def _prefill_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
                   A_log: OptTensor, dt_bias: OptTensor, cu_seqlens: OptTensor,
                   initial_state: OptTensor, final_state: OptTensor, state_pool: OptTensor,
                   state_indices: OptTensor, checkpoints: OptTensor, checkpoint_offsets: OptTensor,
-                  workspace: OptTensor, checkpoint_every: int, state_layout: int,
-                  use_qk_l2norm: bool, scale: Optional[float], gate_form: int, lower_bound: float,
-                  beta_form: int, allow_neg_eigval: bool, backend: int, num_threads: int) -> None:
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, out=output, A_log=A_log, dt_bias=dt_bias,
-                   cu_seqlens=cu_seqlens, initial_state=initial_state, final_state=final_state,
-                   state_pool=state_pool, state_indices=state_indices, checkpoints=checkpoints,
-                   checkpoint_offsets=checkpoint_offsets, workspace=workspace)
-    options = dict(checkpoint_every=checkpoint_every, state_layout=state_layout,
-                   use_qk_l2norm=use_qk_l2norm, scale=scale, gate_form=gate_form,
-                   lower_bound=lower_bound, beta_form=beta_form, allow_neg_eigval=allow_neg_eigval,
-                   backend=backend, num_threads=num_threads)
-    run("prefill", tensors, options)
+                  workspace: OptTensor, checkpoint_every: int, check_indices: bool,
+                  state_layout: str,
+                  use_qk_l2norm: bool, scale: Optional[float], gate: str, lower_bound: float,
+                  beta_logits: bool, allow_neg_eigval: bool, backend: str,
+                  num_threads: int) -> None:
+    s, allocate = cuda_call(q)
+    _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
+               state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
+               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
+               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, s, allocate,
+               None)
 
 
-def _decode_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, output: Tensor,
+def _decode_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,
                  A_log: OptTensor, dt_bias: OptTensor, cu_seqlens: OptTensor, state: Tensor,
                  state_indices: OptTensor, num_accepted_tokens: OptTensor,
                  final_state: OptTensor, intermediate_states: OptTensor,
                  use_initial_state: bool, store_final_state: bool, check_indices: bool,
-                 state_layout: int, use_qk_l2norm: bool, scale: Optional[float], gate_form: int,
-                 lower_bound: float, beta_form: int, allow_neg_eigval: bool, backend: int,
+                 state_layout: str, use_qk_l2norm: bool, scale: Optional[float], gate: str,
+                 lower_bound: float, beta_logits: bool, allow_neg_eigval: bool, backend: str,
                  num_threads: int) -> None:
-    tensors = dict(q=q, k=k, v=v, g=g, beta=beta, out=output, A_log=A_log, dt_bias=dt_bias,
-                   cu_seqlens=cu_seqlens, state=state, state_indices=state_indices,
-                   num_accepted_tokens=num_accepted_tokens, final_state=final_state,
-                   intermediate_states=intermediate_states)
-    options = dict(use_initial_state=use_initial_state, store_final_state=store_final_state,
-                   check_indices=check_indices, state_layout=state_layout,
-                   use_qk_l2norm=use_qk_l2norm, scale=scale, gate_form=gate_form,
-                   lower_bound=lower_bound, beta_form=beta_form, allow_neg_eigval=allow_neg_eigval,
-                   backend=backend, num_threads=num_threads)
-    run("decode", tensors, options)
+    s = stream(q) if q.is_cuda else 0
+    _C.decode(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, state, state_indices,
+              num_accepted_tokens, final_state, intermediate_states, use_initial_state,
+              store_final_state, check_indices, state_layout, use_qk_l2norm, scale, gate,
+              lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, s, None)
 
 
 def _nothing(*args: Any, **kwargs: Any) -> None:
@@ -109,8 +99,8 @@ def _register() -> Dict[str, Callable[..., None]]:
     if custom_op is None:
         return {"prefill": _prefill_impl, "decode": _decode_impl}
     specs = (("prefill", _prefill_impl,
-              ("output", "final_state", "state_pool", "checkpoints", "workspace")),
-             ("decode", _decode_impl, ("output", "state", "final_state", "intermediate_states")))
+              ("out", "final_state", "state_pool", "checkpoints", "workspace")),
+             ("decode", _decode_impl, ("out", "state", "final_state", "intermediate_states")))
     result = {}
     for name, impl, mutated in specs:
         try:
@@ -150,13 +140,13 @@ def prefill_traced(tensors: Dict[str, Optional[torch.Tensor]], options: Dict[str
         cu = tensors["cu_seqlens"]
         n = cu.shape[0] - 1 if cu is not None else q.shape[0]
         K, HV, V = q.shape[-1], v.shape[-2], v.shape[-1]
-        shape = (n, HV, V, K) if options["state_layout"] == 0 else (n, HV, K, V)
+        shape = (n, HV, V, K) if options["state_layout"] == "v_first" else (n, HV, K, V)
         h0 = tensors["initial_state"]
         final_state = torch.empty(shape, dtype=torch.float32 if h0 is None else h0.dtype,
                                   device=q.device)
     args = {n: None if t is None else t.detach() for n, t in tensors.items() if n != "out"}
     args["final_state"] = None if final_state is None else final_state.detach()
-    OPS["prefill"](output=out.detach(), **args, **options)
+    OPS["prefill"](out=out.detach(), **args, **options)
     return (out, final_state) if final_state is not None else out
 
 
@@ -166,9 +156,10 @@ def decode_traced(tensors: Dict[str, Optional[torch.Tensor]], options: Dict[str,
     out = tensors["out"]
     if out is None:
         if out_dtype is not None and not isinstance(out_dtype, torch.dtype):
-            out_dtype = getattr(torch, _DTYPE_NAMES.get(str(out_dtype), str(out_dtype)))
+            out_dtype = getattr(torch, {"fp32": "float32", "fp16": "float16",
+                                        "bf16": "bfloat16"}.get(str(out_dtype), str(out_dtype)))
         out = torch.empty(v.shape, dtype=q.dtype if out_dtype is None else out_dtype,
                           device=q.device)
     args = {n: None if t is None else t.detach() for n, t in tensors.items() if n != "out"}
-    OPS["decode"](output=out.detach(), **args, **options)
+    OPS["decode"](out=out.detach(), **args, **options)
     return out

@@ -1,37 +1,35 @@
 """The kda Python API: ``prefill`` and ``decode`` over torch, numpy or any DLPack arrays.
 
 Arrays cross into the C++ library without copies, with their own strides, dtype and device;
-outputs that are not given are allocated with the inputs' array library on q's device. Torch
-tensors go through the custom ops ``torch.ops.kda.prefill`` / ``torch.ops.kda.decode`` so that
-torch.compile and CUDA-graph capture see them. On CUDA the kernels run on the current stream of
-the array library (torch, CuPy) or the legacy default stream.
+outputs that are not given are allocated with the inputs' array library on q's device. Each call
+is one call into the extension, which validates once and runs. While torch.compile traces a call,
+torch tensors go through the custom ops ``torch.ops.kda.prefill`` / ``torch.ops.kda.decode``
+instead, so that torch.compile and CUDA-graph capture see them. On CUDA the kernels run on the
+current stream of the array library (torch, CuPy) or the legacy default stream.
 
 Errors: a wrong type raises TypeError, a wrong value (shape, dtype, flag, index...) raises
 ValueError, a valid call that the chosen backend cannot run raises NotImplementedError; every
 message names the argument. Nothing is written when a call fails validation.
 """
 
-import re
-from typing import Any, Dict, Mapping, Optional, Sequence, Tuple, Union
+from contextvars import ContextVar
+from typing import Any, Dict, Optional, Sequence, Tuple, Union
 
 from . import _C, _arrays
 
 Array = Any  # torch.Tensor, numpy.ndarray, or any array with __dlpack__
 
-_GATES = {"precomputed": 0, "softplus": 1, "lower_bound": 2}
-_LAYOUTS = {"v_first": 0, "k_first": 1}
-_BACKENDS = {"auto": 0, "cpu": 1, "cuda": 2, "reference": 3}
-
-# Names in the extension's messages -> names of this API's arguments.
-_API_NAMES = {"gate_form": "gate", "beta_form": "beta_logits"}
-
+# The argument names of the call in progress, {API name: caller's name}, set by the compatibility
+# functions (kda.compat) for the extension, which names arguments in every message with them.
+NAMES: "ContextVar[Optional[Dict[str, str]]]" = ContextVar("kda_argument_names", default=None)
 
 _TORCH_OPS: Any = None
 
 
 def _torch_module() -> Any:
-    """kda._torch_ops, imported (and the custom ops registered) on first use with torch tensors;
-    afterwards a module global, which torch.compile reads without tracing an import."""
+    """kda._torch_ops, imported (torch registered with the extension, the custom ops defined) on
+    first use with torch tensors; afterwards a module global, which torch.compile reads without
+    tracing an import."""
     global _TORCH_OPS
     if _TORCH_OPS is None:
         from . import _torch_ops
@@ -39,25 +37,14 @@ def _torch_module() -> Any:
     return _TORCH_OPS
 
 
-# ---------------------------------------------------------------------------------------------
-# Argument checks (types here; values mostly in the C++ validation)
-# ---------------------------------------------------------------------------------------------
-
-def _check_array(name: str, x: Any, required: bool = False) -> None:
-    if x is None:
-        if required:
-            raise TypeError(f"argument '{name}': expected an array, got None")
-        return
-    if not _arrays.is_array(x):
-        raise TypeError(f"argument '{name}': expected an array (torch.Tensor, numpy.ndarray or "
-                        f"any DLPack array){'' if required else ' or None'}, "
-                        f"got {type(x).__name__}")
+def _name(arg: str, names: Optional[Dict[str, str]]) -> str:
+    return names.get(arg, arg) if names else arg
 
 
-def _check_bool(name: str, x: Any) -> bool:
+def _check_bool(name: str, x: Any, names: Optional[Dict[str, str]] = None) -> bool:
     if isinstance(x, bool) or type(x).__name__ == "bool_":  # numpy.bool_
         return bool(x)
-    raise TypeError(f"argument '{name}': expected bool, got {type(x).__name__}")
+    raise TypeError(f"argument '{_name(name, names)}': expected bool, got {type(x).__name__}")
 
 
 def _check_int(name: str, x: Any) -> int:
@@ -66,84 +53,13 @@ def _check_int(name: str, x: Any) -> int:
     return int(x.__index__())
 
 
-def _check_float(name: str, x: Any, optional: bool = False) -> Optional[float]:
-    if x is None and optional:
-        return None
-    if isinstance(x, bool) or (not isinstance(x, (int, float)) and not hasattr(x, "__float__")):
-        raise TypeError(f"argument '{name}': expected float{' or None' if optional else ''}, "
-                        f"got {type(x).__name__}")
-    if _arrays.is_array(x) and getattr(x, "ndim", 0) != 0:
-        raise TypeError(f"argument '{name}': expected a float, got an array")
-    return float(x)
+def _check_array(name: str, x: Any) -> None:
+    if not _arrays.is_array(x):
+        raise TypeError(f"argument '{name}': expected an array (torch.Tensor, numpy.ndarray or "
+                        f"any DLPack array), got {type(x).__name__}")
 
 
-def _choice(name: str, x: Any, choices: Mapping[str, int]) -> int:
-    if not isinstance(x, str):
-        raise TypeError(f"argument '{name}': expected str, got {type(x).__name__}")
-    if x not in choices:
-        raise ValueError(f"argument '{name}': expected one of {', '.join(map(repr, choices))}, "
-                         f"got {x!r}")
-    return choices[x]
-
-
-def _gate_options(scale: Any, use_qk_l2norm: Any, gate: Any, lower_bound: Any, beta_logits: Any,
-                  allow_neg_eigval: Any) -> Dict[str, Any]:
-    return dict(scale=_check_float("scale", scale, optional=True),
-                use_qk_l2norm=_check_bool("use_qk_l2norm", use_qk_l2norm),
-                gate_form=_choice("gate", gate, _GATES),
-                lower_bound=_check_float("lower_bound", lower_bound),
-                beta_form=1 if _check_bool("beta_logits", beta_logits) else 0,
-                allow_neg_eigval=_check_bool("allow_neg_eigval", allow_neg_eigval))
-
-
-def _check_same_library(arrays: Mapping[str, Any]) -> str:
-    """torch inputs must all be torch tensors (they cross the custom op); returns q's library."""
-    lib = _arrays.library(arrays["q"])
-    if lib == "torch":
-        for name, x in arrays.items():
-            if x is not None and _arrays.library(x) != "torch":
-                raise TypeError(f"argument '{name}': expected a torch.Tensor (as q), "
-                                f"got {type(x).__module__}.{type(x).__name__}")
-    return lib
-
-
-def rename_arguments(exc: BaseException, names: Mapping[str, str]) -> BaseException:
-    """The same exception with "argument 'x'" rewritten to "argument 'names[x]'"."""
-    msg = str(exc)
-    new = re.sub(r"argument '([A-Za-z0-9_.]+)'",
-                 lambda m: f"argument '{names.get(m.group(1), m.group(1))}'", msg)
-    if new == msg:
-        return exc
-    try:
-        return type(exc)(new)
-    except Exception:
-        return exc
-
-
-def _run(op: str, lib: str, tensors: Dict[str, Any], options: Dict[str, Any],
-         names: Mapping[str, str]) -> None:
-    try:
-        if lib == "torch":
-            _torch_ops = _torch_module()
-            # Inference only: detached aliases (the writes still land in the caller's tensors).
-            args = {n: None if t is None else t.detach() for n, t in tensors.items()}
-            args["output"] = args.pop("out")
-            _torch_ops.OPS[op](**args, **options)
-            return
-        q = tensors["q"]
-        if _arrays.on_cuda(q):
-            options = dict(options, stream=_arrays.current_stream(q))
-            if op == "prefill" and tensors.get("workspace") is None:
-                nbytes = _C.prefill_workspace_size(**tensors, **options)
-                if nbytes > 0:
-                    tensors = dict(tensors,
-                                   workspace=_arrays.empty(q, (nbytes,), "uint8", "workspace"))
-        (_C.prefill if op == "prefill" else _C.decode)(**tensors, **options)
-    except (TypeError, ValueError, NotImplementedError, RuntimeError) as e:
-        raise rename_arguments(e, names) from None
-
-
-def _state_shape(rows: int, q: Any, v: Any, state_layout: int) -> Optional[Tuple[int, ...]]:
+def _state_shape(rows: int, q: Any, v: Any, state_layout: Any) -> Optional[Tuple[int, ...]]:
     """[rows, HV, V, K] (V-first) or [rows, HV, K, V]; None when q/v are malformed (the C++
     validation then reports them)."""
     try:
@@ -152,7 +68,7 @@ def _state_shape(rows: int, q: Any, v: Any, state_layout: int) -> Optional[Tuple
         return None
     if rows < 0:
         return None
-    return (rows, HV, V, K) if state_layout == 0 else (rows, HV, K, V)
+    return (rows, HV, V, K) if state_layout != "k_first" else (rows, HV, K, V)
 
 
 def _num_sequences(q: Any, cu_seqlens: Any) -> int:
@@ -160,6 +76,19 @@ def _num_sequences(q: Any, cu_seqlens: Any) -> int:
         return int(cu_seqlens.shape[0]) - 1 if cu_seqlens is not None else int(q.shape[0])
     except (AttributeError, IndexError, TypeError):
         return -1
+
+
+def _device_call(q: Any, torch: bool) -> Tuple[int, Any]:
+    """(stream, workspace allocator) of a call on q's device: torch's current stream and caching
+    allocator, the current stream of another CUDA array library, or (0, None) on the CPU."""
+    if torch:
+        return _TORCH_OPS.cuda_call(q)
+    if not _arrays.on_cuda(q):
+        return 0, None
+
+    def allocate(nbytes: int, index: int) -> Any:
+        return _arrays.empty(q, (nbytes,), "uint8", "workspace")
+    return _arrays.current_stream(q), allocate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -175,7 +104,8 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
             final_state: Optional[Array] = None, state_pool: Optional[Array] = None,
             state_indices: Optional[Array] = None, checkpoint_every: int = 0,
             checkpoints: Optional[Array] = None, checkpoint_offsets: Optional[Array] = None,
-            state_layout: str = "v_first", out: Optional[Array] = None, backend: str = "auto",
+            check_indices: bool = False, state_layout: str = "v_first",
+            out: Optional[Array] = None, backend: str = "auto",
             workspace: Optional[Array] = None,
             num_threads: int = 0) -> Union[Array, Tuple[Array, Array]]:
     """Chunked KDA forward over whole prompts (spec section 4), dense or varlen.
@@ -211,6 +141,9 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
             ``checkpoint_offsets[n] + j``. Without ``checkpoint_offsets`` they are computed on the
             host from ``cu_seqlens`` (a device-to-host copy for CUDA arrays; pass them explicitly
             under CUDA-graph capture), see :func:`checkpoint_offsets`.
+        check_indices: report a slot ``>= P`` or two sequences with the same slot in ``[0, P)``
+            as ValueError (reads state_indices on the host; CPU arrays only). Without it such
+            sequences' results are unspecified; every other sequence and slot is exact.
         state_layout: ``"v_first"`` (default, FlashKDA/MATE) or ``"k_first"`` (FLA), for every
             state argument of the call.
         out: preallocated output ``[B, T, HV, V]`` in q's dtype (allocated when absent).
@@ -228,61 +161,76 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
         NotImplementedError: the chosen backend cannot run this valid call.
         RuntimeError: a CUDA or internal error.
     """
-    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
-                  cu_seqlens=cu_seqlens, initial_state=initial_state, final_state=final_state,
-                  state_pool=state_pool, state_indices=state_indices, checkpoints=checkpoints,
-                  checkpoint_offsets=checkpoint_offsets, out=out, workspace=workspace)
-    if _arrays.is_torch(q):
-        _torch_ops = _torch_module()
-        if _torch_ops.compiling():  # traced by torch.compile: straight to the op
-            options = dict(checkpoint_every=checkpoint_every,
-                           state_layout=_LAYOUTS[state_layout], use_qk_l2norm=use_qk_l2norm,
-                           scale=None if scale is None else float(scale),
-                           gate_form=_GATES[gate], lower_bound=float(lower_bound),
-                           beta_form=1 if beta_logits else 0, allow_neg_eigval=allow_neg_eigval,
-                           backend=_BACKENDS[backend], num_threads=num_threads)
-            return _torch_ops.prefill_traced(arrays, options,
-                                             bool(output_final_state) and final_state is None)
-    for name, x in arrays.items():
-        _check_array(name, x, required=name in ("q", "k", "v", "g", "beta"))
-    options = _gate_options(scale, use_qk_l2norm, gate, lower_bound, beta_logits,
-                            allow_neg_eigval)
-    allocate_final = _check_bool("output_final_state", output_final_state) and final_state is None
-    want_final = allocate_final or final_state is not None
-    options.update(checkpoint_every=_check_int("checkpoint_every", checkpoint_every),
-                   state_layout=_choice("state_layout", state_layout, _LAYOUTS),
-                   backend=_choice("backend", backend, _BACKENDS),
-                   num_threads=_check_int("num_threads", num_threads))
-    lib = _check_same_library(arrays)
-    if allocate_final and state_pool is not None:  # (a given final_state: the C++ check names it)
-        raise ValueError("argument 'output_final_state': expected False in pool mode "
-                         "(state_pool is updated in place through state_indices)")
-
+    torch = _arrays.is_torch(q)
+    if torch:
+        ops = _torch_module()
+        if ops.compiling():  # traced by torch.compile: straight to the op
+            arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
+                          cu_seqlens=cu_seqlens, initial_state=initial_state,
+                          final_state=final_state, state_pool=state_pool,
+                          state_indices=state_indices, checkpoints=checkpoints,
+                          checkpoint_offsets=checkpoint_offsets, out=out, workspace=workspace)
+            options = dict(checkpoint_every=checkpoint_every, check_indices=check_indices,
+                           state_layout=state_layout,
+                           use_qk_l2norm=use_qk_l2norm,
+                           scale=None if scale is None else float(scale), gate=gate,
+                           lower_bound=float(lower_bound), beta_logits=beta_logits,
+                           allow_neg_eigval=allow_neg_eigval, backend=backend,
+                           num_threads=num_threads)
+            return ops.prefill_traced(arrays, options,
+                                      bool(output_final_state) and final_state is None)
+    names = NAMES.get()
     # Outputs the caller did not give, allocated like q (nothing is allocated for malformed q/v:
-    # the validation reports those first).
-    if out is None:
-        out = _arrays.empty(q, tuple(v.shape), None, "out") if hasattr(v, "shape") else None
-    if allocate_final:
-        shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, options["state_layout"])
-        if shape is not None:
-            dt = "fp32" if initial_state is None else _arrays.dtype_name(initial_state)
-            final_state = _arrays.empty(q, shape, dt, "final_state")
-    every = options["checkpoint_every"]
-    if every > 0 and checkpoints is not None and checkpoint_offsets is None:
-        starts: Optional[Sequence[int]] = None
-        if cu_seqlens is not None:
-            starts = _arrays.host_ints(cu_seqlens, "cu_seqlens")
-        elif len(getattr(q, "shape", ())) == 4:
-            n, t = int(q.shape[0]), int(q.shape[1])
-            starts = [i * t for i in range(n + 1)]
-        if starts is not None:  # else q is malformed: the validation reports it
-            checkpoint_offsets = _arrays.from_ints(
-                q, _C.checkpoint_offsets(list(starts), every), "checkpoint_offsets")
-
-    tensors = dict(arrays, out=out, final_state=final_state,
-                   checkpoint_offsets=checkpoint_offsets)
-    _run("prefill", lib, tensors, options, _API_NAMES)
+    # the extension reports those first). Every other check is the extension's (validated once).
+    allocate_final = (_check_bool("output_final_state", output_final_state, names)
+                      and final_state is None)
+    if allocate_final and state_pool is not None:  # (a given final_state: the C++ check names it)
+        raise ValueError(f"argument '{_name('output_final_state', names)}': expected False in "
+                         "pool mode (state_pool is updated in place through state_indices)")
+    want_final = allocate_final or final_state is not None
+    if out is None and hasattr(v, "shape") and _arrays.is_array(q):
+        out = (_torch_empty(q, v.shape, q.dtype) if torch
+               else _arrays.empty(q, tuple(v.shape), None, _name("out", names)))
+    if allocate_final and _arrays.is_array(q):
+        shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, state_layout)
+        if shape is not None:  # fp32, or initial_state's dtype (a non-array: the extension
+            h0 = initial_state if _arrays.is_array(initial_state) else None  # reports it)
+            if torch:
+                final_state = _torch_empty(q, shape, _TORCH_OPS.torch.float32
+                                          if not _arrays.is_torch(h0) else h0.dtype)
+            else:
+                dt = "fp32" if h0 is None else _arrays.dtype_name(h0)
+                final_state = _arrays.empty(q, shape, dt, _name("final_state", names))
+    if (checkpoints is not None and checkpoint_offsets is None
+            and isinstance(checkpoint_every, int) and checkpoint_every > 0):
+        checkpoint_offsets = _host_checkpoint_offsets(q, cu_seqlens, checkpoint_every)
+    stream, allocate = _device_call(q, torch) if torch or _arrays.is_array(q) else (0, None)
+    _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
+               state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
+               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
+               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, stream, allocate,
+               names)
     return (out, final_state) if want_final else out
+
+
+def _torch_empty(like: Any, shape: Any, dtype: Any) -> Any:
+    """torch.empty(shape) of `dtype` on `like`'s device."""
+    return _TORCH_OPS.torch.empty(shape, dtype=dtype, device=like.device)
+
+
+def _host_checkpoint_offsets(q: Any, cu_seqlens: Any, every: int) -> Any:
+    """checkpoint_offsets for prefill(checkpoint_every=every) from cu_seqlens read on the host
+    (or N sequences of q's T tokens); None when q or cu_seqlens is malformed (the validation
+    reports it)."""
+    starts: Optional[Sequence[int]] = None
+    if cu_seqlens is not None and _arrays.is_array(cu_seqlens):
+        starts = _arrays.host_ints(cu_seqlens, "cu_seqlens")
+    elif cu_seqlens is None and len(getattr(q, "shape", ())) == 4:
+        n, t = int(q.shape[0]), int(q.shape[1])
+        starts = [i * t for i in range(n + 1)]
+    if starts is None:
+        return None
+    return _arrays.from_ints(q, _C.checkpoint_offsets(list(starts), every), "checkpoint_offsets")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,40 +283,42 @@ def decode(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
     Raises:
         TypeError, ValueError, NotImplementedError, RuntimeError: as :func:`prefill`.
     """
-    arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state, A_log=A_log, dt_bias=dt_bias,
-                  cu_seqlens=cu_seqlens, state_indices=state_indices,
-                  num_accepted_tokens=num_accepted_tokens, final_state=final_state,
-                  intermediate_states=intermediate_states, out=out)
-    if _arrays.is_torch(q):
-        _torch_ops = _torch_module()
-        if _torch_ops.compiling():  # traced by torch.compile: straight to the op
+    torch = _arrays.is_torch(q)
+    if torch:
+        ops = _torch_module()
+        if ops.compiling():  # traced by torch.compile: straight to the op
+            arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state, A_log=A_log,
+                          dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_indices=state_indices,
+                          num_accepted_tokens=num_accepted_tokens, final_state=final_state,
+                          intermediate_states=intermediate_states, out=out)
             options = dict(use_initial_state=use_initial_state,
                            store_final_state=store_final_state, check_indices=check_indices,
-                           state_layout=_LAYOUTS[state_layout], use_qk_l2norm=use_qk_l2norm,
-                           scale=None if scale is None else float(scale),
-                           gate_form=_GATES[gate], lower_bound=float(lower_bound),
-                           beta_form=1 if beta_logits else 0, allow_neg_eigval=allow_neg_eigval,
-                           backend=_BACKENDS[backend], num_threads=num_threads)
-            return _torch_ops.decode_traced(arrays, options, out_dtype)
-    for name, x in arrays.items():
-        _check_array(name, x, required=name in ("q", "k", "v", "g", "beta", "state"))
-    options = _gate_options(scale, use_qk_l2norm, gate, lower_bound, beta_logits,
-                            allow_neg_eigval)
-    options.update(use_initial_state=_check_bool("use_initial_state", use_initial_state),
-                   store_final_state=_check_bool("store_final_state", store_final_state),
-                   check_indices=_check_bool("check_indices", check_indices),
-                   state_layout=_choice("state_layout", state_layout, _LAYOUTS),
-                   backend=_choice("backend", backend, _BACKENDS),
-                   num_threads=_check_int("num_threads", num_threads))
-    odt = None if out_dtype is None else _arrays.canonical_dtype(out_dtype, "out_dtype")
-    lib = _check_same_library(arrays)
+                           state_layout=state_layout, use_qk_l2norm=use_qk_l2norm,
+                           scale=None if scale is None else float(scale), gate=gate,
+                           lower_bound=float(lower_bound), beta_logits=beta_logits,
+                           allow_neg_eigval=allow_neg_eigval, backend=backend,
+                           num_threads=num_threads)
+            return ops.decode_traced(arrays, options, out_dtype)
+    names = NAMES.get()
+    odt = (None if out_dtype is None
+           else _arrays.canonical_dtype(out_dtype, _name("out_dtype", names)))
     if out is None:
-        out = _arrays.empty(q, tuple(v.shape), odt, "out") if hasattr(v, "shape") else None
+        if hasattr(v, "shape") and _arrays.is_array(q):
+            out = (_torch_empty(q, v.shape, _TORCH_OPS.dtype(odt, q)) if torch
+                   else _arrays.empty(q, tuple(v.shape), odt, _name("out", names)))
     elif odt is not None and _arrays.dtype_name(out) != odt:
-        raise ValueError(f"argument 'out_dtype': expected {_arrays.dtype_name(out)} (as out) or "
-                         f"None, got {out_dtype!r}")
-    tensors = dict(arrays, out=out)
-    _run("decode", lib, tensors, options, _API_NAMES)
+        raise ValueError(f"argument '{_name('out_dtype', names)}': expected "
+                         f"{_arrays.dtype_name(out)} (as out) or None, got {out_dtype!r}")
+    stream = 0
+    if torch:
+        if q.is_cuda:
+            stream = _TORCH_OPS.stream(q)
+    elif _arrays.is_array(q) and _arrays.on_cuda(q):
+        stream = _arrays.current_stream(q)
+    _C.decode(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, state, state_indices,
+              num_accepted_tokens, final_state, intermediate_states, use_initial_state,
+              store_final_state, check_indices, state_layout, use_qk_l2norm, scale, gate,
+              lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, stream, names)
     return out
 
 
@@ -385,7 +335,7 @@ def checkpoint_offsets(cu_seqlens: Union[Array, Sequence[int]], every: int) -> A
     """
     every = _check_int("every", every)
     if not isinstance(cu_seqlens, (list, tuple)):
-        _check_array("cu_seqlens", cu_seqlens, required=True)
+        _check_array("cu_seqlens", cu_seqlens)
     values = _C.checkpoint_offsets(list(_arrays.host_ints(cu_seqlens, "cu_seqlens")), every)
     if isinstance(cu_seqlens, (list, tuple)):
         return list(values)

@@ -9,25 +9,24 @@ docstring.
 from typing import Any, Optional, Tuple, Union
 
 from . import _arrays
-from .api import Array, decode, prefill, rename_arguments
+from .api import NAMES, Array, decode, prefill
 
 __all__ = ["chunk_kda", "fwd", "gated_delta_rule_decode"]
 
 
-def _renamed(names: dict):
-    """Runs a call, re-raising its errors with the caller's argument names."""
-    class _Ctx:
-        def __enter__(self) -> None:
-            return None
+class _renamed:
+    """Within the block, kda.prefill / kda.decode name their arguments as `names` maps them
+    ({API name: caller's name}), in the errors of the extension and of the API alike."""
 
-        def __exit__(self, et, e, tb) -> bool:
-            if e is not None and isinstance(e, (TypeError, ValueError, NotImplementedError,
-                                                RuntimeError)):
-                new = rename_arguments(e, names)
-                if new is not e:
-                    raise new from None
-            return False
-    return _Ctx()
+    def __init__(self, names: dict) -> None:
+        self.names = names
+
+    def __enter__(self) -> None:
+        self.token = NAMES.set(self.names or None)
+
+    def __exit__(self, et: Any, e: Any, tb: Any) -> bool:
+        NAMES.reset(self.token)
+        return False
 
 
 def _dt_bias_2d(dt_bias: Any, q: Any, v: Any) -> Any:

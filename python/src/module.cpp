@@ -1,13 +1,22 @@
 // module.cpp — kda._C: the C++ entry points for Python (private; the API is python/kda).
 //
-// Every call takes keyword arguments only, named as the fields of kda::PrefillParams /
-// kda::DecodeParams (options flattened: gate_form, beta_form, backend, stream, ...). Enum options
-// cross as their integer codes; the Python layer maps strings to them. The GIL is released while
-// the kernels run.
+// prefill() and decode() take their arguments positionally, in the order of the tuples
+// prefill_arguments / decode_arguments (the PrefillParams / DecodeParams field names, options by
+// their own names; enum options as the names of their values, e.g. gate="softplus"), then
+//   stream    the cudaStream_t address for CUDA arrays (0: the legacy default stream);
+//   allocate  None, or allocate(nbytes, device_index) -> array: called once, after validation,
+//             when the call needs device workspace that `workspace` does not provide;
+//   names     None, or a dict {argument: the caller's name for it} applied to every message.
+// Each call validates once (in kda::prefill / kda::decode) and releases the GIL while it runs.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstring>
+#include <iterator>
+#include <string>
+
+#include "backward.h"
 #include "kda/kda.h"
 #include "views.h"
 
@@ -17,121 +26,190 @@ using namespace nb::literals;
 namespace kda::python {
 namespace {
 
-void read_gate(Kwargs& kw, GateOptions* g) {
-  g->use_qk_l2norm = kw.flag("use_qk_l2norm", true);
-  g->scale = kw.optional_real("scale");
-  g->gate_form = static_cast<GateForm>(kw.integer("gate_form", 0));
-  g->lower_bound = static_cast<float>(kw.real("lower_bound", -5.0));
-  g->beta_form = static_cast<BetaForm>(kw.integer("beta_form", 0));
-  g->allow_neg_eigval = kw.flag("allow_neg_eigval", false);
+// clang-format off
+constexpr const char* kPrefillArguments[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "initial_state",
+    "final_state", "state_pool", "state_indices", "checkpoints", "checkpoint_offsets",
+    "workspace", "checkpoint_every", "check_indices", "state_layout", "use_qk_l2norm", "scale",
+    "gate", "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads", "stream",
+    "allocate", "names"};
+
+constexpr const char* kDecodeArguments[] = {
+    "q", "k", "v", "g", "beta", "A_log", "dt_bias", "cu_seqlens", "out", "state",
+    "state_indices", "num_accepted_tokens", "final_state", "intermediate_states",
+    "use_initial_state", "store_final_state", "check_indices", "state_layout", "use_qk_l2norm",
+    "scale", "gate", "lower_bound", "beta_logits", "allow_neg_eigval", "backend", "num_threads",
+    "stream", "names"};
+// clang-format on
+
+template <size_t N>
+nb::tuple names_tuple(const char* const (&names)[N]) {
+  nb::list l;
+  for (const char* n : names) l.append(n);
+  return nb::tuple(l);
 }
 
-void read_exec(Kwargs& kw, ArrayKeeper* keep, ExecOptions* e) {
-  e->backend = static_cast<Backend>(kw.integer("backend", 0));
-  e->stream = reinterpret_cast<void*>(kw.address("stream"));
-  to_workspace("workspace", kw.get("workspace"), keep, &e->workspace, &e->workspace_bytes);
-  const int64_t threads = kw.integer("num_threads", 0);
-  e->num_threads = static_cast<int>(threads);
-}
-
-// The per-token tensors of both entry points: q, k, v, g, beta, the gate parameters, cu_seqlens
-// (inputs) and out (written).
-template <typename Params>
-void read_tokens(Kwargs& kw, ArrayKeeper* keep, Params* p) {
-  auto in = [&](const char* name) { return to_view(name, kw.get(name), false, keep); };
-  p->q = in("q");
-  p->k = in("k");
-  p->v = in("v");
-  p->g = in("g");
-  p->beta = in("beta");
-  p->A_log = in("A_log");
-  p->dt_bias = in("dt_bias");
-  p->cu_seqlens = in("cu_seqlens");
-  p->out = to_view("out", kw.get("out"), true, keep);
-}
-
-PrefillParams prefill_params(const nb::kwargs& kwargs, const char* fn, ArrayKeeper* keep) {
-  Kwargs kw(kwargs);
-  PrefillParams p;
-  auto in = [&](const char* name) { return to_view(name, kw.get(name), false, keep); };
-  auto out = [&](const char* name) { return to_view(name, kw.get(name), true, keep); };
-  read_tokens(kw, keep, &p);
-  p.initial_state = in("initial_state");
-  p.final_state = out("final_state");
-  p.state_pool = out("state_pool");
-  p.state_indices = in("state_indices");
-  p.checkpoint_every = kw.integer("checkpoint_every", 0);
-  p.checkpoints = out("checkpoints");
-  p.checkpoint_offsets = in("checkpoint_offsets");
-  p.state_layout = static_cast<StateLayout>(kw.integer("state_layout", 0));
-  read_gate(kw, &p.gate);
-  read_exec(kw, keep, &p.exec);
-  kw.check_all_used(fn);
-  return p;
-}
-
-DecodeParams decode_params(const nb::kwargs& kwargs, const char* fn, ArrayKeeper* keep) {
-  Kwargs kw(kwargs);
-  DecodeParams p;
-  auto in = [&](const char* name) { return to_view(name, kw.get(name), false, keep); };
-  auto out = [&](const char* name) { return to_view(name, kw.get(name), true, keep); };
-  // Flags first: whether the pool must be writable depends on store_final_state.
-  p.use_initial_state = kw.flag("use_initial_state", true);
-  p.store_final_state = kw.flag("store_final_state", true);
-  p.check_indices = kw.flag("check_indices", false);
-  read_tokens(kw, keep, &p);
-  p.state = to_view("state", kw.get("state"), p.store_final_state, keep);
-  p.state_indices = in("state_indices");
-  p.num_accepted_tokens = in("num_accepted_tokens");
-  p.final_state = out("final_state");
-  p.intermediate_states = out("intermediate_states");
-  p.state_layout = static_cast<StateLayout>(kw.integer("state_layout", 0));
-  read_gate(kw, &p.gate);
-  read_exec(kw, keep, &p.exec);
-  kw.check_all_used(fn);
-  return p;
-}
-
-// Runs op(params) with the GIL released; a failed Status becomes a Python exception.
-template <typename Params, typename Op>
-void run_released(const Params& p, Op&& op) {
-  Status s;
-  {
-    nb::gil_scoped_release release;
-    s = op(p);
+// The positional arguments of one call, in the order of `names`: next() reads them in that
+// order (and checks that the caller asks for the name at that position), find() by name.
+template <size_t N>
+class Args {
+ public:
+  Args(const nb::args& args, const char* const (&names)[N], const char* function)
+      : args_(args), names_(names) {
+    if (PyTuple_GET_SIZE(args.ptr()) != static_cast<Py_ssize_t>(N))
+      throw nb::type_error((std::string("kda._C.") + function + "() takes " + std::to_string(N) +
+                            " positional arguments (see " + function + "_arguments), got " +
+                            std::to_string(PyTuple_GET_SIZE(args.ptr())))
+                               .c_str());
   }
-  if (!s.ok()) raise_status(s);
+  nb::handle next(const char* name) {
+    if (next_ >= N || std::strcmp(names_[next_], name) != 0)
+      throw nb::type_error((std::string("kda._C: argument '") + name + "' out of order").c_str());
+    return PyTuple_GET_ITEM(args_.ptr(), next_++);
+  }
+  nb::handle find(const char* name) const {
+    for (size_t i = 0; i < N; ++i)
+      if (std::strcmp(names_[i], name) == 0) return PyTuple_GET_ITEM(args_.ptr(), i);
+    throw nb::type_error((std::string("kda._C: no argument '") + name + "'").c_str());
+  }
+
+ private:
+  const nb::args& args_;
+  const char* const (&names_)[N];
+  size_t next_ = 0;
+};
+
+// What the workspace allocator needs: the Python callable and where the array it returns goes.
+struct Allocation {
+  Reader* reader = nullptr;
+  nb::handle allocate;
+  int device_index = 0;
+  nb::object array;   // keeps the workspace alive until the call returns
+  std::string error;  // the allocator's exception, re-raised after the call
+};
+
+void* allocate_workspace(size_t bytes, void* context) {
+  auto* a = static_cast<Allocation*>(context);
+  nb::gil_scoped_acquire gil;
+  try {
+    a->array = a->allocate(bytes, a->device_index);
+    void* data = nullptr;
+    size_t got = 0;
+    a->reader->workspace("workspace", a->array, &data, &got);
+    if (got < bytes) {
+      a->error = "the allocator returned " + std::to_string(got) + " bytes, " +
+                 std::to_string(bytes) + " needed";
+      return nullptr;
+    }
+    return data;
+  } catch (const std::exception& e) {
+    a->error = e.what();
+    return nullptr;
+  }
 }
 
-void check(const Status& s) {
-  if (!s.ok()) raise_status(s);
+template <size_t N>
+void read_math(Args<N>& c, Reader& r, MathOptions* m) {
+  m->use_qk_l2norm = r.flag("use_qk_l2norm", c.next("use_qk_l2norm"));
+  m->scale = r.optional_real("scale", c.next("scale"));
+  m->gate = r.choice("gate", c.next("gate"), gate_name, kNumGateForms);
+  m->lower_bound = static_cast<float>(r.real("lower_bound", c.next("lower_bound")));
+  m->beta_logits = r.flag("beta_logits", c.next("beta_logits"));
+  m->allow_neg_eigval = r.flag("allow_neg_eigval", c.next("allow_neg_eigval"));
 }
 
-void run_prefill(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  run_released(prefill_params(kwargs, "prefill", &keep), [](const PrefillParams& p) { return kda::prefill(p); });
+template <size_t N>
+void read_exec(Args<N>& c, Reader& r, ExecOptions* e) {
+  e->backend = r.choice("backend", c.next("backend"), backend_name, kNumBackends);
+  e->num_threads = static_cast<int>(r.integer("num_threads", c.next("num_threads")));
+  e->stream = reinterpret_cast<void*>(r.address("stream", c.next("stream")));
 }
 
-size_t prefill_workspace_size(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  size_t bytes = 0;
-  check(kda::prefill_workspace_size(prefill_params(kwargs, "prefill_workspace_size", &keep), &bytes));
-  return bytes;
+// The per-token tensors of both entry points, in their common order.
+template <size_t N, typename Params>
+void read_tokens(Args<N>& c, Reader& r, Params* p) {
+  auto required = [&](const char* arg) {
+    nb::handle h = c.next(arg);
+    if (h.is_none()) r.type_error(arg, "expected an array, got None");
+    return r.array(arg, h, false, /*optional=*/false);
+  };
+  p->q = required("q");
+  p->k = required("k");
+  p->v = required("v");
+  p->g = required("g");
+  p->beta = required("beta");
+  p->A_log = r.array("A_log", c.next("A_log"), false);
+  p->dt_bias = r.array("dt_bias", c.next("dt_bias"), false);
+  p->cu_seqlens = r.array("cu_seqlens", c.next("cu_seqlens"), false);
+  p->out = r.array("out", c.next("out"), true);
 }
 
-void validate_prefill(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  check(kda::validate(prefill_params(kwargs, "validate_prefill", &keep)));
+// Runs op() with the GIL released.
+template <typename Op>
+Status without_gil(Op&& op) {
+  nb::gil_scoped_release release;
+  return op();
 }
 
-void run_decode(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  run_released(decode_params(kwargs, "decode", &keep), [](const DecodeParams& p) { return kda::decode(p); });
+void run_prefill(const nb::args& args) {
+  Args<std::size(kPrefillArguments)> c(args, kPrefillArguments, "prefill");
+  Reader r(c.find("names"));
+  PrefillParams p;
+  read_tokens(c, r, &p);
+  p.initial_state = r.array("initial_state", c.next("initial_state"), false);
+  p.final_state = r.array("final_state", c.next("final_state"), true);
+  p.state_pool = r.array("state_pool", c.next("state_pool"), true);
+  p.state_indices = r.array("state_indices", c.next("state_indices"), false);
+  p.checkpoints = r.array("checkpoints", c.next("checkpoints"), true);
+  p.checkpoint_offsets = r.array("checkpoint_offsets", c.next("checkpoint_offsets"), false);
+  r.workspace("workspace", c.next("workspace"), &p.exec.workspace, &p.exec.workspace_bytes);
+  p.checkpoint_every = r.integer("checkpoint_every", c.next("checkpoint_every"));
+  p.check_indices = r.flag("check_indices", c.next("check_indices"));
+  p.state_layout =
+      r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
+  read_math(c, r, &p.math);
+  read_exec(c, r, &p.exec);
+  Allocation alloc;
+  alloc.allocate = c.next("allocate");
+  if (!alloc.allocate.is_none()) {
+    alloc.reader = &r;
+    alloc.device_index = p.q.device_index;
+    p.exec.allocate_workspace = allocate_workspace;
+    p.exec.allocate_context = &alloc;
+  }
+  const Status s = without_gil([&] { return kda::prefill(p); });
+  if (!alloc.error.empty()) {
+    const std::string msg = "argument '" + r.name("workspace") +
+                            "': allocating the device workspace failed: " + alloc.error;
+    PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+    throw nb::python_error();
+  }
+  if (!s.ok()) r.raise(s);
 }
 
-void validate_decode(const nb::kwargs& kwargs) {
-  ArrayKeeper keep;
-  check(kda::validate(decode_params(kwargs, "validate_decode", &keep)));
+void run_decode(const nb::args& args) {
+  Args<std::size(kDecodeArguments)> c(args, kDecodeArguments, "decode");
+  Reader r(c.find("names"));
+  DecodeParams p;
+  read_tokens(c, r, &p);
+  // Whether the pool must be writable depends on store_final_state (read first).
+  const bool store = r.flag("store_final_state", c.find("store_final_state"));
+  if (c.find("state").is_none())
+    r.type_error("state", "expected an array (the state pool), got None");
+  p.state = r.array("state", c.next("state"), store, /*optional=*/false);
+  p.state_indices = r.array("state_indices", c.next("state_indices"), false);
+  p.num_accepted_tokens = r.array("num_accepted_tokens", c.next("num_accepted_tokens"), false);
+  p.final_state = r.array("final_state", c.next("final_state"), true);
+  p.intermediate_states = r.array("intermediate_states", c.next("intermediate_states"), true);
+  p.use_initial_state = r.flag("use_initial_state", c.next("use_initial_state"));
+  p.store_final_state = r.flag("store_final_state", c.next("store_final_state"));
+  p.check_indices = r.flag("check_indices", c.next("check_indices"));
+  p.state_layout =
+      r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
+  read_math(c, r, &p.math);
+  read_exec(c, r, &p.exec);
+  const Status s = without_gil([&] { return kda::decode(p); });
+  if (!s.ok()) r.raise(s);
 }
 
 nb::dict info() {
@@ -154,6 +232,21 @@ nb::dict info() {
   return d;
 }
 
+// {option: (value names in code order)} of every enum option.
+nb::dict enum_values() {
+  auto values = [](auto name_of, int count) {
+    nb::list l;
+    for (int i = 0; i < count; ++i) l.append(name_of(i));
+    return nb::tuple(l);
+  };
+  nb::dict d;
+  d["gate"] = values([](int i) { return gate_name(static_cast<GateForm>(i)); }, kNumGateForms);
+  d["state_layout"] = values([](int i) { return state_layout_name(static_cast<StateLayout>(i)); },
+                             kNumStateLayouts);
+  d["backend"] = values([](int i) { return backend_name(static_cast<Backend>(i)); }, kNumBackends);
+  return d;
+}
+
 }  // namespace
 }  // namespace kda::python
 
@@ -162,20 +255,22 @@ NB_MODULE(_C, m) {
   m.doc() = "KDA kernels (private bindings; use the `kda` package).";
   m.attr("__version__") = kda::version();
   m.attr("chunk_size") = kda::kChunkSize;
+  m.attr("prefill_arguments") = kp::names_tuple(kp::kPrefillArguments);
+  m.attr("decode_arguments") = kp::names_tuple(kp::kDecodeArguments);
+  m.attr("enum_values") = kp::enum_values();
 
-  m.def(
-      "prefill", &kp::run_prefill,
-      "kda::prefill with PrefillParams fields as keyword arguments (mutates out/states in place).");
-  m.def("prefill_workspace_size", &kp::prefill_workspace_size,
-        "Bytes of device workspace kda::prefill needs for these arguments.");
-  m.def("validate_prefill", &kp::validate_prefill,
-        "Validation alone; raises ValueError naming the argument.");
+  m.def("prefill", &kp::run_prefill,
+        "kda::prefill over the arguments of prefill_arguments, positionally (writes out and the "
+        "states in place).");
   m.def("decode", &kp::run_decode,
-        "kda::decode with DecodeParams fields as keyword arguments (mutates out/state in place).");
-  m.def("validate_decode", &kp::validate_decode,
-        "Validation alone; raises ValueError naming the argument.");
+        "kda::decode over the arguments of decode_arguments, positionally (writes out and the "
+        "state in place).");
+  m.def("register_torch", &kp::register_torch, "tensor_type"_a, "dtypes"_a,
+        "Registers torch.Tensor and (fp32, fp16, bf16, int32, int64) for reading tensors "
+        "without DLPack.");
   m.def("checkpoint_offsets", &kda::checkpoint_offsets, "cu_seqlens"_a, "every"_a,
         "Checkpoint offsets [N + 1] for host cu_seqlens.");
   m.def("cuda_compiled", &kda::cuda_compiled, "Whether this build contains the CUDA backend.");
   m.def("info", &kp::info, "Version, build and CUDA device information.");
+  kp::register_backward(m);
 }

@@ -8,13 +8,27 @@ namespace {
 
 std::string py_type_name(nb::handle obj) { return Py_TYPE(obj.ptr())->tp_name; }
 
-// Raise ValueError / TypeError with "argument '<name>': <what>".
-[[noreturn]] void value_error(const char* name, const std::string& what) {
-  throw nb::value_error((std::string("argument '") + name + "': " + what).c_str());
+std::string py_str(nb::handle obj) {
+  PyObject* s = PyObject_Str(obj.ptr());
+  if (s == nullptr) {
+    PyErr_Clear();
+    return py_type_name(obj);
+  }
+  const char* c = PyUnicode_AsUTF8(s);
+  std::string r = c != nullptr ? c : py_type_name(obj);
+  Py_DECREF(s);
+  return r;
 }
-[[noreturn]] void type_error(const char* name, const std::string& what) {
-  throw nb::type_error((std::string("argument '") + name + "': " + what).c_str());
-}
+
+// torch.Tensor, its dtypes in kda::DType code order, and the attribute names read per tensor;
+// set once by register_torch and kept for the life of the process.
+struct Torch {
+  PyObject* tensor = nullptr;
+  PyObject* dtypes[5] = {};
+  PyObject *data_ptr = nullptr, *shape = nullptr, *stride = nullptr, *dtype = nullptr,
+           *is_cuda = nullptr, *is_cpu = nullptr, *get_device = nullptr, *device = nullptr;
+};
+Torch g_torch;
 
 // DLPack dtype -> kda::DType; nullopt for anything else.
 std::optional<DType> to_dtype(nb::dlpack::dtype dt) {
@@ -39,25 +53,153 @@ std::optional<DType> to_dtype(nb::dlpack::dtype dt) {
 std::string dlpack_dtype_name(nb::dlpack::dtype dt) {
   const char* prefix = "";
   switch (static_cast<nb::dlpack::dtype_code>(dt.code)) {
-    case nb::dlpack::dtype_code::Int: prefix = "int"; break;
-    case nb::dlpack::dtype_code::UInt: prefix = "uint"; break;
-    case nb::dlpack::dtype_code::Float: prefix = "float"; break;
-    case nb::dlpack::dtype_code::Bfloat: prefix = "bfloat"; break;
-    case nb::dlpack::dtype_code::Complex: prefix = "complex"; break;
-    case nb::dlpack::dtype_code::Bool: return "bool";
-    default: return "DLPack dtype code " + std::to_string(dt.code);
+    case nb::dlpack::dtype_code::Int:
+      prefix = "int";
+      break;
+    case nb::dlpack::dtype_code::UInt:
+      prefix = "uint";
+      break;
+    case nb::dlpack::dtype_code::Float:
+      prefix = "float";
+      break;
+    case nb::dlpack::dtype_code::Bfloat:
+      prefix = "bfloat";
+      break;
+    case nb::dlpack::dtype_code::Complex:
+      prefix = "complex";
+      break;
+    case nb::dlpack::dtype_code::Bool:
+      return "bool";
+    default:
+      return "DLPack dtype code " + std::to_string(dt.code);
   }
   std::string s = prefix + std::to_string(dt.bits);
   if (dt.lanes != 1) s += "x" + std::to_string(dt.lanes);
   return s;
 }
 
+constexpr const char* kDtypesExpected = "expected dtype fp32, fp16, bf16, int32 or int64, got ";
+
+// An array without elements addresses no memory: its strides (numpy gives 0 for every dimension)
+// are replaced by the compact row-major ones, which every contract check accepts.
+void compact_if_empty(TensorView* t) {
+  if (t->numel() != 0) return;
+  int64_t compact = 1;
+  for (int i = t->ndim - 1; i >= 0; --i) {
+    t->strides[i] = compact;
+    compact *= t->shape[i] > 0 ? t->shape[i] : 1;
+  }
+}
+
+bool is_torch_tensor(nb::handle obj) {
+  return g_torch.tensor != nullptr &&
+         PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(g_torch.tensor));
+}
+
+}  // namespace
+
+void register_torch(nb::handle tensor_type, nb::handle dtypes) {
+  if (!PyType_Check(tensor_type.ptr())) throw nb::type_error("expected the torch.Tensor type");
+  if (!PyTuple_Check(dtypes.ptr()) || PyTuple_GET_SIZE(dtypes.ptr()) != 5)
+    throw nb::type_error("expected a tuple of 5 torch dtypes (fp32, fp16, bf16, int32, int64)");
+  Torch t;
+  t.tensor = tensor_type.inc_ref().ptr();
+  for (int i = 0; i < 5; ++i)
+    t.dtypes[i] = nb::handle(PyTuple_GET_ITEM(dtypes.ptr(), i)).inc_ref().ptr();
+  t.data_ptr = PyUnicode_InternFromString("data_ptr");
+  t.shape = PyUnicode_InternFromString("shape");
+  t.stride = PyUnicode_InternFromString("stride");
+  t.dtype = PyUnicode_InternFromString("dtype");
+  t.is_cuda = PyUnicode_InternFromString("is_cuda");
+  t.is_cpu = PyUnicode_InternFromString("is_cpu");
+  t.get_device = PyUnicode_InternFromString("get_device");
+  t.device = PyUnicode_InternFromString("device");
+  g_torch = t;
+}
+
+std::string Reader::name(const char* api_name) const {
+  if (names_.is_valid() && PyDict_Check(names_.ptr())) {
+    PyObject* alias = PyDict_GetItemString(names_.ptr(), api_name);  // borrowed
+    if (alias != nullptr && PyUnicode_Check(alias)) {
+      const char* s = PyUnicode_AsUTF8(alias);
+      if (s != nullptr) return s;
+      PyErr_Clear();
+    }
+  }
+  return api_name;
+}
+
+void Reader::type_error(const char* arg, const std::string& what) const {
+  throw nb::type_error(("argument '" + name(arg) + "': " + what).c_str());
+}
+
+void Reader::value_error(const char* arg, const std::string& what) const {
+  throw nb::value_error(("argument '" + name(arg) + "': " + what).c_str());
+}
+
+// A torch tensor through its Python attributes: five to six attribute reads, no DLPack capsule.
+TensorView Reader::torch_view(const char* arg, nb::handle obj) {
+  PyObject* o = obj.ptr();
+  auto fail = [&](const char* what) {
+    nb::python_error e;  // fetches (and clears) the Python error of the failed attribute read
+    value_error(arg, std::string("expected a strided CPU or CUDA tensor with storage (") + what +
+                         " failed: " + e.what() + ")");
+  };
+  auto get = [&](PyObject* attr) {
+    PyObject* r = PyObject_GetAttr(o, attr);
+    if (r == nullptr) fail(PyUnicode_AsUTF8(attr));
+    return nb::steal(r);
+  };
+  auto call = [&](PyObject* method) {
+    PyObject* r = PyObject_CallMethodNoArgs(o, method);
+    if (r == nullptr) fail(PyUnicode_AsUTF8(method));
+    return nb::steal(r);
+  };
+  TensorView t;
+  {
+    nb::object dt = get(g_torch.dtype);
+    int code = -1;
+    for (int i = 0; i < 5 && code < 0; ++i)
+      if (dt.ptr() == g_torch.dtypes[i]) code = i;
+    if (code < 0) value_error(arg, kDtypesExpected + py_str(dt));
+    t.dtype = static_cast<DType>(code);
+  }
+  if (get(g_torch.is_cuda).ptr() == Py_True) {
+    t.device = Device::kCUDA;
+    const long index = PyLong_AsLong(call(g_torch.get_device).ptr());
+    if (index == -1 && PyErr_Occurred()) fail("get_device()");
+    t.device_index = static_cast<int32_t>(index);
+  } else if (get(g_torch.is_cpu).ptr() != Py_True) {
+    value_error(arg, "expected a tensor on the CPU or a CUDA device, got device " +
+                         py_str(get(g_torch.device)));
+  }
+  nb::object shape = get(g_torch.shape);
+  nb::object strides = call(g_torch.stride);
+  if (!PyTuple_Check(shape.ptr()) || !PyTuple_Check(strides.ptr()))
+    value_error(arg, "expected a strided tensor (shape and stride() tuples)");
+  const Py_ssize_t ndim = PyTuple_GET_SIZE(shape.ptr());
+  if (ndim == 0) value_error(arg, "expected an array of rank >= 1, got a 0-d array");
+  if (ndim > kMaxDims)
+    value_error(
+        arg, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " + std::to_string(ndim));
+  if (PyTuple_GET_SIZE(strides.ptr()) != ndim)
+    value_error(arg, "expected one stride per dimension");
+  t.ndim = static_cast<int32_t>(ndim);
+  for (Py_ssize_t i = 0; i < ndim; ++i) {
+    t.shape[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(shape.ptr(), i));
+    t.strides[i] = PyLong_AsLongLong(PyTuple_GET_ITEM(strides.ptr(), i));
+  }
+  if (PyErr_Occurred()) fail("shape / stride()");
+  t.data = PyLong_AsVoidPtr(call(g_torch.data_ptr).ptr());
+  if (t.data == nullptr && PyErr_Occurred()) fail("data_ptr()");
+  compact_if_empty(&t);
+  return t;
+}
+
 template <typename Array>
-TensorView fill_view(const char* name, const Array& a) {
+TensorView Reader::dlpack_view(const char* arg, const Array& a) {
   const std::optional<DType> dtype = to_dtype(a.dtype());
-  if (!dtype)
-    value_error(name, "expected dtype fp32, fp16, bf16, int32 or int64, got " +
-                          dlpack_dtype_name(a.dtype()));
+  if (!dtype) value_error(arg, kDtypesExpected + dlpack_dtype_name(a.dtype()));
   TensorView t;
   t.dtype = *dtype;
   switch (a.device_type()) {
@@ -72,17 +214,17 @@ TensorView fill_view(const char* name, const Array& a) {
       t.device_index = a.device_id();
       break;
     default:
-      value_error(name, "expected an array on the CPU or a CUDA device, got DLPack device type " +
-                            std::to_string(a.device_type()));
+      value_error(arg, "expected an array on the CPU or a CUDA device, got DLPack device type " +
+                           std::to_string(a.device_type()));
   }
-  if (a.ndim() == 0) value_error(name, "expected an array of rank >= 1, got a 0-d array");
+  if (a.ndim() == 0) value_error(arg, "expected an array of rank >= 1, got a 0-d array");
   if (a.ndim() > static_cast<size_t>(kMaxDims))
-    value_error(name, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " +
-                          std::to_string(a.ndim()));
+    value_error(arg, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " +
+                         std::to_string(a.ndim()));
   t.ndim = static_cast<int32_t>(a.ndim());
   const int64_t* shape = a.shape_ptr();
   const int64_t* strides = a.stride_ptr();
-  if (shape == nullptr) value_error(name, "expected an array with a shape, got none (DLPack)");
+  if (shape == nullptr) value_error(arg, "expected an array with a shape, got none (DLPack)");
   int64_t compact = 1;  // DLPack allows strides == NULL for a compact row-major array
   for (int i = t.ndim - 1; i >= 0; --i) {
     t.shape[i] = shape[i];
@@ -90,125 +232,126 @@ TensorView fill_view(const char* name, const Array& a) {
     compact *= shape[i];
   }
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
+  compact_if_empty(&t);
   return t;
 }
 
-}  // namespace
-
-TensorView to_view(const char* name, nb::handle obj, bool writable, ArrayKeeper* keep) {
+TensorView Reader::array(const char* arg, nb::handle obj, bool writable, bool optional) {
   if (obj.is_none()) return TensorView{};
+  const bool torch = is_torch_tensor(obj);
+  if (torch_ < 0) torch_ = torch ? 1 : 0;  // the first array read is q
+  if (torch) return torch_view(arg, obj);
+  if (torch_ == 1 && nb::ndarray_check(obj))
+    type_error(arg, "expected a torch.Tensor (as q), got " + py_type_name(obj));
   if (writable) {
     nb::ndarray<> a;
     if (nb::try_cast(obj, a, /*convert=*/false)) {
-      TensorView t = fill_view(name, a);
-      keep->outputs.push_back(std::move(a));
+      TensorView t = dlpack_view(arg, a);
+      outputs_.push_back(std::move(a));
       return t;
     }
     nb::ndarray<nb::ro> r;
     if (nb::try_cast(obj, r, /*convert=*/false))
-      value_error(name, "expected a writable array, got a read-only " + py_type_name(obj));
+      value_error(arg, "expected a writable array, got a read-only " + py_type_name(obj));
   } else {
     nb::ndarray<nb::ro> a;
     if (nb::try_cast(obj, a, /*convert=*/false)) {
-      TensorView t = fill_view(name, a);
-      keep->inputs.push_back(std::move(a));
+      TensorView t = dlpack_view(arg, a);
+      inputs_.push_back(std::move(a));
       return t;
     }
   }
-  type_error(name, "expected an array (torch.Tensor, numpy.ndarray or any DLPack array) or None, "
-                   "got " + py_type_name(obj));
+  type_error(arg, std::string("expected an array (torch.Tensor, numpy.ndarray or any DLPack "
+                              "array)") +
+                      (optional ? " or None" : "") + ", got " + py_type_name(obj));
 }
 
-void to_workspace(const char* name, nb::handle obj, ArrayKeeper* keep, void** data,
-                  size_t* bytes) {
+void Reader::workspace(const char* arg, nb::handle obj, void** data, size_t* bytes) {
   *data = nullptr;
   *bytes = 0;
   if (obj.is_none()) return;
-  nb::ndarray<> a;
-  if (!nb::try_cast(obj, a, /*convert=*/false))
-    type_error(name, "expected a writable array or None, got " + py_type_name(obj));
+  const TensorView t = array(arg, obj, true);
   int64_t expect = 1;
-  const int64_t* strides = a.stride_ptr();  // NULL: compact row-major (DLPack)
-  for (int i = static_cast<int>(a.ndim()) - 1; strides != nullptr && i >= 0; --i) {
-    if (a.shape(i) != 1 && strides[i] != expect) value_error(name, "expected a contiguous array");
-    expect *= static_cast<int64_t>(a.shape(i));
+  for (int i = t.ndim - 1; i >= 0; --i) {
+    if (t.shape[i] != 1 && t.strides[i] != expect) value_error(arg, "expected a contiguous array");
+    expect *= t.shape[i];
   }
-  *data = a.data();
-  *bytes = a.nbytes();
-  keep->outputs.push_back(std::move(a));
+  *data = t.data;
+  *bytes = static_cast<size_t>(t.numel()) * dtype_size(t.dtype);
 }
 
-nb::handle Kwargs::get(const char* name) {
-  used_.emplace_back(name);
-  // A borrowed reference: the kwargs dict keeps the value alive for the whole call (no temporary
-  // object whose reference count the returned handle would outlive).
-  PyObject* value = PyDict_GetItemString(kw_.ptr(), name);
-  return value != nullptr ? nb::handle(value) : nb::none();
+bool Reader::flag(const char* arg, nb::handle obj) {
+  if (PyBool_Check(obj.ptr())) return obj.ptr() == Py_True;
+  const std::string type = py_type_name(obj);
+  if (type == "numpy.bool_" || type == "numpy.bool") return PyObject_IsTrue(obj.ptr()) == 1;
+  type_error(arg, "expected bool, got " + type);
 }
 
-bool Kwargs::flag(const char* name, bool def) {
-  nb::handle h = get(name);
-  if (h.is_none()) return def;
-  if (!PyBool_Check(h.ptr())) type_error(name, "expected bool, got " + py_type_name(h));
-  return h.ptr() == Py_True;
-}
-
-int64_t Kwargs::integer(const char* name, int64_t def) {
-  nb::handle h = get(name);
-  if (h.is_none()) return def;
-  if (PyBool_Check(h.ptr()) || !PyLong_Check(h.ptr()))
-    type_error(name, "expected int, got " + py_type_name(h));
+int64_t Reader::integer(const char* arg, nb::handle obj) {
+  PyObject* o = obj.ptr();
+  if (PyBool_Check(o) || !(PyLong_Check(o) || PyIndex_Check(o)))
+    type_error(arg, "expected int, got " + py_type_name(obj));
+  nb::object index = nb::steal(PyNumber_Index(o));
+  if (!index.is_valid()) throw nb::python_error();
   int overflow = 0;
-  const long long v = PyLong_AsLongLongAndOverflow(h.ptr(), &overflow);
-  if (overflow != 0) value_error(name, "expected a 64-bit integer, got an out-of-range value");
+  const long long v = PyLong_AsLongLongAndOverflow(index.ptr(), &overflow);
+  if (overflow != 0) value_error(arg, "expected a 64-bit integer, got an out-of-range value");
   return v;
 }
 
-double Kwargs::real(const char* name, double def) {
-  const std::optional<double> v = optional_real(name);
-  return v.has_value() ? *v : def;
+namespace {
+
+// A Python float, int (not bool) or other number: a numpy scalar, or a 0-d array or tensor; not
+// a string or an array with elements in a dimension.
+bool is_real(PyObject* o) {
+  if (PyFloat_Check(o)) return true;
+  if (PyBool_Check(o) || PyUnicode_Check(o)) return false;
+  if (PyLong_Check(o)) return true;
+  const PyNumberMethods* num = Py_TYPE(o)->tp_as_number;
+  if (num == nullptr || num->nb_float == nullptr) return false;
+  if (!PySequence_Check(o)) return true;
+  PyObject* ndim = PyObject_GetAttrString(o, "ndim");  // arrays: only 0-d ones
+  if (ndim == nullptr) {
+    PyErr_Clear();
+    return false;
+  }
+  const bool zero = PyLong_Check(ndim) && PyLong_AsLong(ndim) == 0;
+  Py_DECREF(ndim);
+  return zero;
 }
 
-std::optional<double> Kwargs::optional_real(const char* name) {
-  nb::handle h = get(name);
-  if (h.is_none()) return std::nullopt;
-  if (PyBool_Check(h.ptr()) || !(PyFloat_Check(h.ptr()) || PyLong_Check(h.ptr())))
-    type_error(name, "expected float or None, got " + py_type_name(h));
-  const double v = PyFloat_AsDouble(h.ptr());
+}  // namespace
+
+double Reader::real(const char* arg, nb::handle obj) {
+  if (!is_real(obj.ptr())) type_error(arg, "expected float, got " + py_type_name(obj));
+  const double v = PyFloat_AsDouble(obj.ptr());
   if (v == -1.0 && PyErr_Occurred()) throw nb::python_error();
   return v;
 }
 
-uintptr_t Kwargs::address(const char* name) {
-  nb::handle h = get(name);
-  if (h.is_none()) return 0;
-  if (PyBool_Check(h.ptr()) || !PyLong_Check(h.ptr()))
-    type_error(name, "expected int (a cudaStream_t address), got " + py_type_name(h));
-  const unsigned long long v = PyLong_AsUnsignedLongLong(h.ptr());
+std::optional<double> Reader::optional_real(const char* arg, nb::handle obj) {
+  if (obj.is_none()) return std::nullopt;
+  if (!is_real(obj.ptr())) type_error(arg, "expected float or None, got " + py_type_name(obj));
+  return real(arg, obj);
+}
+
+uintptr_t Reader::address(const char* arg, nb::handle obj) {
+  if (obj.is_none()) return 0;
+  if (PyBool_Check(obj.ptr()) || !PyLong_Check(obj.ptr()))
+    type_error(arg, "expected int (a cudaStream_t address), got " + py_type_name(obj));
+  const unsigned long long v = PyLong_AsUnsignedLongLong(obj.ptr());
   if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) {
     PyErr_Clear();
-    value_error(name, "expected a non-negative address");
+    value_error(arg, "expected a non-negative address");
   }
   return static_cast<uintptr_t>(v);
 }
 
-void Kwargs::check_all_used(const char* function) const {
-  for (auto item : kw_) {
-    const std::string key = nb::str(item.first).c_str();
-    bool found = false;
-    for (const auto& u : used_) found = found || u == key;
-    if (!found)
-      throw nb::type_error(
-          (std::string(function) + "() got an unexpected keyword argument '" + key + "'").c_str());
-  }
-}
-
-[[noreturn]] void raise_status(const Status& status) {
-  // The C++ messages name option fields as 'gate.x' / 'exec.x'; Python callers know them as 'x'.
-  std::string msg = status.message();
-  for (const std::string prefix : {"argument 'gate.", "argument 'exec."})
-    for (size_t pos = msg.find(prefix); pos != std::string::npos; pos = msg.find(prefix, pos))
-      msg.replace(pos, prefix.size(), "argument '");
+void Reader::raise(const Status& status) const {
+  const std::string msg =
+      status.argument().empty()
+          ? status.message()
+          : "argument '" + name(status.argument().c_str()) + "': " + status.what();
   switch (status.code()) {
     case StatusCode::kInvalidArgument:
       throw nb::value_error(msg.c_str());

@@ -1,14 +1,21 @@
-// views.h — Python objects to kda::TensorView, Python scalars to C++ values, Status to errors.
+// views.h — Python arguments of one call to kda::TensorView and C++ values, Status to exceptions.
 //
-// Arrays arrive through nanobind's ndarray caster (DLPack capsules, __dlpack__, buffer protocol):
-// zero copies, the array's own strides (in elements), dtype and device. Every conversion error is
-// a Python exception whose message names the argument, as the C++ validation messages do.
+// Arrays cross without copies, with their own strides (in elements), dtype and device, two ways:
+//   * torch tensors (once the package has registered torch.Tensor and its dtypes, see
+//     register_torch) are read through their Python attributes (data_ptr(), shape, stride(),
+//     dtype, is_cuda / is_cpu, get_device()): no DLPack capsule, no torch headers or library;
+//   * anything else through nanobind's ndarray caster (DLPack capsules, __dlpack__, buffer
+//     protocol).
+// Every conversion error is a Python exception whose message names the argument in the caller's
+// vocabulary: the Reader holds the call's alias table (API name -> caller's name), applied to the
+// reader's own errors and to the failed Status of the call, so no layer rewrites messages.
 #pragma once
 
 #include <nanobind/nanobind.h>
 #include <nanobind/ndarray.h>
 
 #include <cstdint>
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -19,40 +26,70 @@ namespace kda::python {
 
 namespace nb = nanobind;
 
-// Keeps the imported arrays (and so their DLPack capsules) alive for the duration of one call.
-struct ArrayKeeper {
-  std::vector<nb::ndarray<nb::ro>> inputs;
-  std::vector<nb::ndarray<>> outputs;
-};
+// Registers torch.Tensor and the torch dtypes of kda::DType's codes 0..4 (fp32, fp16, bf16,
+// int32, int64), so that torch tensors are read without DLPack.
+void register_torch(nb::handle tensor_type, nb::handle dtypes);
 
-// None -> absent view. `writable` arrays are written by the call (outputs, in-place states).
-// Raises TypeError when `obj` is not an array, ValueError for an unsupported dtype, device or rank,
-// or a read-only array where a writable one is needed.
-TensorView to_view(const char* name, nb::handle obj, bool writable, ArrayKeeper* keep);
-
-// Raw bytes of a scratch array (any dtype, contiguous, on the tensors' device).
-void to_workspace(const char* name, nb::handle obj, ArrayKeeper* keep, void** data, size_t* bytes);
-
-// Keyword arguments of one call, looked up by name; each lookup marks the name used.
-class Kwargs {
+class Reader {
  public:
-  explicit Kwargs(const nb::kwargs& kw) : kw_(kw) {}
-  nb::handle get(const char* name);  // None when absent
-  bool flag(const char* name, bool def);
-  int64_t integer(const char* name, int64_t def);
-  double real(const char* name, double def);
-  std::optional<double> optional_real(const char* name);
-  uintptr_t address(const char* name);
-  // Raises TypeError naming the first keyword that no lookup used.
-  void check_all_used(const char* function) const;
+  // `names`: a dict {API name: caller's name} or None.
+  explicit Reader(nb::handle names) : names_(names) {}
+
+  // The caller's name of an argument.
+  std::string name(const char* api_name) const;
+
+  // None -> absent view. `writable` arrays are written by the call (outputs, in-place states).
+  // TypeError when `obj` is not an array (or not a torch tensor while q is one), ValueError for an
+  // unsupported dtype, device or rank, or a read-only array where a writable one is needed.
+  TensorView array(const char* arg, nb::handle obj, bool writable, bool optional = true);
+  // Raw bytes of a scratch array (any dtype, contiguous, on the tensors' device); None -> none.
+  void workspace(const char* arg, nb::handle obj, void** data, size_t* bytes);
+
+  bool flag(const char* arg, nb::handle obj);
+  int64_t integer(const char* arg, nb::handle obj);
+  double real(const char* arg, nb::handle obj);
+  std::optional<double> optional_real(const char* arg, nb::handle obj);
+  uintptr_t address(const char* arg, nb::handle obj);
+  // The code of an enum value given by its name (kda's *_name() functions over codes 0..count-1).
+  template <typename Enum>
+  Enum choice(const char* arg, nb::handle obj, const char* (*value_name)(Enum), int count) {
+    return static_cast<Enum>(choice_code(
+        arg, obj, [&](int i) { return value_name(static_cast<Enum>(i)); }, count));
+  }
+
+  // Raises the Python exception of a failed Status: ValueError (invalid argument),
+  // NotImplementedError (unsupported), RuntimeError (CUDA or internal error); the argument named
+  // in the caller's vocabulary.
+  [[noreturn]] void raise(const Status& status) const;
+
+  [[noreturn]] void type_error(const char* arg, const std::string& what) const;
+  [[noreturn]] void value_error(const char* arg, const std::string& what) const;
 
  private:
-  const nb::kwargs& kw_;
-  std::vector<std::string> used_;
+  template <typename NameOf>
+  int choice_code(const char* arg, nb::handle obj, NameOf&& value_name, int count);
+  TensorView torch_view(const char* arg, nb::handle obj);
+  template <typename Array>
+  TensorView dlpack_view(const char* arg, const Array& a);
+
+  nb::handle names_;
+  int torch_ = -1;  // whether the first array (q) was a torch tensor: then every array must be
+  // Keeps the arrays imported through DLPack (and their capsules) alive for the call.
+  std::vector<nb::ndarray<nb::ro>> inputs_;
+  std::vector<nb::ndarray<>> outputs_;
 };
 
-// Raises the Python exception of a failed Status: ValueError (invalid argument),
-// NotImplementedError (unsupported), RuntimeError (CUDA or internal error).
-[[noreturn]] void raise_status(const Status& status);
+template <typename NameOf>
+int Reader::choice_code(const char* arg, nb::handle obj, NameOf&& value_name, int count) {
+  if (!PyUnicode_Check(obj.ptr()))
+    type_error(arg, std::string("expected str, got ") + Py_TYPE(obj.ptr())->tp_name);
+  const char* s = PyUnicode_AsUTF8(obj.ptr());
+  if (s == nullptr) throw nb::python_error();
+  for (int i = 0; i < count; ++i)
+    if (std::strcmp(value_name(i), s) == 0) return i;
+  std::string names;
+  for (int i = 0; i < count; ++i) names += (i ? ", '" : "'") + std::string(value_name(i)) + "'";
+  value_error(arg, "expected one of " + names + ", got '" + s + "'");
+}
 
 }  // namespace kda::python

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <vector>
 
 #include "core/problem.h"
 
@@ -26,7 +27,7 @@ std::string dims_str(const int64_t* dims, int n) {
 
 std::string shape_str(const TensorView& t) {
   if (!t.present()) return "absent";
-  if (t.ndim > kMaxDims) return "rank " + std::to_string(t.ndim);
+  if (t.ndim < 0 || t.ndim > kMaxDims) return "rank " + std::to_string(t.ndim);
   return dims_str(t.shape, t.ndim);
 }
 
@@ -35,8 +36,7 @@ std::string dims_str(std::initializer_list<int64_t> dims) {
 }
 
 Status Err(const char* arg, const std::string& expected, const std::string& got) {
-  return {StatusCode::kInvalidArgument,
-          std::string("argument '") + arg + "': expected " + expected + ", got " + got};
+  return {StatusCode::kInvalidArgument, arg, "expected " + expected + ", got " + got};
 }
 
 #define KDA_RETURN_IF_ERROR(expr)   \
@@ -50,19 +50,40 @@ bool is_float(DType d) {
 }
 bool is_index(DType d) { return d == DType::kInt32 || d == DType::kInt64; }
 
+// Largest element offset of a view with sizes and strides >= 0 (0 when empty); -1 when it does
+// not fit in int64.
+int64_t max_offset(const TensorView& t) {
+  if (t.numel() == 0) return 0;
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) {
+    int64_t step = 0;
+    if (__builtin_mul_overflow(t.shape[i] - 1, t.strides[i], &step) ||
+        __builtin_add_overflow(last, step, &last))
+      return -1;
+  }
+  return last;
+}
+
+std::string strides_str(const TensorView& t) { return dims_str(t.strides, t.ndim); }
+
 // Structural checks every present tensor gets: rank within bounds, sizes >= 0, strides >= 0,
-// last dimension contiguous, data present when non-empty, same device as the reference tensor.
+// element count and offsets within int64, last dimension contiguous, data present when
+// non-empty, same device as the reference tensor. The dtype is checked by each argument's own
+// check, which lists only the dtypes that argument allows.
 Status check_view(const char* arg, const TensorView& t, const TensorView& ref_device) {
   if (t.ndim < 1 || t.ndim > kMaxDims)
     return Err(arg, "rank 1.." + std::to_string(kMaxDims), "rank " + std::to_string(t.ndim));
-  if (static_cast<int>(t.dtype) < 0 || static_cast<int>(t.dtype) > 4)
-    return Err(arg, "a valid dtype", "dtype code " + std::to_string(static_cast<int>(t.dtype)));
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0) return Err(arg, "non-negative sizes", "shape " + shape_str(t));
     if (t.strides[i] < 0)
       return Err(arg, "non-negative strides", "stride " + std::to_string(t.strides[i]) +
                                                    " in dimension " + std::to_string(i));
   }
+  if (t.numel() < 0)
+    return Err(arg, "an element count that fits in int64", "shape " + shape_str(t));
+  if (max_offset(t) < 0)
+    return Err(arg, "element offsets that fit in int64",
+               "shape " + shape_str(t) + " with strides " + strides_str(t));
   if (t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
     return Err(arg, "a contiguous last dimension (stride 1)",
                "stride " + std::to_string(t.strides[t.ndim - 1]));
@@ -80,9 +101,9 @@ Status check_view(const char* arg, const TensorView& t, const TensorView& ref_de
 
 Status check_dtype_float(const char* arg, const TensorView& t, DType q_dtype, bool allow_fp32) {
   if (t.dtype == q_dtype || (allow_fp32 && t.dtype == DType::kFloat32)) return Status::Ok();
+  const bool or_fp32 = allow_fp32 && q_dtype != DType::kFloat32;
   return Err(arg,
-             std::string("dtype ") + dtype_name(q_dtype) + (allow_fp32 ? " or fp32" : "") +
-                 " (as q)",
+             std::string("dtype ") + dtype_name(q_dtype) + (or_fp32 ? " or fp32" : "") + " (as q)",
              std::string("dtype ") + dtype_name(t.dtype));
 }
 
@@ -215,24 +236,41 @@ Status parse_qkv(const TensorView& q, const TensorView& k, const TensorView& v, 
   return parse_v(v, q, d);
 }
 
-Status parse_gate(const GateOptions& gopt, const Dims& d, GateConsts* gc) {
-  const int gf = static_cast<int>(gopt.gate_form), bf = static_cast<int>(gopt.beta_form);
-  if (gf < 0 || gf > 2) return Err("gate.gate_form", "kPrecomputed, kSoftplus or kLowerBound", "code " + std::to_string(gf));
-  if (bf < 0 || bf > 1) return Err("gate.beta_form", "kActivated or kLogits", "code " + std::to_string(bf));
-  if (gopt.gate_form == GateForm::kLowerBound &&
-      !(gopt.lower_bound >= -5.0f && gopt.lower_bound < 0.0f))
-    return Err("gate.lower_bound", "a value in [-5, 0)", std::to_string(gopt.lower_bound));
-  if (gopt.allow_neg_eigval && gopt.beta_form != BetaForm::kLogits)
-    return Err("gate.allow_neg_eigval", "beta_form kLogits (2 * sigmoid(beta))", "beta_form kActivated");
-  double scale = gopt.scale.has_value() ? *gopt.scale : 1.0 / std::sqrt(static_cast<double>(d.K));
-  if (!std::isfinite(scale)) return Err("gate.scale", "a finite value", std::to_string(scale));
-  gc->form = gopt.gate_form;
-  gc->beta_form = gopt.beta_form;
-  gc->allow_neg_eigval = gopt.allow_neg_eigval;
-  gc->l2norm = gopt.use_qk_l2norm;
-  gc->scale = scale;
-  gc->lower_bound = gopt.lower_bound;
+// One-of names of an enum's values for messages: "'a', 'b' or 'c'".
+template <typename Enum>
+std::string enum_names(const char* (*name)(Enum), int count) {
+  std::string s;
+  for (int i = 0; i < count; ++i) {
+    s += i == 0 ? "" : (i + 1 == count ? " or " : ", ");
+    s += std::string("'") + name(static_cast<Enum>(i)) + "'";
+  }
+  return s;
+}
+
+Status parse_math(const MathOptions& m, const Dims& d, MathConsts* mc) {
+  const int gate = static_cast<int>(m.gate);
+  if (gate < 0 || gate >= kNumGateForms)
+    return Err("gate", enum_names(gate_name, kNumGateForms), "code " + std::to_string(gate));
+  if (m.gate == GateForm::kLowerBound && !(m.lower_bound >= -5.0f && m.lower_bound < 0.0f))
+    return Err("lower_bound", "a value in [-5, 0)", std::to_string(m.lower_bound));
+  if (m.allow_neg_eigval && !m.beta_logits)
+    return Err("allow_neg_eigval", "beta_logits (b = 2 * sigmoid(beta))", "beta_logits false");
+  double scale = m.scale.has_value() ? *m.scale : 1.0 / std::sqrt(static_cast<double>(d.K));
+  if (!std::isfinite(scale)) return Err("scale", "a finite value", std::to_string(scale));
+  mc->gate = m.gate;
+  mc->beta_logits = m.beta_logits;
+  mc->allow_neg_eigval = m.allow_neg_eigval;
+  mc->use_qk_l2norm = m.use_qk_l2norm;
+  mc->scale = scale;
+  mc->lower_bound = m.lower_bound;
   return Status::Ok();
+}
+
+Status check_state_layout(StateLayout layout) {
+  const int code = static_cast<int>(layout);
+  if (code >= 0 && code < kNumStateLayouts) return Status::Ok();
+  return Err("state_layout", enum_names(state_layout_name, kNumStateLayouts),
+             "code " + std::to_string(code));
 }
 
 Status check_gate_params(const TensorView& A_log, const TensorView& dt_bias, const Dims& d,
@@ -280,7 +318,62 @@ Status check_index_vector(const char* arg, const TensorView& t, int64_t n, const
   return Status::Ok();
 }
 
+// A tensor the call writes: no two of its elements may share memory (inputs may).
+Status check_output_strides(const char* arg, const TensorView& t) {
+  const Overlap o = internal_overlap(t);
+  if (o == Overlap::kNo) return Status::Ok();
+  return Err(arg,
+             std::string("an output whose elements do not share memory") +
+                 (o == Overlap::kUnknown ? " (strides too irregular to check)" : ""),
+             "shape " + shape_str(t) + " with strides " + strides_str(t));
+}
+
 }  // namespace
+
+Overlap internal_overlap(const TensorView& t) {
+  struct Dim {
+    int64_t size, stride;
+  };
+  Dim dims[kMaxDims];
+  int nd = 0;
+  for (int i = 0; i < t.ndim; ++i)
+    if (t.shape[i] == 0) return Overlap::kNo;  // no element at all
+  for (int i = 0; i < t.ndim; ++i) {
+    if (t.shape[i] == 1) continue;  // a size-1 dimension never moves
+    if (t.strides[i] == 0) return Overlap::kYes;
+    dims[nd++] = {t.shape[i], t.strides[i]};
+  }
+  for (int i = 1; i < nd; ++i)  // largest stride first (insertion sort of at most 6)
+    for (int j = i; j > 0 && dims[j - 1].stride < dims[j].stride; --j)
+      std::swap(dims[j - 1], dims[j]);
+  // rest[i]: the span of dimensions i.. (largest stride first); offsets fit in int64.
+  int64_t rest[kMaxDims + 1] = {};
+  bool nested = true;  // every stride beyond the span of the smaller ones (any dense layout)
+  for (int i = nd - 1; i >= 0; --i) {
+    nested = nested && dims[i].stride > rest[i + 1];
+    rest[i] = rest[i + 1] + (dims[i].size - 1) * dims[i].stride;
+  }
+  if (nested) return Overlap::kNo;
+  // Exact search, largest stride first: a partial sum r can only return to 0 while |r| is within
+  // the span of the remaining dimensions. The first nonzero x_i is positive (x and -x both
+  // solve). 128-bit sums: r and the bounds stay below twice the largest offset.
+  int64_t budget = int64_t{1} << 20;
+  auto floor_div = [](__int128 a, __int128 b) { return a / b - ((a % b != 0) && (a < 0)); };
+  auto search = [&](auto&& self, int i, __int128 r, bool nonzero) -> Overlap {
+    if (i == nd) return nonzero && r == 0 ? Overlap::kYes : Overlap::kNo;
+    if (--budget < 0) return Overlap::kUnknown;
+    const __int128 s = dims[i].stride, lim = rest[i + 1];
+    __int128 lo = -floor_div(lim + r, s), hi = floor_div(lim - r, s);
+    lo = std::max<__int128>(lo, nonzero ? -(dims[i].size - 1) : 0);
+    hi = std::min<__int128>(hi, dims[i].size - 1);
+    for (__int128 x = lo; x <= hi; ++x) {
+      const Overlap o = self(self, i + 1, r + x * s, nonzero || x != 0);
+      if (o != Overlap::kNo) return o;
+    }
+    return Overlap::kNo;
+  };
+  return search(search, 0, 0, false);
+}
 
 Status check_cu_seqlens_values(const TensorView& cu, int64_t total_tokens) {
   const int64_t n1 = cu.shape[0];
@@ -308,10 +401,10 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, false));
   KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
   KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, false));
-  GateConsts gc;
-  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
-  const int lay = static_cast<int>(p.state_layout);
-  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+  KDA_RETURN_IF_ERROR(check_output_strides("out", p.out));
+  MathConsts mc;
+  KDA_RETURN_IF_ERROR(parse_math(p.math, d, &mc));
+  KDA_RETURN_IF_ERROR(check_state_layout(p.state_layout));
 
   // States: either initial/final rows per sequence, or a pool with indices.
   if (p.state_pool.present() || p.state_indices.present()) {
@@ -322,12 +415,15 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
     if (p.final_state.present())
       return Err("final_state", "absent in pool mode (the pool is written in place)", shape_str(p.final_state));
     KDA_RETURN_IF_ERROR(check_state("state_pool", p.state_pool, -1, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(check_output_strides("state_pool", p.state_pool));
     KDA_RETURN_IF_ERROR(check_index_vector("state_indices", p.state_indices, d.N, p.q));
   }
   if (p.initial_state.present())
     KDA_RETURN_IF_ERROR(check_state("initial_state", p.initial_state, d.N, d, p.state_layout, p.q, true));
-  if (p.final_state.present())
+  if (p.final_state.present()) {
     KDA_RETURN_IF_ERROR(check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(check_output_strides("final_state", p.final_state));
+  }
 
   if (p.checkpoint_every < 0 || p.checkpoint_every % kChunkSize != 0)
     return Err("checkpoint_every", "0 or a positive multiple of " + std::to_string(kChunkSize),
@@ -335,6 +431,7 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   if (p.checkpoint_every > 0) {
     if (!p.checkpoints.present()) return Err("checkpoints", "a tensor [num_checkpoints, HV, ...] when checkpoint_every > 0", "absent");
     KDA_RETURN_IF_ERROR(check_state("checkpoints", p.checkpoints, -1, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(check_output_strides("checkpoints", p.checkpoints));
     if (!p.checkpoint_offsets.present()) return Err("checkpoint_offsets", "a tensor [N + 1] when checkpoint_every > 0", "absent");
     KDA_RETURN_IF_ERROR(check_index_vector("checkpoint_offsets", p.checkpoint_offsets, d.N + 1, p.q));
   } else if (p.checkpoints.present() || p.checkpoint_offsets.present()) {
@@ -357,7 +454,7 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
   }
 
   pr->d = d;
-  pr->gate = gc;
+  pr->math = mc;
   pr->q = as_rank4(p.q);
   pr->k = as_rank4(p.k);
   pr->v = as_rank4(p.v);
@@ -403,10 +500,10 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   KDA_RETURN_IF_ERROR(check_gate_params(p.A_log, p.dt_bias, d, p.q, true));
   KDA_RETURN_IF_ERROR(check_token_tensor("out", p.out, d, d.HV, d.V, p.q));
   KDA_RETURN_IF_ERROR(check_dtype_float("out", p.out, p.q.dtype, true));
-  GateConsts gc;
-  KDA_RETURN_IF_ERROR(parse_gate(p.gate, d, &gc));
-  const int lay = static_cast<int>(p.state_layout);
-  if (lay < 0 || lay > 1) return Err("state_layout", "kVFirst or kKFirst", "code " + std::to_string(lay));
+  KDA_RETURN_IF_ERROR(check_output_strides("out", p.out));
+  MathConsts mc;
+  KDA_RETURN_IF_ERROR(parse_math(p.math, d, &mc));
+  KDA_RETURN_IF_ERROR(check_state_layout(p.state_layout));
 
   if (!p.state.present()) return Err("state", "a state pool [P, HV, V, K]", "absent");
   KDA_RETURN_IF_ERROR(check_state("state", p.state, -1, d, p.state_layout, p.q, false));
@@ -447,10 +544,19 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
     if (p.intermediate_states.dtype != p.state.dtype)
       return Err("intermediate_states", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)", std::string("dtype ") + dtype_name(p.intermediate_states.dtype));
   }
+  // The outputs the call writes: the pool only in place (neither separate output present).
+  if (p.store_final_state) {
+    if (p.final_state.present())
+      KDA_RETURN_IF_ERROR(check_output_strides("final_state", p.final_state));
+    if (p.intermediate_states.present())
+      KDA_RETURN_IF_ERROR(check_output_strides("intermediate_states", p.intermediate_states));
+    if (!p.final_state.present() && !p.intermediate_states.present())
+      KDA_RETURN_IF_ERROR(check_output_strides("state", p.state));
+  }
   if (p.q.device == Device::kCPU && d.varlen) KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
 
   pr->d = d;
-  pr->gate = gc;
+  pr->math = mc;
   pr->Tmax = Tmax;
   pr->beta_per_v = beta_per_v;
   pr->q = as_rank4(p.q);
@@ -475,42 +581,207 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
   return Status::Ok();
 }
 
-// Checking mode of decode: reports rows that would silently become padding because their slot is
-// >= P or their num_accepted_tokens is outside [1, T_n]. Negative slots are intended padding.
+namespace {
+
+// A pool slot that a live row (a sequence) reads, or writes.
+struct SlotUse {
+  int64_t slot, row;
+  bool writes;
+};
+
+// Spec section 5: two live rows that use one slot, one of them writing it, are a caller error
+// (two rows may read the same slot). Names the slot and both rows.
+Status check_shared_slots(std::vector<SlotUse> uses) {
+  std::sort(uses.begin(), uses.end(), [](const SlotUse& a, const SlotUse& b) {
+    return a.slot != b.slot ? a.slot < b.slot : a.row < b.row;
+  });
+  for (size_t i = 0; i < uses.size();) {
+    size_t j = i;
+    const SlotUse* writer = nullptr;
+    for (; j < uses.size() && uses[j].slot == uses[i].slot; ++j)
+      if (uses[j].writes && writer == nullptr) writer = &uses[j];
+    if (writer != nullptr) {
+      for (size_t m = i; m < j; ++m) {
+        if (uses[m].row == writer->row) continue;
+        const int64_t r0 = std::min(uses[m].row, writer->row);
+        const int64_t r1 = std::max(uses[m].row, writer->row);
+        return Err("state_indices",
+                   "no slot shared by two live sequences when one of them writes it",
+                   "slot " + std::to_string(writer->slot) + " for sequences " + std::to_string(r0) +
+                       " and " + std::to_string(r1));
+      }
+    }
+    i = j;
+  }
+  return Status::Ok();
+}
+
+}  // namespace
+
+// Checking mode of decode: reports the rows that would silently become padding (every RowState
+// rules::is_index_error flags; negative slots are intended padding), then two live rows that
+// share a slot one of them writes.
 Status check_decode_index_values(const DecodeProblem& pr, const void* indices_host,
                                  const void* nat_host, const void* cu_host) {
   const int64_t P = pr.state.shape[0];
-  auto idx_at = [&](const TensorView& t, const void* host, int64_t flat_off) -> int64_t {
-    if (t.dtype == DType::kInt32) return static_cast<const int32_t*>(host)[flat_off];
-    return static_cast<const int64_t*>(host)[flat_off];
-  };
+  const DecodeIndexData host{indices_host, nat_host, cu_host};
+  const bool writes = pr.store_final_state && !pr.intermediate_states.present();
+  std::vector<SlotUse> uses;
   for (int64_t n = 0; n < pr.d.N; ++n) {
-    int64_t len = pr.d.T;
-    if (pr.d.varlen) len = idx_at(pr.cu_seqlens, cu_host, (n + 1) * pr.cu_seqlens.strides[0]) -
-                           idx_at(pr.cu_seqlens, cu_host, n * pr.cu_seqlens.strides[0]);
-    int64_t col = 0;
-    if (pr.num_accepted_tokens.present()) {
-      const int64_t a = idx_at(pr.num_accepted_tokens, nat_host, n * pr.num_accepted_tokens.strides[0]);
-      if (a < 1 || a > len || a > pr.Tmax)
+    const int64_t len = seq_span_at(pr.d, pr.cu_seqlens, cu_host, n).len;
+    const rules::ReadSlot r = decode_row_slot(pr, host, n, len);
+    const std::string seq = "sequence " + std::to_string(n);
+    switch (r.state) {
+      case rules::RowState::kLive: break;
+      case rules::RowState::kNegativeSlot: continue;  // padding by intent
+      case rules::RowState::kAcceptedOutOfRange:
         return Err("num_accepted_tokens", "values in [1, T_n] = [1, " + std::to_string(len) + "]",
-                   "num_accepted_tokens[" + std::to_string(n) + "] = " + std::to_string(a));
-      col = a - 1;
-    }
-    if (pr.d.varlen && pr.indices_2d && len > pr.Tmax)
-      return Err("state_indices", "at least T_n = " + std::to_string(len) + " columns for sequence " + std::to_string(n),
-                 std::to_string(pr.Tmax) + " columns");
-    if (pr.state_indices.present()) {
-      const TensorView& si = pr.state_indices;
-      const int64_t off = n * si.strides[0] + (si.ndim == 2 ? col * si.strides[1] : 0);
-      const int64_t slot = idx_at(si, indices_host, off);
-      if (slot >= P)
+                   "num_accepted_tokens[" + std::to_string(n) + "] = " + std::to_string(r.value));
+      case rules::RowState::kLongerThanIndexColumns:
+        return Err("state_indices", "at least T_n = " + std::to_string(len) + " columns for " + seq,
+                   std::to_string(pr.Tmax) + " columns");
+      case rules::RowState::kSlotOutOfRange:
         return Err("state_indices", "slots < P = " + std::to_string(P) + " (or negative for padding)",
-                   "slot " + std::to_string(slot) + " for sequence " + std::to_string(n));
-    } else if (n >= P) {
-      return Err("state", "at least N = " + std::to_string(pr.d.N) + " slots without state_indices",
-                 "P = " + std::to_string(P));
+                   "slot " + std::to_string(r.value) + " for " + seq);
+      case rules::RowState::kNoSlotForRow:
+        return Err("state",
+                   "at least N = " + std::to_string(pr.d.N) + " slots without state_indices",
+                   "P = " + std::to_string(P));
+    }
+    if (!pr.state_indices.present()) continue;  // row n uses slot n: never shared
+    if (pr.use_initial_state) uses.push_back({r.slot, n, false});
+    if (!writes) continue;
+    if (pr.indices_2d) {
+      for (int64_t t = 0; t < len; ++t) {
+        const int64_t ws = rules::pool_slot(load_index_at(pr.state_indices, indices_host, n, t), P);
+        if (ws != rules::kNoSlot) uses.push_back({ws, n, true});
+      }
+    } else if (!pr.final_state.present()) {
+      uses.push_back({r.slot, n, true});
     }
   }
+  return check_shared_slots(std::move(uses));
+}
+
+// Checking mode of prefill: pool slots >= P (negative slots mean "no pooled state"), then two
+// sequences with the same slot (each reads and writes its slot).
+Status check_prefill_index_values(const PrefillProblem& pr, const void* state_indices_host) {
+  if (!pr.state_pool.present()) return Status::Ok();
+  const int64_t P = pr.state_pool.shape[0];
+  std::vector<SlotUse> uses;
+  for (int64_t n = 0; n < pr.d.N; ++n) {
+    const int64_t value = load_index_at(pr.state_indices, state_indices_host, n);
+    if (value >= P)
+      return Err("state_indices",
+                 "slots < P = " + std::to_string(P) + " (or negative: no pooled state)",
+                 "slot " + std::to_string(value) + " for sequence " + std::to_string(n));
+    if (rules::pool_slot(value, P) != rules::kNoSlot) uses.push_back({value, n, true});
+  }
+  return check_shared_slots(std::move(uses));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill backward
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// A gradient output: `dtype` exactly (the dtype of the tensor it is the gradient of, `of`).
+Status check_grad_dtype(const char* arg, const TensorView& t, DType dtype, const char* of) {
+  if (t.dtype == dtype) return Status::Ok();
+  return Err(arg, std::string("dtype ") + dtype_name(dtype) + " (as " + of + ")",
+             std::string("dtype ") + dtype_name(t.dtype));
+}
+
+Status check_grad_token(const char* arg, const TensorView& t, const Dims& d, int64_t d2,
+                        int64_t d3, const TensorView& q, DType dtype, const char* of) {
+  if (!t.present()) return Status::Ok();
+  KDA_RETURN_IF_ERROR(check_token_tensor(arg, t, d, d2, d3, q));
+  return check_grad_dtype(arg, t, dtype, of);
+}
+
+// Refuses a forward argument the backward does not implement.
+Status refuse_in_backward(const char* arg, const TensorView& t) {
+  if (!t.present()) return Status::Ok();
+  return Err(arg, "absent (the prefill backward has no pool mode or checkpoints)", shape_str(t));
+}
+
+}  // namespace
+
+Status validate_prefill_backward(const PrefillBackwardParams& p, PrefillBackwardProblem* pr) {
+  const PrefillParams& f = p.forward;
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.state_pool", f.state_pool));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.state_indices", f.state_indices));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.checkpoints", f.checkpoints));
+  KDA_RETURN_IF_ERROR(refuse_in_backward("forward.checkpoint_offsets", f.checkpoint_offsets));
+  if (f.checkpoint_every != 0)
+    return Err("forward.checkpoint_every", "0 (the prefill backward has no checkpoints)",
+               std::to_string(f.checkpoint_every));
+  Dims d;
+  KDA_RETURN_IF_ERROR(parse_qkv(f.q, f.k, f.v, f.cu_seqlens, &d));
+
+  // The forward's outputs are not inputs of the backward: the forward's checks run on its inputs
+  // with a stand-in `out` of the right shape (a view of q's memory, never read or written).
+  PrefillParams fi = f;
+  fi.final_state = TensorView{};
+  fi.out = f.q;
+  fi.out.shape[fi.out.ndim - 2] = d.HV;
+  fi.out.shape[fi.out.ndim - 1] = d.V;
+  int64_t inner = 1;
+  for (int i = fi.out.ndim - 1; i >= 0; --i) {
+    fi.out.strides[i] = inner;
+    inner *= std::max<int64_t>(fi.out.shape[i], 1);
+  }
+  PrefillProblem fwd;
+  KDA_RETURN_IF_ERROR(validate_prefill(fi, &fwd));
+  fwd.out = TensorView{};
+
+  const TensorView& q = f.q;
+  if (p.d_out.present()) {
+    KDA_RETURN_IF_ERROR(check_token_tensor("d_out", p.d_out, d, d.HV, d.V, q));
+    KDA_RETURN_IF_ERROR(check_dtype_float("d_out", p.d_out, q.dtype, true));
+  }
+  if (p.d_final_state.present())
+    KDA_RETURN_IF_ERROR(
+        check_state("d_final_state", p.d_final_state, d.N, d, f.state_layout, q, true));
+  KDA_RETURN_IF_ERROR(check_grad_token("dq", p.dq, d, d.H, d.K, q, q.dtype, "q"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dk", p.dk, d, d.H, d.K, q, q.dtype, "k"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dv", p.dv, d, d.HV, d.V, q, q.dtype, "v"));
+  KDA_RETURN_IF_ERROR(check_grad_token("dg", p.dg, d, d.HV, d.K, q, f.g.dtype, "g"));
+  if (p.dbeta.present()) {
+    KDA_RETURN_IF_ERROR(check_token_tensor3("dbeta", p.dbeta, d, d.HV, q));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("dbeta", p.dbeta, f.beta.dtype, "beta"));
+  }
+  if (p.dA_log.present()) {
+    KDA_RETURN_IF_ERROR(check_view("dA_log", p.dA_log, q));
+    KDA_RETURN_IF_ERROR(check_shape("dA_log", p.dA_log, {d.HV}));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("dA_log", p.dA_log, DType::kFloat32, "A_log"));
+  }
+  if (p.ddt_bias.present()) {
+    KDA_RETURN_IF_ERROR(check_view("ddt_bias", p.ddt_bias, q));
+    KDA_RETURN_IF_ERROR(check_shape("ddt_bias", p.ddt_bias, {d.HV, d.K}));
+    KDA_RETURN_IF_ERROR(check_grad_dtype("ddt_bias", p.ddt_bias, DType::kFloat32, "dt_bias"));
+  }
+  if (p.d_initial_state.present()) {
+    KDA_RETURN_IF_ERROR(
+        check_state("d_initial_state", p.d_initial_state, d.N, d, f.state_layout, q, true));
+    if (f.initial_state.present())
+      KDA_RETURN_IF_ERROR(check_grad_dtype("d_initial_state", p.d_initial_state,
+                                           f.initial_state.dtype, "initial_state"));
+  }
+
+  pr->fwd = fwd;
+  auto rank4 = [](const TensorView& t) { return t.present() ? as_rank4(t) : TensorView{}; };
+  pr->d_out = rank4(p.d_out);
+  pr->d_final_state = p.d_final_state;
+  pr->dq = rank4(p.dq);
+  pr->dk = rank4(p.dk);
+  pr->dv = rank4(p.dv);
+  pr->dg = rank4(p.dg);
+  pr->dbeta = p.dbeta.present() ? beta_as_rank4(p.dbeta) : TensorView{};
+  pr->dA_log = p.dA_log;
+  pr->ddt_bias = p.ddt_bias;
+  pr->d_initial_state = p.d_initial_state;
   return Status::Ok();
 }
 

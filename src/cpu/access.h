@@ -94,18 +94,11 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const F* src)
   }
 }
 
-// Sequence n's tokens: batch row b, first token bos, length len.
-struct SeqSpan {
-  int64_t b, bos, len;
-};
+// Sequence n's tokens: batch row b, first token bos, length len (core/index_rules.h).
+using rules::SeqSpan;
 
 inline SeqSpan seq_span(const detail::Dims& d, const TensorView& cu, int64_t n) {
-  if (!d.varlen) return {n, 0, d.T};
-  int64_t bos = detail::load_index(cu, n), eos = detail::load_index(cu, n + 1);
-  // Validation already checked the values; clamp anyway so no input can index out of bounds.
-  bos = bos < 0 ? 0 : (bos > d.T ? d.T : bos);
-  eos = eos < bos ? bos : (eos > d.T ? d.T : eos);
-  return {0, bos, eos - bos};
+  return detail::seq_span_at(d, cu, cu.data, n);
 }
 
 // Reads the state row [HV, V, K] (V-first) or [HV, K, V] (K-first) of head hv into math order

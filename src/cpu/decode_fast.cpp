@@ -79,11 +79,11 @@ void decode_task(const detail::DecodeProblem& pr, int64_t n, int64_t hv, DecodeS
 
 }  // namespace
 
-void fast_decode(const detail::DecodeProblem& pr, int num_threads) {
+Status fast_decode(const detail::DecodeProblem& pr, int num_threads) {
   const int64_t tasks = pr.d.N * pr.d.HV;
-  const int nt = static_cast<int>(std::min<int64_t>(resolve_num_threads(num_threads), std::max<int64_t>(tasks, 1)));
+  const int nt = worker_count(num_threads, tasks);
   std::vector<std::unique_ptr<DecodeScratch>> scratch(nt);
-  parallel_for(tasks, nt, [&](int64_t i, int worker) {
+  return parallel_for(tasks, nt, [&](int64_t i, int worker) {
     ScopedFlushDenormals ftz;
     if (!scratch[worker]) scratch[worker] = std::make_unique<DecodeScratch>();
     decode_task(pr, i / pr.d.HV, i % pr.d.HV, *scratch[worker]);

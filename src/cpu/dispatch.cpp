@@ -5,10 +5,10 @@
 
 namespace kda::cpu {
 
-#define KDA_DECLARE_FAST_KERNELS(level)                                 \
-  namespace level {                                                     \
-  void fast_prefill(const detail::PrefillProblem& pr, int num_threads); \
-  void fast_decode(const detail::DecodeProblem& pr, int num_threads);   \
+#define KDA_DECLARE_FAST_KERNELS(level)                                   \
+  namespace level {                                                       \
+  Status fast_prefill(const detail::PrefillProblem& pr, int num_threads); \
+  Status fast_decode(const detail::DecodeProblem& pr, int num_threads);   \
   }
 #define KDA_FAST_KERNELS(level, supported) \
   FastKernels { #level, supported, &level::fast_prefill, &level::fast_decode }
@@ -77,12 +77,12 @@ const FastKernels& fast_kernels() {
   return *best;
 }
 
-void fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
-  fast_kernels().prefill(pr, num_threads);
+Status fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
+  return fast_kernels().prefill(pr, num_threads);
 }
 
-void fast_decode(const detail::DecodeProblem& pr, int num_threads) {
-  fast_kernels().decode(pr, num_threads);
+Status fast_decode(const detail::DecodeProblem& pr, int num_threads) {
+  return fast_kernels().decode(pr, num_threads);
 }
 
 }  // namespace kda::cpu

@@ -22,8 +22,8 @@ namespace kda::cpu {
 struct FastKernels {
   const char* level;  // "x86_64", "x86_64_v3", "generic" or "native"
   bool supported;     // this CPU can run it
-  void (*prefill)(const detail::PrefillProblem& pr, int num_threads);
-  void (*decode)(const detail::DecodeProblem& pr, int num_threads);
+  Status (*prefill)(const detail::PrefillProblem& pr, int num_threads);
+  Status (*decode)(const detail::DecodeProblem& pr, int num_threads);
 };
 
 // Every level this build compiled, lowest first (the first one runs on any CPU of the target).

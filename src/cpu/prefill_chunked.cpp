@@ -233,26 +233,22 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
   const auto& d = pr.d;
   const int K = static_cast<int>(d.K), V = static_cast<int>(d.V);
   const SeqSpan span = seq_span(d, pr.cu_seqlens, n);
-  int64_t slot = -1;
-  if (pr.state_pool.present()) {
-    slot = detail::load_index(pr.state_indices, n);
-    if (slot < 0 || slot >= pr.state_pool.shape[0]) slot = -1;
-  }
+  const int64_t slot = prefill_pool_slot(pr, n);
   std::fill(w.S, w.S + K * V, 0.0f);
   if (pr.initial_state.present()) load_state(pr.initial_state, pr.layout, n, hv, K, V, w.S);
   if (slot >= 0) load_state(pr.state_pool, pr.layout, slot, hv, K, V, w.S);
   HeadGate<float> hg;
   load_head_gate(pr, hv, &hg);
   float a[kMaxD];
-  const int gate_form = static_cast<int>(pr.gate.form);
-  const float lower_bound = pr.gate.lower_bound;
+  const int gate = static_cast<int>(pr.math.gate);
+  const float lower_bound = pr.math.lower_bound;
   for (int64_t c0 = 0; c0 < span.len; c0 += kC) {
     const int L = static_cast<int>(std::min<int64_t>(kC, span.len - c0));
     // Load and preprocess the chunk; G = cumulative log decay.
     for (int t = 0; t < L; ++t) {
       load_token</*kRawGate=*/true>(pr, hg, span.b, span.bos + c0 + t, hv, w.q + t * K, w.k + t * K,
                                      w.v + t * V, a, &w.b[t]);
-      log_decay_row(gate_form, a, K, hg.exp_A, hg.bias, lower_bound);
+      log_decay_row(gate, a, K, hg.exp_A, hg.bias, lower_bound);
       for (int c = 0; c < K; ++c) w.d[t * K + c] = exp_f32(a[c]);
       const float* prev = t > 0 ? w.P + (t - 1) * K : nullptr;
       for (int c = 0; c < K; ++c) w.P[t * K + c] = (prev ? prev[c] : 1.0f) * w.d[t * K + c];
@@ -275,11 +271,11 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
 
 }  // namespace
 
-void fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
+Status fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
   const int64_t tasks = pr.d.N * pr.d.HV;
-  const int nt = static_cast<int>(std::min<int64_t>(resolve_num_threads(num_threads), std::max<int64_t>(tasks, 1)));
+  const int nt = worker_count(num_threads, tasks);
   std::vector<std::unique_ptr<Scratch>> scratch(nt);
-  parallel_for(tasks, nt, [&](int64_t i, int worker) {
+  return parallel_for(tasks, nt, [&](int64_t i, int worker) {
     ScopedFlushDenormals ftz;
     if (!scratch[worker]) scratch[worker] = std::make_unique<Scratch>();
     prefill_task(pr, i / pr.d.HV, i % pr.d.HV, *scratch[worker]);

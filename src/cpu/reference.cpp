@@ -42,18 +42,12 @@ struct TokenBuffers {
 
 void reference_prefill(const detail::PrefillProblem& pr) {
   const auto& d = pr.d;
-  const bool pool = pr.state_pool.present();
   TokenBuffers buf(d.K, d.V);
   std::vector<double> S(d.K * d.V);
   HeadGate<double> hg;
   for (int64_t n = 0; n < d.N; ++n) {
     const SeqSpan span = seq_span(d, pr.cu_seqlens, n);
-    // Pool mode: a slot outside [0, P) means no pooled state (start at zero, write nothing).
-    int64_t slot = -1;
-    if (pool) {
-      slot = detail::load_index(pr.state_indices, n);
-      if (slot < 0 || slot >= pr.state_pool.shape[0]) slot = -1;
-    }
+    const int64_t slot = prefill_pool_slot(pr, n);
     for (int64_t hv = 0; hv < d.HV; ++hv) {
       load_head_gate(pr, hv, &hg);
       std::fill(S.begin(), S.end(), 0.0);
@@ -77,31 +71,12 @@ void reference_prefill(const detail::PrefillProblem& pr) {
   }
 }
 
-// Resolves the read slot of decode row n; returns -1 for a padding row (spec section 5).
 int64_t decode_read_slot(const detail::DecodeProblem& pr, int64_t n, int64_t len) {
-  const int64_t P = pr.state.shape[0];
-  if (!pr.state_indices.present()) return n < P ? n : -1;
-  int64_t col = 0;
-  if (pr.num_accepted_tokens.present()) {
-    const int64_t a = detail::load_index(pr.num_accepted_tokens, n);
-    if (a < 1 || a > len) return -1;
-    col = a - 1;
-  }
-  if (pr.indices_2d && (len > pr.Tmax || col >= pr.Tmax)) return -1;
-  const TensorView& si = pr.state_indices;
-  const int64_t off = n * si.strides[0] + (pr.indices_2d ? col * si.strides[1] : 0);
-  const int64_t slot = si.dtype == DType::kInt32 ? static_cast<const int32_t*>(si.data)[off]
-                                                 : static_cast<const int64_t*>(si.data)[off];
-  return (slot >= 0 && slot < P) ? slot : -1;
+  return detail::decode_row_slot(pr, detail::own_index_data(pr), n, len).slot;
 }
 
-// Slot that receives the state after token t of row n with [N, Tmax] indices (-1: none).
 int64_t decode_token_slot(const detail::DecodeProblem& pr, int64_t n, int64_t t) {
-  const TensorView& si = pr.state_indices;
-  const int64_t off = n * si.strides[0] + t * si.strides[1];
-  const int64_t slot = si.dtype == DType::kInt32 ? static_cast<const int32_t*>(si.data)[off]
-                                                 : static_cast<const int64_t*>(si.data)[off];
-  return (slot >= 0 && slot < pr.state.shape[0]) ? slot : -1;
+  return rules::pool_slot(detail::load_index(pr.state_indices, n, t), pr.state.shape[0]);
 }
 
 void reference_decode(const detail::DecodeProblem& pr) {

@@ -42,23 +42,23 @@ void load_token(const Problem& pr, const HeadGate<F>& hg, int64_t b, int64_t t, 
   const int64_t h = hv / d.groups();
   load_row(pr.q, offset4(pr.q, b, t, h, 0), d.K, q);
   load_row(pr.k, offset4(pr.k, b, t, h, 0), d.K, k);
-  if (pr.gate.l2norm) {
+  if (pr.math.use_qk_l2norm) {
     l2_normalize(q, d.K);
     l2_normalize(k, d.K);
   }
-  const F scale = static_cast<F>(pr.gate.scale);
+  const F scale = static_cast<F>(pr.math.scale);
   for (int64_t i = 0; i < d.K; ++i) q[i] *= scale;
   load_row(pr.v, offset4(pr.v, b, t, hv, 0), d.V, v);
   load_row(pr.g, offset4(pr.g, b, t, hv, 0), d.K, a);
   if (!kRawGate) {
-    const int form = static_cast<int>(pr.gate.form);
-    const F lb = static_cast<F>(pr.gate.lower_bound);
+    const int form = static_cast<int>(pr.math.gate);
+    const F lb = static_cast<F>(pr.math.lower_bound);
     for (int64_t i = 0; i < d.K; ++i) a[i] = detail::log_decay<F>(form, a[i], hg.exp_A, hg.bias[i], lb);
   }
   const int64_t nb = pr.beta.shape[3];  // 1, or V for per-value-row beta
   load_row(pr.beta, offset4(pr.beta, b, t, hv, 0), nb, beta);
-  const bool logits = pr.gate.beta_form == BetaForm::kLogits;
-  for (int64_t i = 0; i < nb; ++i) beta[i] = detail::activate_beta<F>(logits, pr.gate.allow_neg_eigval, beta[i]);
+  const bool logits = pr.math.beta_logits;
+  for (int64_t i = 0; i < nb; ++i) beta[i] = detail::activate_beta<F>(logits, pr.math.allow_neg_eigval, beta[i]);
 }
 
 }  // namespace kda::cpu::inline KDA_CPU_ISA

@@ -112,13 +112,43 @@ def state_shape(rows, HV, K, V, layout="v_first"):
     return (rows, HV, V, K) if layout == "v_first" else (rows, HV, K, V)
 
 
+SENTINEL = 7.0
+
+
+def prefill_call(**changes):
+    """A valid prefill call (varlen off, softplus gate, initial + final state), then `changes`."""
+    d = make_prefill(seed=1, B=2, T=20)
+    args, kw = split(d)
+    names = ["q", "k", "v", "g", "beta"]
+    call = dict(zip(names, args), **kw)
+    call["initial_state"] = random_state(2, (2, 4, 32, 32))
+    call["final_state"] = np.full((2, 4, 32, 32), SENTINEL, np.float32)
+    call["out"] = np.full((2, 20, 4, 32), SENTINEL, np.float32)
+    call.update(changes)
+    return call
+
+
+def decode_call(**changes):
+    d = make_decode(seed=3, N=3, T=1)
+    args, kw = split(d)
+    call = dict(zip(["q", "k", "v", "g", "beta"], args), **kw)
+    call["state"] = random_state(4, (5, 4, 32, 32))
+    call["state_indices"] = np.array([4, 0, 2], np.int32)
+    call["out"] = np.full((3, 1, 4, 32), SENTINEL, np.float32)
+    call.update(changes)
+    return call
+
+
 __all__ = [
     "GATE_OPTIONS",
+    "SENTINEL",
     "assert_close",
+    "decode_call",
     "kda",
     "make_decode",
     "make_prefill",
     "np",
+    "prefill_call",
     "random_state",
     "rel_l2",
     "split",

@@ -10,33 +10,15 @@ import numpy as np
 import pytest
 
 import kda
-from kdatest import make_decode, make_prefill, random_state, split
-
-SENTINEL = 7.0
-
-
-def prefill_call(**changes):
-    """A valid prefill call (varlen off, softplus gate, initial + final state), then `changes`."""
-    d = make_prefill(seed=1, B=2, T=20)
-    args, kw = split(d)
-    names = ["q", "k", "v", "g", "beta"]
-    call = dict(zip(names, args), **kw)
-    call["initial_state"] = random_state(2, (2, 4, 32, 32))
-    call["final_state"] = np.full((2, 4, 32, 32), SENTINEL, np.float32)
-    call["out"] = np.full((2, 20, 4, 32), SENTINEL, np.float32)
-    call.update(changes)
-    return call
-
-
-def decode_call(**changes):
-    d = make_decode(seed=3, N=3, T=1)
-    args, kw = split(d)
-    call = dict(zip(["q", "k", "v", "g", "beta"], args), **kw)
-    call["state"] = random_state(4, (5, 4, 32, 32))
-    call["state_indices"] = np.array([4, 0, 2], np.int32)
-    call["out"] = np.full((3, 1, 4, 32), SENTINEL, np.float32)
-    call.update(changes)
-    return call
+from kdatest import (
+    SENTINEL,
+    decode_call,
+    make_decode,
+    make_prefill,
+    prefill_call,
+    random_state,
+    split,
+)
 
 
 def expect(exc, name, fn, call):

@@ -58,7 +58,7 @@ def test_ops_are_registered_and_mutate_their_outputs():
     args, kw = args_kw(d)
     kda.prefill(*args, **kw)
     schema = str(torch.ops.kda.prefill.default._schema)
-    assert "!" in schema and "output" in schema
+    assert "!) out," in schema and "str gate" in schema
     assert hasattr(torch.ops.kda, "decode")
 
 
@@ -311,3 +311,44 @@ def test_cuda_flashkda_fwd():
                                output_final_state=True, backend="reference")
     assert_close(np_of(out), np_of(o_ref), "bf16", "out", tol=CUDA_TOL)
     assert_close(np_of(ht), np_of(h_ref), "bf16", "final_state", tol=CUDA_TOL)
+
+
+@needs_cuda
+def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
+    """The CUDA prefill asks for its workspace once, after validation: a failing allocator is a
+    RuntimeError naming 'workspace' that writes nothing; an invalid call never allocates."""
+    import kda._torch_ops as ops
+    dc = to_torch(cuda_prefill_case(seed=33, T=100), "cuda", torch.bfloat16)
+    args, kw = args_kw(dc)
+    run_or_skip(kda.prefill, *args, **kw)
+    sizes = []
+    real = ops.allocate_workspace
+
+    def counting(nbytes, index):
+        sizes.append((nbytes, index))
+        return real(nbytes, index)
+    monkeypatch.setattr(ops, "allocate_workspace", counting)
+    kda.prefill(*args, **kw)
+    assert len(sizes) == 1 and sizes[0][0] > 0 and sizes[0][1] == args[0].get_device()
+    with pytest.raises(ValueError, match="argument 'k'"):
+        kda.prefill(args[0], args[1][..., :64], *args[2:], **kw)
+    assert len(sizes) == 1
+
+    def failing(nbytes, index):
+        raise MemoryError("no memory")
+    monkeypatch.setattr(ops, "allocate_workspace", failing)
+    out = torch.full_like(args[2], 7.0)
+    with pytest.raises(RuntimeError, match=r"argument 'workspace'.*no memory"):
+        kda.prefill(*args, **kw, out=out)
+    torch.cuda.synchronize()
+    assert (out == 7.0).all()
+
+
+@needs_cuda
+def test_cuda_and_cpu_tensors_mixed_name_the_argument():
+    dc = to_torch(cuda_prefill_case(seed=34, T=64), "cuda", torch.bfloat16)
+    args, kw = args_kw(dc)
+    with pytest.raises(ValueError, match=r"argument 'k'.*device"):
+        kda.prefill(args[0], args[1].cpu(), *args[2:], **kw)
+    with pytest.raises(ValueError, match=r"argument 'q'.*meta"):
+        kda.prefill(args[0].to("meta"), *args[1:], **kw)

@@ -14,7 +14,7 @@ state after every token (T state writes, counted once here); bench_gpu_decode's 
 indices and writes once.
 
 Exits 0 with a message when torch, triton, fla or a CUDA GPU is missing.
-usage: python scripts/fla_decode_bench.py [--csv PATH] [--filter SUBSTRING]
+usage: python bench/peers/fla_decode_bench.py [--csv PATH] [--filter SUBSTRING]
 """
 import argparse
 import math

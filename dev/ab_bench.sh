@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# A/B timing of prefill builds in one device run: builds the benchmark (and the GPU tests) of each
+# A/B timing of prefill builds on one GPU machine: builds the benchmark (and the GPU tests) of each
 # tree in parallel, then times them interleaved, ROUNDS times, so that clock drift hits all alike.
-#   scripts/snapshot_head.sh; scripts/snapshot_head.sh <ref> .deps/exp
-#   run: scripts/ab_bench.sh .deps/head .deps/exp        (carry [".deps"])
-# Round 1 checks against the reference, later rounds only time; a table of the medians over the rounds (and their ratios to the first tree) comes last. Env: ROUNDS (default 2), BENCH_ARGS (extra bench_gpu_prefill arguments), AB_ENV (space-separated
-# VAR=value list applied to every timing); AB_TESTS, AB_PROFILE: see the end.
+#   dev/snapshot_head.sh; dev/snapshot_head.sh <ref> .deps/exp
+#   then, on the GPU machine (with .deps/): dev/ab_bench.sh .deps/head .deps/exp
+# Round 1 checks against the reference, later rounds only time; a table of the medians over the
+# rounds (and their ratios to the first tree) comes last. Env: ROUNDS (default 2), BENCH_ARGS
+# (extra bench_gpu_prefill arguments), AB_ENV (space-separated VAR=value list applied to every
+# timing); AB_TESTS, AB_PROFILE, AB_NCU: see the end.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"; rm -f "$OUT/ab_medians.tsv"
@@ -13,8 +15,8 @@ root=$PWD
 trees=("$@")
 jobs=$(( $(nproc) / ${#trees[@]} )); [ $jobs -lt 1 ] && jobs=1
 for t in "${trees[@]}"; do
-  # AB_PREBUILT=1: trees whose build-gpu was built on the CPU machine and carried (no device time
-  # spent compiling) are used as they are.
+  # AB_PREBUILT=1: trees whose build-gpu was built beforehand (dev/prebuild.sh, on a CPU machine)
+  # are used as they are, so that no GPU time is spent compiling.
   [ "${AB_PREBUILT:-0}" = 1 ] && [ -x "$t/build-gpu/bench/bench_gpu_prefill" ] && continue
   ( cd "$t" && n=$(basename "$t") &&
     cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$root/.deps/gtest" >"$OUT/build_$n.log" 2>&1 &&
@@ -35,7 +37,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
       # case and median ms per run, for the table at the end (columns: tree, setting)
       awk -v col="$n${var:+ $var}" '/^P[0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print col "\t" $1 "\t" $i; break}}' "$OUT/round.log" >>"$OUT/ab_medians.tsv"
-      cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree: a device call returns at most 8 files
+      cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree, few files in $OUT
     done
   done
 done

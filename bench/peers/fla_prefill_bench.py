@@ -8,7 +8,7 @@ the kernel); l2norm in the kernel; fp32 initial state (0.1 randn) and final stat
 Timing: triton.testing.do_bench (median, after its own warm-up). Effective bandwidth counts the
 same bytes as the C++ benchmark.
 
-Usage: python3 scripts/fla_prefill_bench.py [--csv PATH] [--case P3]
+Usage: python3 bench/peers/fla_prefill_bench.py [--csv PATH] [--case P3]
 Exits 0 with a message when torch, a CUDA GPU or fla is missing.
 """
 

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# Device-side: warp stall reasons (per issued instruction), pipe utilization, shared-memory
-# wavefronts / bank conflicts and instruction counts of the prepare kernel (kernel A), one ncu
-# run per prebuilt tree on one case (clocks not locked). Session 9 used it to see why three blocks
-# per SM did not help (per-warp cycles per instruction grew with the warps: a shared limit).
-#   TREES="main p3h" CASE=P4 scripts/ncu_stalls.sh      (trees under .deps/, carried prebuilt)
+# On the GPU machine: warp stall reasons (per issued instruction), pipe utilization, shared-memory
+# wavefronts / bank conflicts and instruction counts of the prepare kernel, one ncu run per
+# prebuilt tree on one case (clocks not locked). Compares occupancy settings: per-warp cycles per
+# instruction that grow with the resident warps mean a shared limit, not latency.
+#   TREES="main exp" CASE=P4 dev/ncu_stalls.sh      (trees under .deps/, built by dev/prebuild.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"

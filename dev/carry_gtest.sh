@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Copies this machine's GoogleTest (Debian libgtest-dev) into .deps/gtest, to be carried to a
-# device machine whose image has none (device runs: carry [".deps", ".whl"]).
+# Copies this machine's GoogleTest (Debian libgtest-dev) into .deps/gtest, to be copied along to a
+# GPU machine that has none (scripts/gpu_check.sh and dev/ab_bench.sh use it from there).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 D=.deps/gtest

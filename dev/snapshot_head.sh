@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Materializes a committed tree (default HEAD) in a git-ignored folder (default .deps/head), so a
-# device run can build exactly what is committed while the working tree is being edited:
-#   scripts/snapshot_head.sh [ref [dir]]     e.g. scripts/snapshot_head.sh next/prefill-experiments .deps/exp
-#   run: cd .deps/head && ln -sfn ../../.whl .whl && scripts/gpu_check.sh ...   (carry [".deps", ".whl"])
+# GPU run can build exactly what is committed while the working tree is being edited:
+#   dev/snapshot_head.sh [ref [dir]]     e.g. dev/snapshot_head.sh my-branch .deps/exp
+#   then, on the GPU machine (with .deps/ and .whl/):
+#   cd .deps/head && ln -sfn ../../.whl .whl && scripts/gpu_check.sh ...
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:-HEAD}

@@ -1,19 +1,19 @@
 #!/usr/bin/env bash
-# Builds a committed tree's GPU benchmark and tests on this (CPU) machine, so that a device call
-# spends no time compiling: snapshot (scripts/snapshot_head.sh), CMake Release build of
+# Builds a committed tree's GPU benchmark and tests on this (CPU) machine, so that the GPU machine
+# spends no time compiling: snapshot (dev/snapshot_head.sh), CMake Release build of
 # bench_gpu_prefill and kda_gpu_tests for sm_90a, then everything but those two executables
-# removed (a device call carries at most 64 MiB). Then: scripts/ab_bench.sh with AB_PREBUILT=1.
-#   scripts/prebuild.sh <ref> <dir>      e.g. scripts/prebuild.sh main .deps/base
+# removed (a tree of ~12 MB to copy). Then: dev/ab_bench.sh with AB_PREBUILT=1.
+#   dev/prebuild.sh <ref> <dir>      e.g. dev/prebuild.sh main .deps/base
 # PREBUILD_ALL=1 also keeps the demo CLI (kda) and the decode benchmark, so that
-# `scripts/gpu_check.sh demo tests sanitize racecheck bench` runs from the carried tree without its
+# `scripts/gpu_check.sh demo tests sanitize racecheck bench` runs from the copied tree without its
 # build stage (~24 MB a tree instead of ~12). The executables link the CUDA runtime statically;
-# GoogleTest comes from .deps/gtest (scripts/carry_gtest.sh) or the system. PREBUILD_CUDA_FLAGS:
+# GoogleTest comes from .deps/gtest (dev/carry_gtest.sh) or the system. PREBUILD_CUDA_FLAGS:
 # extra nvcc flags (e.g. a development macro such as -DKDA_PREFILL_TRACE).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?ref}
 dir=${2:?dir under .deps/}
-scripts/snapshot_head.sh "$ref" "$dir"
+dev/snapshot_head.sh "$ref" "$dir"
 extra=()
 [ -d "$PWD/.deps/gtest" ] && extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
 keep=(bench/bench_gpu_prefill tests/kda_gpu_tests)  # executables kept; their CMake targets:

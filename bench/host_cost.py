@@ -1,0 +1,187 @@
+"""Host cost of one call from Python: wall time of back-to-back calls, no synchronization.
+
+Prints microseconds per call for kda.prefill, kda.fwd and kda.decode, and for FLA's chunk_kda /
+fused_recurrent_kda_fwd and FlashKDA's fwd when they are importable, as a table and as JSON.
+
+Protocol (targets.md, "Host cost of one call"): warm up, then time `--calls` calls in a row without
+synchronizing and divide by the number of calls; repeat `--repeats` times and report the median.
+On inputs small enough that the GPU is not the limit the GPU queue never fills, so the figure is
+the host time per call. With torch CUDA tensors the inputs default to S1 (1 x 1024 tokens, H = 4,
+K = V = 128) for prefill and B = 1, H = 32, K = V = 128 for decode; without CUDA, torch CPU tensors
+of tiny shapes (the kernels' own time is then part of the figure).
+
+    python bench/host_cost.py                 # defaults for the device found
+    python bench/host_cost.py --T 16 --H 1    # other prefill shapes
+"""
+
+import argparse
+import json
+import statistics
+import time
+from typing import Any, Callable, Dict, List
+
+import torch
+
+import kda
+
+
+def time_calls(fn: Callable[[], Any], calls: int, repeats: int, sync: Callable[[], None]) -> float:
+    """Median over `repeats` of the wall time of `calls` back-to-back calls, in us per call."""
+    for _ in range(max(10, calls // 10)):
+        fn()
+    sync()
+    runs = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        runs.append((time.perf_counter() - t0) / calls * 1e6)
+        sync()
+    return statistics.median(runs)
+
+
+def prefill_inputs(dev: str, T: int, H: int, K: int, V: int, dtype: torch.dtype) -> Dict[str, Any]:
+    gen = torch.Generator(device="cpu").manual_seed(0)
+
+    def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dt)
+
+    return dict(q=randn(1, T, H, K), k=randn(1, T, H, K), v=randn(1, T, H, V),
+                g=randn(1, T, H, K), beta=randn(1, T, H),
+                A_log=torch.rand(H, generator=gen).to(dev),
+                dt_bias=torch.rand(H, K, generator=gen).to(dev),
+                h0=(0.1 * torch.randn(1, H, V, K, generator=gen)).to(dev))
+
+
+def decode_inputs(dev: str, B: int, H: int, K: int, dtype: torch.dtype) -> Dict[str, Any]:
+    gen = torch.Generator(device="cpu").manual_seed(1)
+
+    def randn(*shape: int, dt: torch.dtype = dtype) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen).to(dev, dt)
+
+    slots = torch.randperm(2 * B, generator=gen)[:B].to(dev, torch.int32)
+    return dict(q=randn(B, 1, H, K), k=randn(B, 1, H, K), v=randn(B, 1, H, K),
+                g=randn(B, 1, H, K), beta=randn(B, 1, H),
+                A_log=torch.rand(H, generator=gen).to(dev),
+                dt_bias=torch.rand(H, K, generator=gen).to(dev),
+                pool=(0.1 * torch.randn(2 * B, H, K, K, generator=gen)).to(dev), slots=slots)
+
+
+def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, Callable[[], Any]]:
+    cpu_opts = {} if p["q"].is_cuda else {"num_threads": threads}
+    out = torch.empty_like(p["v"])
+    ht = torch.empty_like(p["h0"])
+
+    def prefill() -> Any:
+        return kda.prefill(p["q"], p["k"], p["v"], p["g"], p["beta"], A_log=p["A_log"],
+                           dt_bias=p["dt_bias"], gate="lower_bound", beta_logits=True,
+                           initial_state=p["h0"], output_final_state=True, **cpu_opts)
+
+    def fwd() -> Any:
+        return kda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], None, out, p["A_log"],
+                       p["dt_bias"], -5.0, initial_state=p["h0"], final_state=ht)
+
+    def decode() -> Any:
+        return kda.decode(d["q"], d["k"], d["v"], d["g"], d["beta"], d["pool"],
+                          A_log=d["A_log"], dt_bias=d["dt_bias"], state_indices=d["slots"],
+                          gate="softplus", beta_logits=True, **cpu_opts)
+
+    return {"kda.prefill": prefill, "kda.fwd": fwd, "kda.decode": decode}
+
+
+def peer_calls(p: Dict[str, Any], d: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
+    """FLA's and FlashKDA's entries on the same inputs, where importable (CUDA only)."""
+    calls: Dict[str, Callable[[], Any]] = {}
+    if not p["q"].is_cuda:
+        return calls
+    try:
+        from fla.ops.kda import chunk_kda
+
+        def fla_chunk() -> Any:
+            return chunk_kda(p["q"], p["k"], p["v"], p["g"], p["beta"], A_log=p["A_log"],
+                             dt_bias=p["dt_bias"].flatten(), initial_state=p["h0"],
+                             output_final_state=True, use_qk_l2norm_in_kernel=True,
+                             use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                             lower_bound=-5.0, state_v_first=True)
+        calls["fla.chunk_kda"] = fla_chunk
+    except ImportError:
+        pass
+    try:
+        from fla.ops.kda import fused_recurrent_kda_fwd  # type: ignore[attr-defined]
+    except ImportError:
+        try:
+            from fla.ops.kda.fused_recurrent import fused_recurrent_kda_fwd
+        except ImportError:
+            fused_recurrent_kda_fwd = None
+    if fused_recurrent_kda_fwd is not None:
+        def fla_decode() -> Any:
+            return fused_recurrent_kda_fwd(
+                q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
+                dt_bias=d["dt_bias"].flatten(), initial_state=d["pool"], output_final_state=True,
+                inplace_final_state=True, state_v_first=True, ssm_state_indices=d["slots"],
+                use_qk_l2norm_in_kernel=True, use_gate_in_kernel=True,
+                use_beta_sigmoid_in_kernel=True)
+        calls["fla.fused_recurrent_kda_fwd"] = fla_decode
+    try:
+        import flash_kda
+
+        out = torch.empty_like(p["v"])
+        ht = torch.empty_like(p["h0"])
+
+        def flash_fwd() -> Any:
+            return flash_kda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], None, out, p["A_log"],
+                                 p["dt_bias"], -5.0, initial_state=p["h0"], final_state=ht)
+        calls["flash_kda.fwd"] = flash_fwd
+    except ImportError:
+        pass
+    return calls
+
+
+def main() -> None:
+    cuda = torch.cuda.is_available() and kda.cuda_available()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--T", type=int, default=1024 if cuda else 16, help="prefill tokens")
+    ap.add_argument("--H", type=int, default=4 if cuda else 1, help="prefill heads")
+    ap.add_argument("--K", type=int, default=128 if cuda else 32, help="head dim (K = V)")
+    ap.add_argument("--decode-B", type=int, default=1)
+    ap.add_argument("--decode-H", type=int, default=32 if cuda else 1)
+    ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--threads", type=int, default=1, help="CPU backend threads (CPU tensors)")
+    ap.add_argument("--json", default=None, help="also write the JSON to this file")
+    a = ap.parse_args()
+
+    dev = "cuda" if cuda else "cpu"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    p = prefill_inputs(dev, a.T, a.H, a.K, a.K, dtype)
+    d = decode_inputs(dev, a.decode_B, a.decode_H, a.K, dtype)
+    calls = {**kda_calls(p, d, a.threads), **peer_calls(p, d)}
+
+    rows: List[Dict[str, Any]] = []
+    for name, fn in calls.items():
+        try:
+            us = time_calls(fn, a.calls, a.repeats, sync)
+        except Exception as e:  # a peer that cannot run these inputs: reported, not fatal
+            rows.append({"call": name, "us_per_call": None, "error": f"{type(e).__name__}: {e}"})
+            continue
+        rows.append({"call": name, "us_per_call": round(us, 2)})
+
+    shapes = {"prefill": f"1 x {a.T}, H = {a.H}, K = V = {a.K}",
+              "decode": f"B = {a.decode_B}, H = {a.decode_H}, K = V = {a.K}"}
+    print(f"host cost per call ({dev}, {str(dtype).split('.')[-1]}, {a.calls} calls, median of "
+          f"{a.repeats}); prefill {shapes['prefill']}; decode {shapes['decode']}")
+    print(f"{'call':<32} {'us/call':>10}")
+    for r in rows:
+        fig = f"{r['us_per_call']:.2f}" if r["us_per_call"] is not None else "error"
+        print(f"{r['call']:<32} {fig:>10}" + (f"  ({r['error'][:60]})" if "error" in r else ""))
+    doc = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype),
+           "calls": a.calls, "repeats": a.repeats, "shapes": shapes, "results": rows}
+    print(json.dumps(doc))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(doc, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
