@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Format and lint checks of the tracked sources: clang-format (.clang-format: Google base, 100
-# columns) over the C, C++ and CUDA files, and ruff (pyproject.toml [tool.ruff]) over the Python.
+# columns) over the C, C++ and CUDA files, and ruff (pyproject.toml [tool.ruff]) over the Python
+# of python/, tests/python/, bench/, scripts/ and dev/.
 # Exits non-zero on any finding. To fix: clang-format -i <files>; ruff check --fix <paths>.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -26,7 +27,7 @@ if [ ${#cxx[@]} -gt 0 ]; then
 fi
 
 py_paths=()
-for d in python tests/python bench scripts; do
+for d in python tests/python bench scripts dev; do
   [ -n "$(git ls-files "$d/*.py")" ] && py_paths+=("$d")
 done
 if [ ${#py_paths[@]} -gt 0 ]; then
