@@ -6,6 +6,12 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BUILD_DIR=${KDA_BUILD_DIR:-build}
 [ -f "$BUILD_DIR/CMakeCache.txt" ] || { echo "check_install: no build in $BUILD_DIR" >&2; exit 1; }
+# Install what is current, never a stale build.
+if ! log=$(cmake --build "$BUILD_DIR" --parallel 2 2>&1); then
+  printf '%s\n' "$log" | tail -n 30
+  echo "check_install: the build in $BUILD_DIR failed" >&2
+  exit 1
+fi
 work=$(mktemp -d "${TMPDIR:-/tmp}/kda-install.XXXXXX")
 trap 'rm -rf "$work"' EXIT
 prefix=$work/prefix
