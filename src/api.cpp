@@ -6,6 +6,7 @@
 
 #include "core/problem.h"
 #include "cpu/backends.h"
+#include "kda/version.h"
 #ifdef KDA_WITH_CUDA
 #include "cuda/cuda_backend.h"
 #endif
@@ -127,7 +128,7 @@ const char* state_layout_name(StateLayout layout) {
   return "unknown";
 }
 
-const char* version() { return "0.1.0"; }
+const char* version() { return KDA_VERSION_STRING; }
 
 std::vector<int64_t> checkpoint_offsets(const std::vector<int64_t>& cu_seqlens, int64_t every) {
   std::vector<int64_t> off(cu_seqlens.empty() ? 1 : cu_seqlens.size(), 0);

@@ -5,8 +5,9 @@
 
 #include "core/kda_math.h"
 #include "core/problem.h"
+#include "cpu/isa.h"
 
-namespace kda::cpu {
+namespace kda::cpu::inline KDA_CPU_ISA {
 
 inline double load_scalar(const void* base, DType dt, int64_t off) {
   switch (dt) {
@@ -130,4 +131,4 @@ inline void store_state(const TensorView& st, StateLayout layout, int64_t row, i
   }
 }
 
-}  // namespace kda::cpu
+}  // namespace kda::cpu::inline KDA_CPU_ISA

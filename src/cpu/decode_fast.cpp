@@ -10,7 +10,7 @@
 #include "cpu/backends.h"
 #include "cpu/token.h"
 
-namespace kda::cpu {
+namespace kda::cpu::inline KDA_CPU_ISA {
 namespace {
 
 constexpr int kMaxD = 256;
@@ -90,4 +90,4 @@ Status fast_decode(const detail::DecodeProblem& pr, int num_threads) {
   });
 }
 
-}  // namespace kda::cpu
+}  // namespace kda::cpu::inline KDA_CPU_ISA

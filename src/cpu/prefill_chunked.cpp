@@ -26,7 +26,7 @@
 #include "cpu/token.h"
 #include "cpu/vec_math.h"
 
-namespace kda::cpu {
+namespace kda::cpu::inline KDA_CPU_ISA {
 namespace {
 
 constexpr int kC = kChunkSize;  // tokens per chunk
@@ -282,4 +282,4 @@ Status fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
   });
 }
 
-}  // namespace kda::cpu
+}  // namespace kda::cpu::inline KDA_CPU_ISA

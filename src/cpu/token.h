@@ -6,7 +6,7 @@
 
 #include "cpu/access.h"
 
-namespace kda::cpu {
+namespace kda::cpu::inline KDA_CPU_ISA {
 
 // Per-value-head gate constants: exp(A_log[hv]) and dt_bias[hv, :].
 template <typename F>
@@ -61,4 +61,4 @@ void load_token(const Problem& pr, const HeadGate<F>& hg, int64_t b, int64_t t, 
   for (int64_t i = 0; i < nb; ++i) beta[i] = detail::activate_beta<F>(logits, pr.math.allow_neg_eigval, beta[i]);
 }
 
-}  // namespace kda::cpu
+}  // namespace kda::cpu::inline KDA_CPU_ISA

@@ -5,8 +5,9 @@
 #include <cstring>
 
 #include "core/kda_math.h"
+#include "cpu/isa.h"
 
-namespace kda::cpu {
+namespace kda::cpu::inline KDA_CPU_ISA {
 
 // exp(x) in fp32 for any finite x, written so the compiler vectorizes it: 2^(x log2 e) split into
 // 2^n (exponent bits) times 2^f (degree-6 Taylor, |f| <= 1/2, relative error ~1e-7). Arguments
@@ -75,4 +76,4 @@ inline void log_decay_row(int form, float* a, int K, float exp_A, const float* b
   }
 }
 
-}  // namespace kda::cpu
+}  // namespace kda::cpu::inline KDA_CPU_ISA
