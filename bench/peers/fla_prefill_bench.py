@@ -13,6 +13,7 @@ Exits 0 with a message when torch, a CUDA GPU or fla is missing.
 """
 
 import argparse
+import functools
 import os
 import sys
 
@@ -50,13 +51,16 @@ def main() -> int:
         import triton
         from fla.ops.kda import chunk_kda
     except Exception as e:  # ImportError, or a Triton/torch mismatch at import time
-        print(f"fla_prefill_bench: fla (fla-core) is not importable ({type(e).__name__}: {e}); nothing to do")
+        print(f"fla_prefill_bench: fla (fla-core) is not importable ({type(e).__name__}: {e}); "
+              "nothing to do")
         return 0
 
     dev = torch.device("cuda")
-    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, triton {triton.__version__}")
+    print(f"device: {torch.cuda.get_device_name(dev)}, torch {torch.__version__}, "
+          f"triton {triton.__version__}")
     rows = []
-    hdr = f"{'case':4} {'sequences':34} {'H':>4} {'FLA ms':>9} {'GB/s':>8} {'targets FLA':>12} {'FlashKDA':>9}"
+    hdr = (f"{'case':4} {'sequences':34} {'H':>4} {'FLA ms':>9} {'GB/s':>8} {'targets FLA':>12} "
+           f"{'FlashKDA':>9}")
     print(hdr)
     for name, lens, varlen, H, fla_target, fkda in CASES:
         if args.case and args.case != name:
@@ -68,8 +72,9 @@ def main() -> int:
         g = torch.Generator(device=dev)
         g.manual_seed(0)
 
-        def randn(*shape):
-            return torch.randn(*shape, device=dev, dtype=torch.float32, generator=g).to(torch.bfloat16)
+        def randn(*shape, g=g):
+            x = torch.randn(*shape, device=dev, dtype=torch.float32, generator=g)
+            return x.to(torch.bfloat16)
 
         q, k = randn(B, T, H, K), randn(B, T, H, K)
         v, gate, beta = randn(B, T, HV, V), randn(B, T, HV, K), randn(B, T, HV)
@@ -83,38 +88,39 @@ def main() -> int:
                 offs.append(offs[-1] + n)
             cu = torch.tensor(offs, device=dev, dtype=torch.long)
 
-        def run():
-            return chunk_kda(
-                q, k, v, gate, beta,
-                initial_state=h0,
-                output_final_state=True,
-                use_qk_l2norm_in_kernel=True,
-                use_gate_in_kernel=True,
-                use_beta_sigmoid_in_kernel=True,
-                safe_gate=True,
-                lower_bound=-5.0,
-                state_v_first=True,
-                cu_seqlens=cu,
-                A_log=A_log,
-                dt_bias=dt_bias,
-            )
+        run = functools.partial(
+            chunk_kda, q, k, v, gate, beta,
+            initial_state=h0,
+            output_final_state=True,
+            use_qk_l2norm_in_kernel=True,
+            use_gate_in_kernel=True,
+            use_beta_sigmoid_in_kernel=True,
+            safe_gate=True,
+            lower_bound=-5.0,
+            state_v_first=True,
+            cu_seqlens=cu,
+            A_log=A_log,
+            dt_bias=dt_bias,
+        )
 
         with torch.inference_mode():
             o, ht = run()
             torch.cuda.synchronize()
             ok = bool(torch.isfinite(o).all()) and bool(torch.isfinite(ht).all())
             ms = triton.testing.do_bench(run, warmup=25, rep=200, return_mode="median")
-        nbytes = total * (2 * H * K + 2 * HV * V + 2 * HV * K + 2 * HV * V + 2 * HV) + 2 * N * HV * V * K * 4
+        nbytes = (total * (2 * H * K + 2 * HV * V + 2 * HV * K + 2 * HV * V + 2 * HV)
+                  + 2 * N * HV * V * K * 4)
         gbps = nbytes / (ms * 1e-3) / 1e9
         if varlen:
-            seqs = "varlen " + ",".join(str(n) for n in lens[:6]) + (",..." if len(lens) > 6 else "")
+            more = ",..." if len(lens) > 6 else ""
+            seqs = "varlen " + ",".join(str(n) for n in lens[:6]) + more
         else:
             seqs = f"{N} x {lens[0]}"
         print(f"{name:4} {seqs:34} {H:>4} {ms:9.3f} {gbps:8.0f} {fla_target:12.3f} {fkda:9.3f}"
               + ("" if ok else "  NON-FINITE OUTPUT"))
         sys.stdout.flush()
         rows.append((name, seqs, H, ms, gbps, fla_target, fkda))
-        del q, k, v, gate, beta, h0, o, ht
+        run = q = k = v = gate = beta = h0 = o = ht = None
         torch.cuda.empty_cache()
 
     if args.csv:
