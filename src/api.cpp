@@ -11,32 +11,6 @@
 
 namespace kda {
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
-}
-
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: case DType::kInt32: return 4;
-    case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kInt64: return 8;
-  }
-  return 0;
-}
-
-int64_t TensorView::numel() const {
-  int64_t n = 1;
-  for (int i = 0; i < ndim; ++i) n *= shape[i];
-  return ndim > 0 ? n : 0;
-}
-
 TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape,
                              std::vector<int64_t> strides, Device device, int32_t device_index) {
   TensorView t;
@@ -57,13 +31,6 @@ TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device
   std::vector<int64_t> strides(shape.size(), 1);
   for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i) strides[i] = strides[i + 1] * shape[i + 1];
   return make_strided_view(data, dtype, std::move(shape), std::move(strides), device, device_index);
-}
-
-std::string Status::to_string() const {
-  static const char* names[] = {"ok", "invalid argument", "unsupported", "CUDA error", "internal error"};
-  const int c = static_cast<int>(code_);
-  std::string s = (c >= 0 && c <= 4) ? names[c] : "unknown";
-  return message_.empty() ? s : s + ": " + message_;
 }
 
 bool cuda_compiled() {

@@ -1,6 +1,6 @@
-// common.cuh — device helpers of the CUDA prefill (prefill_sm90.cu): the kernel parameter block,
+// common.cuh — device helpers of the CUDA prefill (prefill/prefill.cu): the kernel parameter block,
 // strided views, the workspace record layout with its shared-memory swizzles, conversions.
-// PTX wrappers live in ptx.cuh.
+// PTX wrappers live in common/ptx.cuh.
 //
 // Fragment notation used in both kernels (PTX ISA, "warp-level matrix fragments"): lane = 4 g + c
 // (g = groupID 0..7, c = threadID_in_group 0..3).
@@ -20,7 +20,8 @@
 #include <cstdint>
 
 #include "core/kda_math.h"
-#include "cuda/prefill/ptx.cuh"
+#include "cuda/common/ptx.cuh"
+#include "cuda/common/view.cuh"
 
 namespace kda::cuda::pf {
 
@@ -88,7 +89,7 @@ __host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kH
 __host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
 __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
-// ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md session 11).
+// ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md).
 // Four per record slot (the workspace is sized as for 64-token records). Each matrix is a wgmma B
 // operand, K-major, in the swizzle mode of its row length (PTX ISA, shared memory matrix layouts:
 // the 16-byte chunk index of a row is XORed with row bits, 3 / 2 / 1 of them for 128 / 64 / 32-byte
@@ -133,22 +134,7 @@ __device__ __forceinline__ int swizzle_vtile(int row, int chunk, int vs) {
 // Views
 // ---------------------------------------------------------------------------------------------
 
-inline constexpr int kF32 = 0;  // static_cast<int>(DType::kFloat32)
-inline constexpr int kF16 = 1;
-inline constexpr int kBF16 = 2;
-
-// A rank-4 token tensor [B, T, heads, dim] (beta: [B, T, HV, 1]); last dimension contiguous.
-// `vec`: data pointer and leading strides allow 16-byte vector access of 8 (16-bit) or 4 (fp32)
-// consecutive elements that start at a multiple of 8 / 4.
-struct TokenView {
-  const void* data = nullptr;
-  int64_t s0 = 0, s1 = 0, s2 = 0;
-  int dtype = kBF16;
-  bool vec = false;
-  __device__ __forceinline__ int64_t offset(int64_t b, int64_t t, int64_t h) const {
-    return b * s0 + t * s1 + h * s2;
-  }
-};
+// Token tensors [B, T, heads, dim] (beta: [B, T, HV, 1]) are StridedViews (common/view.cuh).
 
 // A state tensor [rows, HV, V, K] (V-first) or [rows, HV, K, V] (K-first); absent: data null.
 struct StateView {
@@ -170,7 +156,7 @@ struct IndexView {
 
 // Everything both kernels read, passed by value (__grid_constant__).
 struct Params {
-  TokenView q, k, v, g, beta, out;  // out: written (const dropped at the store)
+  StridedView q, k, v, g, beta, out;  // out: written (const dropped at the store)
   const float* A_log = nullptr;     // [HV] (stride A_log_s), optional
   const float* dt_bias = nullptr;   // [HV, K] (row stride dt_bias_s), optional
   int64_t A_log_s = 1, dt_bias_s = kHeadDim;
