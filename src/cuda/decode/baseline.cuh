@@ -79,7 +79,7 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
     store_elem(a.out.data, a.out.dtype, a.out.offset(row.b, tok, hv) + v, o);
     if (a.store_final_state) {
       if (a.has_intermediate) {
-        store_col(a.inter, row.b * a.T + tok);
+        store_col(a.intermediate_states, row.b * a.T + tok);
       } else if (a.indices_2d) {
         const int64_t ws = token_slot(a, n, t);
         if (ws >= 0) store_col(a.state, ws);

@@ -143,10 +143,10 @@ DecodeArgs make_args(const detail::DecodeProblem& pr) {
   }
   a.cu_seqlens = to_index(pr.cu_seqlens);
   a.state_indices = to_index(pr.state_indices);
-  a.num_accepted = to_index(pr.num_accepted_tokens);
+  a.num_accepted_tokens = to_index(pr.num_accepted_tokens);
   a.state = strided_view(pr.state);
   a.final_state = strided_view(pr.final_state);
-  a.inter = strided_view(pr.intermediate_states);
+  a.intermediate_states = strided_view(pr.intermediate_states);
   a.N = pr.d.N;
   a.T = pr.d.T;
   a.Tmax = pr.Tmax;

@@ -30,10 +30,10 @@ struct DecodeArgs {
   int64_t A_log_s0 = 0;
   IndexTensor cu_seqlens;         // [N + 1] (varlen)
   IndexTensor state_indices;      // [N] or [N, Tmax] (has_indices)
-  IndexTensor num_accepted;       // [N] (has_num_accepted)
+  IndexTensor num_accepted_tokens;  // [N] (has_num_accepted)
   StridedView state;                  // [P, HV, ..] the pool, fp32 or bf16
   StridedView final_state;            // [N, HV, ..] (has_final_state)
-  StridedView inter;                  // [B * T, HV, ..] state after every token (has_intermediate)
+  StridedView intermediate_states;  // [B * T, HV, ..] state after every token (has_intermediate)
   int64_t N = 0;                  // sequences
   int64_t T = 0;                  // tokens dimension of the token tensors
   int64_t Tmax = 0;               // columns of 2-D state_indices (= T in dense mode)

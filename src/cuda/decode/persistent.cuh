@@ -252,7 +252,7 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
         }
         if (a.store_final_state) {
           if (a.has_intermediate) {
-            store_state_tile<Map, StateT, false>(m, a.inter, it.n * a.T + t, it.hv, a.K, sreg);
+            store_state_tile<Map, StateT, false>(m, a.intermediate_states, it.n * a.T + t, it.hv, a.K, sreg);
           } else if (a.indices_2d) {
             const int64_t ws = desc->wslot[t];
             if (ws >= 0) store_state_tile<Map, StateT, false>(m, a.state, ws, it.hv, a.K, sreg);

@@ -34,7 +34,7 @@ __device__ __forceinline__ SeqRow resolve_row(const DecodeArgs& a, int64_t n) {
   }
   int64_t col = 0;
   if (a.has_num_accepted) {
-    const int64_t acc = load_index(a.num_accepted, n * a.num_accepted.s0);
+    const int64_t acc = load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0);
     if (acc < 1 || acc > r.len) return r;
     col = acc - 1;
   }
@@ -60,7 +60,7 @@ struct RowRaw {
 __device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
   RowRaw r{-1, 1};
   if (a.has_indices && (!a.indices_2d || a.Tmax > 0)) r.idx0 = load_index(a.state_indices, n * a.state_indices.s0);
-  if (a.has_num_accepted) r.acc = load_index(a.num_accepted, n * a.num_accepted.s0);
+  if (a.has_num_accepted) r.acc = load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0);
   return r;
 }
 

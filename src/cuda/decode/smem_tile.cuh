@@ -117,7 +117,7 @@ __device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const 
   TileDst<StateT> dst;
   if (!a.store_final_state) return dst;
   if (a.has_intermediate) {
-    dst.set(a.inter, row.b * a.T + row.bos + t, hv);
+    dst.set(a.intermediate_states, row.b * a.T + row.bos + t, hv);
   } else if (a.indices_2d) {
     const int64_t ws = token_slot(a, n, t);
     if (ws >= 0) dst.set(a.state, ws, hv);

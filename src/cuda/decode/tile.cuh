@@ -92,7 +92,7 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
     // ---- Per-token states: intermediate buffer, or in place through [N, Tmax] indices
     if (a.store_final_state) {
       if (a.has_intermediate) {
-        store_state_tile<Map, StateT, kKFirst>(m, a.inter, row.b * a.T + tok, hv, a.K, s);
+        store_state_tile<Map, StateT, kKFirst>(m, a.intermediate_states, row.b * a.T + tok, hv, a.K, s);
       } else if (a.indices_2d) {
         const int64_t ws = token_slot(a, n, t);
         if (ws >= 0) store_state_tile<Map, StateT, kKFirst>(m, a.state, ws, hv, a.K, s);

@@ -160,7 +160,7 @@ struct Params {
   const float* A_log = nullptr;     // [HV] (stride A_log_s), optional
   const float* dt_bias = nullptr;   // [HV, K] (row stride dt_bias_s), optional
   int64_t A_log_s = 1, dt_bias_s = kHeadDim;
-  IndexView cu;                     // varlen: cu_seqlens [N + 1]
+  IndexView cu_seqlens;             // varlen: [N + 1]
   bool varlen = false;
   int64_t B = 0, T = 0, N = 0;      // per-token tensors are [B, T, ...]; N sequences
   int H = 0, HV = 0, groups = 1;    // groups = HV / H
@@ -176,10 +176,10 @@ struct Params {
                                     // written by prepare block 0, read by the recurrence)
 
   // States (kernel B only).
-  StateView h0, ht, pool, ckpt;
-  IndexView pool_idx, ckpt_off;
-  bool has_pool = false;
-  int64_t ckpt_every = 0;
+  StateView initial_state, final_state, state_pool, checkpoints;
+  IndexView state_indices, checkpoint_offsets;
+  bool has_state_pool = false;
+  int64_t checkpoint_every = 0;
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
@@ -204,7 +204,7 @@ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
 __device__ __forceinline__ int64_t varlen_base_at(const Params& p, int64_t n, int64_t cu_n) {
   return clamp64(cu_n, 0, p.T) / kChunk + n;
 }
-__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu.load(n)); }
+__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu_seqlens.load(n)); }
 
 // Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T].
 __device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n, int64_t cu_n1) {
@@ -223,7 +223,7 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
     s.len = p.T;
     s.base = n * p.chunks_per_seq;
   } else {
-    s = varlen_span(p, n, p.cu.load(n), p.cu.load(n + 1));
+    s = varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
   }
   return s;
 }

@@ -92,7 +92,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
     p.dt_bias_s = pr.dt_bias.strides[0];
   }
   p.varlen = d.varlen;
-  p.cu = index_view(pr.cu_seqlens);
+  p.cu_seqlens = index_view(pr.cu_seqlens);
   p.B = d.B;
   p.T = d.T;
   p.N = d.N;
@@ -113,14 +113,14 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
     if (uses_sequence_order(pr))
       p.order = reinterpret_cast<int32_t*>(p.ws + static_cast<size_t>(slots * d.HV) * kRecordBytes);
   }
-  p.h0 = state_view(pr.initial_state);
-  p.ht = state_view(pr.final_state);
-  p.pool = state_view(pr.state_pool);
-  p.has_pool = pr.state_pool.present();
-  p.pool_idx = index_view(pr.state_indices);
-  p.ckpt = state_view(pr.checkpoints);
-  p.ckpt_off = index_view(pr.checkpoint_offsets);
-  p.ckpt_every = pr.checkpoint_every;
+  p.initial_state = state_view(pr.initial_state);
+  p.final_state = state_view(pr.final_state);
+  p.state_pool = state_view(pr.state_pool);
+  p.has_state_pool = pr.state_pool.present();
+  p.state_indices = index_view(pr.state_indices);
+  p.checkpoints = state_view(pr.checkpoints);
+  p.checkpoint_offsets = index_view(pr.checkpoint_offsets);
+  p.checkpoint_every = pr.checkpoint_every;
   p.kfirst = pr.layout == StateLayout::kKFirst;
   const RecurrenceChoice rc = recurrence_choice(pairs, num_sms, tuning);
   p.vs = rc.vs;

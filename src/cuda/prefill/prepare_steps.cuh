@@ -65,7 +65,7 @@ __device__ __forceinline__ SeqSpan find_span(const Params& p, int64_t slot, int 
   }
   const int64_t cand = lo + lane;
   SeqSpan c = {};
-  if (cand < hi) c = varlen_span(p, cand, p.cu.load(cand), p.cu.load(cand + 1));  // cand + 1 <= N
+  if (cand < hi) c = varlen_span(p, cand, p.cu_seqlens.load(cand), p.cu_seqlens.load(cand + 1));  // cand + 1 <= N
   const unsigned m = __ballot_sync(0xffffffffu, cand < hi && c.base <= slot);
   const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
   SeqSpan s;

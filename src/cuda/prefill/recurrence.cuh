@@ -89,14 +89,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[kNJ][4];
   int64_t slot = -1;
-  if (p.has_pool) {
-    slot = p.pool_idx.load(n);
-    if (slot < 0 || slot >= p.pool.rows) slot = -1;
+  if (p.has_state_pool) {
+    slot = p.state_indices.load(n);
+    if (slot < 0 || slot >= p.state_pool.rows) slot = -1;
   }
   if (slot >= 0) {
-    load_state(accS, p.pool, p.kfirst, slot, hv, vw, k0, g, c);
-  } else if (!p.has_pool && p.h0.data != nullptr) {
-    load_state(accS, p.h0, p.kfirst, n, hv, vw, k0, g, c);
+    load_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
+  } else if (!p.has_state_pool && p.initial_state.data != nullptr) {
+    load_state(accS, p.initial_state, p.kfirst, n, hv, vw, k0, g, c);
   } else {
 #pragma unroll
     for (int j = 0; j < kNJ; ++j)
@@ -104,10 +104,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       for (int e = 0; e < 4; ++e) accS[j][e] = 0.f;
   }
   int64_t ck_lo = 0, ck_hi = 0;
-  if (p.ckpt_every > 0) {
-    ck_lo = p.ckpt_off.load(n);
-    const int64_t hi = p.ckpt_off.load(n + 1);
-    ck_hi = hi < p.ckpt.rows ? hi : p.ckpt.rows;
+  if (p.checkpoint_every > 0) {
+    ck_lo = p.checkpoint_offsets.load(n);
+    const int64_t hi = p.checkpoint_offsets.load(n + 1);
+    ck_hi = hi < p.checkpoints.rows ? hi : p.checkpoints.rows;
   }
 
   // The record's zero parts in both stages (never copied: common.cuh), before the barrier below;
@@ -438,18 +438,18 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
-    if (p.ckpt_every > 0 && L == kLc) {
+    if (p.checkpoint_every > 0 && L == kLc) {
       const int64_t done = (ci + 1) * kLc;
-      if (done % p.ckpt_every == 0) {
-        const int64_t row = ck_lo + done / p.ckpt_every - 1;
-        if (row >= 0 && row < ck_hi) store_state(accS, p.ckpt, p.kfirst, row, hv, vw, k0, g, c);
+      if (done % p.checkpoint_every == 0) {
+        const int64_t row = ck_lo + done / p.checkpoint_every - 1;
+        if (row >= 0 && row < ck_hi) store_state(accS, p.checkpoints, p.kfirst, row, hv, vw, k0, g, c);
       }
     }
   }
 
   // ---- Final state.
-  if (!p.has_pool && p.ht.data != nullptr) store_state(accS, p.ht, p.kfirst, n, hv, vw, k0, g, c);
-  if (slot >= 0) store_state(accS, p.pool, p.kfirst, slot, hv, vw, k0, g, c);
+  if (!p.has_state_pool && p.final_state.data != nullptr) store_state(accS, p.final_state, p.kfirst, n, hv, vw, k0, g, c);
+  if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
 }
 
 }  // namespace kda::cuda::pf
