@@ -31,6 +31,7 @@
 #include <vector>
 
 #include "core/tuning.h"  // the testing hook: kernels forced through the tuning struct
+#include "bench_cuda.h"
 #include "kda/kda.h"
 #include "support.h"
 
@@ -38,16 +39,6 @@ namespace {
 
 using namespace kda;
 using kda::test::HostTensor;
-
-#define BENCH_CUDA(expr)                                                                     \
-  do {                                                                                       \
-    cudaError_t _e = (expr);                                                                 \
-    if (_e != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(_e), __FILE__, \
-                   __LINE__);                                                                \
-      std::exit(2);                                                                          \
-    }                                                                                        \
-  } while (0)
 
 struct Options {
   std::string csv;

@@ -22,21 +22,13 @@
 #include <thread>
 #include <vector>
 
+#include "bench_cuda.h"
 #include "kda/kda.h"
 #include "support.h"
 
 namespace {
 
 using namespace kda;
-
-#define BENCH_CUDA(expr)                                                                   \
-  do {                                                                                     \
-    cudaError_t _e = (expr);                                                               \
-    if (_e != cudaSuccess) {                                                               \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(_e), __FILE__, __LINE__); \
-      std::exit(2);                                                                        \
-    }                                                                                      \
-  } while (0)
 
 struct Case {
   const char* name;
