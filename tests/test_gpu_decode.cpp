@@ -1,4 +1,4 @@
-// test_gpu_decode.cpp — the CUDA decode (src/cuda/decode_sm90.cu) against the fp64 CPU reference
+// test_gpu_decode.cpp — the CUDA decode (src/cuda/decode/) against the fp64 CPU reference
 // on the same inputs: outputs, state pool, final and per-token states; untouched pool slots stay
 // bit-identical; reruns are bitwise deterministic; error paths write nothing.
 //

@@ -1,4 +1,4 @@
-// test_gpu_prefill.cpp — CUDA prefill (src/cuda/prefill_sm90.cu) against the fp64 reference.
+// test_gpu_prefill.cpp — CUDA prefill (src/cuda/prefill/) against the fp64 reference.
 //
 // Every GPU test starts with KDA_SKIP_WITHOUT_SM90(). The reference is kda::prefill with
 // Backend::kCpuReference on widen(data): the same (bf16/fp16-exact) inputs in fp32, computed in
