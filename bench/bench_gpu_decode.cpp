@@ -15,7 +15,7 @@
 // (or =baseline) in the environment times the other kernels on the same cases.
 //
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
-//                         [--kernels K1,K2,..]   (also time each case with KDA_CUDA_DECODE_KERNEL=K)
+//                         [--kernels K1,K2,..]   (also time each case with kernel K forced: Tuning::decode_kernel)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -30,10 +30,9 @@
 #include <string>
 #include <vector>
 
+#include "core/tuning.h"  // the testing hook: kernels forced through the tuning struct
+#include "bench_cuda.h"
 #include "kda/kda.h"
-#ifdef KDA_DECODE_TRACE
-#include "cuda/cuda_backend.h"
-#endif
 #include "support.h"
 
 namespace {
@@ -41,23 +40,13 @@ namespace {
 using namespace kda;
 using kda::test::HostTensor;
 
-#define BENCH_CUDA(expr)                                                                     \
-  do {                                                                                       \
-    cudaError_t _e = (expr);                                                                 \
-    if (_e != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(_e), __FILE__, \
-                   __LINE__);                                                                \
-      std::exit(2);                                                                          \
-    }                                                                                        \
-  } while (0)
-
 struct Options {
   std::string csv;
   int iters = 100;
   int warmup = 10;
   std::string filter;
   bool check = true;
-  std::vector<std::string> kernels;  // --kernels: also time each case with KDA_CUDA_DECODE_KERNEL=k
+  std::vector<std::string> kernels;  // --kernels: also time each case with kernel k forced (docs/tuning.md)
 };
 
 struct Case {
@@ -269,46 +258,6 @@ double median(std::vector<double> v) {
   return v.empty() ? 0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
 }
 
-#ifdef KDA_DECODE_TRACE
-// One more replay with the stamps reset; per call: the gap after the previous call's last block
-// and, relative to this call's first block past the PDL wait, the median and last block at each
-// point of the staged kernel (cuda_backend.h), in microseconds.
-void print_trace(cudaGraphExec_t exec, cudaStream_t stream, int calls) {
-  using kda::cuda::kTraceBlocks;
-  using kda::cuda::kTracePoints;
-  std::vector<unsigned long long> st;
-  if (!kda::cuda::decode_trace_fetch(&st, true).ok()) return;
-  BENCH_CUDA(cudaGraphLaunch(exec, stream));
-  BENCH_CUDA(cudaStreamSynchronize(stream));
-  if (!kda::cuda::decode_trace_fetch(&st, false).ok()) return;
-  auto at = [&](int c, int p, int b) { return st[(static_cast<size_t>(c) * kTracePoints + p) * kTraceBlocks + b]; };
-  std::printf("  trace (us; per point: median / last block, from the call's first block past the wait)\n");
-  std::printf("  call    gap  entry-min    wait    slot      token     state     done      end\n");
-  unsigned long long prev_end = 0;
-  for (int c = 0; c < calls && c < kda::cuda::kTraceCalls; ++c) {
-    int nb = 0;
-    while (nb < kTraceBlocks && at(c, 6, nb) != 0) ++nb;
-    if (nb == 0) break;
-    unsigned long long w0 = ~0ull, e0 = ~0ull, end = 0;
-    for (int b = 0; b < nb; ++b) {
-      w0 = std::min(w0, at(c, 1, b));
-      e0 = std::min(e0, at(c, 0, b));
-      end = std::max(end, at(c, 6, b));
-    }
-    std::printf("  %4d %6.2f %9.2f", c, prev_end ? (static_cast<double>(w0) - static_cast<double>(prev_end)) * 1e-3 : 0.0,
-                (static_cast<double>(e0) - static_cast<double>(w0)) * 1e-3);
-    for (int p = 1; p < kTracePoints; ++p) {
-      std::vector<double> d(nb);
-      for (int b = 0; b < nb; ++b) d[b] = (static_cast<double>(at(c, p, b)) - static_cast<double>(w0)) * 1e-3;
-      std::sort(d.begin(), d.end());
-      std::printf(" %4.2f/%4.2f", d[nb / 2], d[nb - 1]);
-    }
-    std::printf("\n");
-    prev_end = end;
-  }
-}
-#endif
-
 Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
   Result r;
   r.c = pr.c;
@@ -356,9 +305,6 @@ Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
       BENCH_CUDA(cudaEventRecord(ev[2 * i + 1], stream));
     }
     BENCH_CUDA(cudaStreamSynchronize(stream));
-#ifdef KDA_DECODE_TRACE
-    print_trace(exec, stream, pr.c.graph_calls);
-#endif
     BENCH_CUDA(cudaGraphExecDestroy(exec));
     BENCH_CUDA(cudaGraphDestroy(graph));
   }
@@ -451,17 +397,17 @@ int main(int argc, char** argv) {
     // Kernel sweep: the same case with each forced kernel (where eligible; otherwise the library's
     // default choice runs), checked and timed the same way.
     for (const std::string& k : o.kernels) {
-      const char* prev = std::getenv("KDA_CUDA_DECODE_KERNEL");
-      const std::string saved = prev ? prev : "";
-      setenv("KDA_CUDA_DECODE_KERNEL", k.c_str(), 1);
+      kda::detail::Tuning t = kda::detail::tuning();
+      t.decode_kernel = kda::detail::parse_tuning([&](const char* name) {
+                          return std::strcmp(name, "KDA_CUDA_DECODE_KERNEL") == 0 ? k.c_str() : nullptr;
+                        }).decode_kernel;
+      const kda::detail::ScopedTuning forced(t);
       const bool kok = !o.check || check_case(pr, stream);
       all_ok = all_ok && kok;
       Result kr = time_case(pr, o, stream);
       kr.ok = kok;
       kr.kernel = k;
-      if (prev) setenv("KDA_CUDA_DECODE_KERNEL", saved.c_str(), 1);
-      else unsetenv("KDA_CUDA_DECODE_KERNEL");
-      std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [KDA_CUDA_DECODE_KERNEL=%s]\n", c.name.c_str(), kr.us_median,
+      std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [kernel %s]\n", c.name.c_str(), kr.us_median,
                   kr.us_min, kr.tbps, k.c_str());
       sweep.push_back(kr);
     }

@@ -14,14 +14,7 @@
 #include <random>
 #include <vector>
 
-#define CK(x)                                                                                   \
-  do {                                                                                          \
-    cudaError_t e_ = (x);                                                                       \
-    if (e_ != cudaSuccess) {                                                                    \
-      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
-      return 1;                                                                                 \
-    }                                                                                           \
-  } while (0)
+#include "bench_cuda.h"
 
 namespace {
 
@@ -217,7 +210,7 @@ int main() {
     return 0;
   }
   cudaDeviceProp prop;
-  CK(cudaGetDeviceProperties(&prop, 0));
+  BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
   if (prop.major < 9) {
     std::printf("bench_gpu_mempattern: needs sm_90 (%s)\n", prop.name);
     return 0;
@@ -227,17 +220,17 @@ int main() {
   const int64_t tiles = bytes / kTileBytes;
   uint4 *a = nullptr, *b = nullptr;
   int* idx = nullptr;
-  CK(cudaMalloc(&a, bytes));
-  CK(cudaMalloc(&b, bytes));
-  CK(cudaMalloc(&idx, heads * sizeof(int)));
+  BENCH_CUDA(cudaMalloc(&a, bytes));
+  BENCH_CUDA(cudaMalloc(&b, bytes));
+  BENCH_CUDA(cudaMalloc(&idx, heads * sizeof(int)));
   std::vector<int> perm(heads);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), std::mt19937(7));
-  CK(cudaMemcpy(idx, perm.data(), heads * sizeof(int), cudaMemcpyHostToDevice));
-  CK(cudaMemset(a, 0, bytes));
-  CK(cudaMemset(b, 0, bytes));
+  BENCH_CUDA(cudaMemcpy(idx, perm.data(), heads * sizeof(int), cudaMemcpyHostToDevice));
+  BENCH_CUDA(cudaMemset(a, 0, bytes));
+  BENCH_CUDA(cudaMemset(b, 0, bytes));
   cudaStream_t s;
-  CK(cudaStreamCreate(&s));
+  BENCH_CUDA(cudaStreamCreate(&s));
   const int sms = prop.multiProcessorCount;
   auto report = [&](const char* name, double us) {
     std::printf("  %-44s %9.2f us  %.3f TB/s\n", name, us, 2.0 * bytes / (us * 1e-6) / 1e12);
@@ -263,8 +256,8 @@ int main() {
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, nullptr); }, s));
   report("cp.async 16 KB -> smem -> st, in place, index",
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, idx); }, s));
-  CK(cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  CK(cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
+  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
   report("bulk 16 KB in, bulk out, in place",
          time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
   report("bulk 32 KB in, bulk out, in place",
@@ -279,8 +272,8 @@ int main() {
                 pdl ? "PDL" : "no PDL", graph_us(empty_kernel, 128, pdl, 20, s),
                 graph_us(chain_kernel, 128, pdl, 20, s, a, static_cast<const int*>(idx)));
   }
-  CK(cudaGetLastError());
-  CK(cudaStreamSynchronize(s));
+  BENCH_CUDA(cudaGetLastError());
+  BENCH_CUDA(cudaStreamSynchronize(s));
   cudaFree(a);
   cudaFree(b);
   cudaFree(idx);

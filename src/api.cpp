@@ -13,39 +13,6 @@
 
 namespace kda {
 
-const char* dtype_name(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: return "fp32";
-    case DType::kFloat16: return "fp16";
-    case DType::kBFloat16: return "bf16";
-    case DType::kInt32: return "int32";
-    case DType::kInt64: return "int64";
-  }
-  return "unknown";
-}
-
-size_t dtype_size(DType dtype) {
-  switch (dtype) {
-    case DType::kFloat32: case DType::kInt32: return 4;
-    case DType::kFloat16: case DType::kBFloat16: return 2;
-    case DType::kInt64: return 8;
-  }
-  return 0;
-}
-
-int64_t TensorView::numel() const {
-  if (ndim == 0) return 0;
-  if (ndim < 0 || ndim > kMaxDims) return -1;
-  for (int i = 0; i < ndim; ++i) {
-    if (shape[i] < 0) return -1;
-    if (shape[i] == 0) return 0;
-  }
-  int64_t n = 1;
-  for (int i = 0; i < ndim; ++i)
-    if (__builtin_mul_overflow(n, shape[i], &n)) return -1;
-  return n;
-}
-
 TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape,
                              std::vector<int64_t> strides, Device device, int32_t device_index) {
   TensorView t;
@@ -71,13 +38,6 @@ TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device
   for (int i = static_cast<int>(shape.size()) - 2; i >= 0; --i)
     if (__builtin_mul_overflow(strides[i + 1], shape[i + 1], &strides[i])) strides[i] = INT64_MAX;
   return make_strided_view(data, dtype, std::move(shape), std::move(strides), device, device_index);
-}
-
-std::string Status::to_string() const {
-  static const char* names[] = {"ok", "invalid argument", "unsupported", "CUDA error", "internal error"};
-  const int c = static_cast<int>(code_);
-  std::string s = (c >= 0 && c <= 4) ? names[c] : "unknown";
-  return message_.empty() ? s : s + ": " + message_;
 }
 
 bool cuda_compiled() {

@@ -8,9 +8,20 @@
 #include <stdexcept>
 #include <string>
 
+#include "core/tuning.h"
 #include "support.h"
 
 namespace kda::test {
+
+// The tuning in effect with `edit` applied, for a detail::ScopedTuning (tests steer kernels through
+// the tuning struct, never the environment):
+//   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_chunk = 16; }));
+template <typename Edit>
+detail::Tuning tuned(Edit&& edit) {
+  detail::Tuning t = detail::tuning();
+  edit(t);
+  return t;
+}
 
 #define KDA_TEST_CUDA(expr)                                                                   \
   do {                                                                                        \

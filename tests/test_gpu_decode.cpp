@@ -1,4 +1,4 @@
-// test_gpu_decode.cpp — the CUDA decode (src/cuda/decode_sm90.cu) against the fp64 CPU reference
+// test_gpu_decode.cpp — the CUDA decode (src/cuda/decode/) against the fp64 CPU reference
 // on the same inputs: outputs, state pool, final and per-token states; untouched pool slots stay
 // bit-identical; reruns are bitwise deterministic; error paths write nothing.
 //
@@ -20,7 +20,7 @@
 #include "core/problem.h"
 #include "cpu/access.h"
 #include "cpu/backends.h"
-#include "cuda/decode_heuristics.h"
+#include "core/tuning.h"
 #include "gpu_support.h"
 #include "support.h"
 
@@ -43,12 +43,12 @@ struct GpuDecodeCase {
   int strided = 0;              // 1: padded (unaligned) input strides; 2: padded 16-byte-aligned strides
   bool state_strided = false;   // pool with padded (unaligned) strides: no 16-byte vectors
   bool drop_token_slot = false; // [N, T] indices: one row's last write slot is -1 (skipped)
-  bool baseline = false;        // run the baseline kernel (KDA_CUDA_DECODE_KERNEL=baseline)
+  bool baseline = false;        // run the baseline kernel (Tuning::decode_kernel)
   bool tile = false;            // run the tile kernel where the staged one would run (=tile)
   bool staged = false;          // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
   bool bulklat = false;         // force the bulk kernel's latency variant (=bulklat; dense T = 1)
-  int grid = 0;                 // > 0: persistent kernel grid (KDA_CUDA_DECODE_GRID), many items per block
+  int grid = 0;                 // > 0: persistent kernel grid (Tuning::decode_grid), many items per block
   bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
 
@@ -140,26 +140,27 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.math.lower_bound = gc.lower_bound;
 }
 
-// Sets KDA_CUDA_DECODE_KERNEL (baseline / tile / persistent with a grid) and KDA_CUDA_DECODE_GRID
-// while alive.
+// Forces the case's kernel (Tuning::decode_kernel: baseline / tile / staged / bulk / bulklat, or
+// the persistent kernel with a small grid, Tuning::decode_grid) while alive.
 class KernelChoice {
  public:
-  explicit KernelChoice(const GpuDecodeCase& gc) {
-    if (gc.baseline || gc.tile) setenv("KDA_CUDA_DECODE_KERNEL", gc.baseline ? "baseline" : "tile", 1);
-    if (gc.staged) setenv("KDA_CUDA_DECODE_KERNEL", "staged", 1);
-    if (gc.bulk) setenv("KDA_CUDA_DECODE_KERNEL", "bulk", 1);
-    if (gc.bulklat) setenv("KDA_CUDA_DECODE_KERNEL", "bulklat", 1);
+  explicit KernelChoice(const GpuDecodeCase& gc) : scope_(choice(gc)) {}
+
+ private:
+  static detail::Tuning choice(const GpuDecodeCase& gc) {
+    using O = detail::DecodeKernelOverride;
+    detail::Tuning t = detail::tuning();
+    if (gc.baseline || gc.tile) t.decode_kernel = gc.baseline ? O::kBaseline : O::kTile;
+    if (gc.staged) t.decode_kernel = O::kStaged;
+    if (gc.bulk) t.decode_kernel = O::kBulk;
+    if (gc.bulklat) t.decode_kernel = O::kBulkLatency;
     if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
-      setenv("KDA_CUDA_DECODE_KERNEL", "persistent", 1);
-      setenv("KDA_CUDA_DECODE_GRID", std::to_string(gc.grid).c_str(), 1);
+      t.decode_kernel = O::kPersistent;
+      t.decode_grid = gc.grid;
     }
+    return t;
   }
-  ~KernelChoice() {
-    unsetenv("KDA_CUDA_DECODE_KERNEL");
-    unsetenv("KDA_CUDA_DECODE_GRID");
-  }
-  KernelChoice(const KernelChoice&) = delete;
-  KernelChoice& operator=(const KernelChoice&) = delete;
+  detail::ScopedTuning scope_;
 };
 
 // Device copies of every tensor of a DecodeData, and the DecodeParams that point at them.
@@ -990,67 +991,6 @@ TEST(GpuDecodeSmokeBaseline, FastMatchesBaseline) {
     expect_close("out (fast vs baseline)", fast.out, slow.out, 1e-5);
     expect_close("inter (fast vs baseline)", fast.inter, slow.inter, 1e-5);
   }
-}
-
-// The decode kernel choice (host-only: runs without a GPU). H = HV = 32, K = V = 128, 132 SMs.
-detail::DecodeProblem heuristic_problem(int64_t N, int64_t T, DType state_dtype) {
-  detail::DecodeProblem pr;
-  pr.d.N = pr.d.B = N;
-  pr.d.T = T;
-  pr.d.H = pr.d.HV = 32;
-  pr.d.K = pr.d.V = 128;
-  void* aligned = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced
-  pr.state = make_view(aligned, state_dtype, {N + 1, 32, 128, 128}, Device::kCUDA);
-  return pr;
-}
-
-TEST(DecodeHeuristics, KernelChoice) {
-  using cuda::choose_kernel;
-  using K = cuda::DecodeKernel;
-  const int sms = 132, stages = 4;
-  auto pick = [&](const detail::DecodeProblem& pr, const char* env = nullptr) { return choose_kernel(pr, stages, sms, env); };
-  // Dense single-token calls (the benchmark's shapes).
-  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);     // 128 blocks
-  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)), K::kBulkLatency);     // 256 blocks <= 2 x SMs
-  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);         // 4096 blocks
-  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);          // >= 64 blocks per SM
-  EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
-  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
-  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
-  // Several tokens, varlen: no latency variant of the bulk kernel.
-  EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
-  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
-  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kBFloat16)), K::kStaged);
-  detail::DecodeProblem v = heuristic_problem(1, 1, DType::kFloat32);
-  v.d.varlen = true;
-  EXPECT_EQ(pick(v), K::kStagedLatency);
-  // Shapes the fast kernels do not take: the tile kernel.
-  detail::DecodeProblem kf = heuristic_problem(1, 1, DType::kFloat32);
-  kf.layout = StateLayout::kKFirst;
-  EXPECT_EQ(pick(kf), K::kTile);
-  detail::DecodeProblem un = heuristic_problem(1, 1, DType::kFloat32);
-  un.state.data = static_cast<char*>(un.state.data) + 4;  // rows not 16-byte aligned
-  EXPECT_EQ(pick(un), K::kTile);
-  detail::DecodeProblem k64 = heuristic_problem(1, 1, DType::kFloat32);
-  k64.d.K = k64.d.V = 64;
-  EXPECT_EQ(pick(k64), K::kTile);
-  // A written state tensor with unaligned rows: no bulk kernel.
-  for (int64_t n : {int64_t{1}, int64_t{256}}) {
-    detail::DecodeProblem fs = heuristic_problem(n, 1, DType::kFloat32);
-    fs.final_state = make_view(static_cast<char*>(fs.state.data) + 4, DType::kFloat32, {n, 32, 128, 128}, Device::kCUDA);
-    EXPECT_EQ(pick(fs), n == 1 ? K::kStagedLatency : K::kStaged) << n;
-  }
-  // Overrides, where eligible.
-  const detail::DecodeProblem b1 = heuristic_problem(1, 1, DType::kFloat32), b1t2 = heuristic_problem(1, 2, DType::kFloat32);
-  EXPECT_EQ(pick(b1, "baseline"), K::kBaseline);
-  EXPECT_EQ(pick(b1, "tile"), K::kTile);
-  EXPECT_EQ(pick(b1, "staged"), K::kStaged);
-  EXPECT_EQ(pick(b1, "bulk"), K::kBulk);
-  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32), "bulklat"), K::kBulkLatency);
-  EXPECT_EQ(pick(b1t2, "bulklat"), K::kStagedLatency);  // not eligible: the default choice
-  EXPECT_EQ(pick(b1, "persistent"), K::kPersistent);
-  EXPECT_EQ(choose_kernel(b1, 1, sms, "persistent"), K::kBulkLatency);  // < 2 ring stages
-  EXPECT_EQ(pick(kf, "bulk"), K::kTile);
 }
 
 }  // namespace

@@ -1,4 +1,4 @@
-// test_gpu_prefill.cpp — CUDA prefill (src/cuda/prefill_sm90.cu) against the fp64 reference.
+// test_gpu_prefill.cpp — CUDA prefill (src/cuda/prefill/) against the fp64 reference.
 //
 // Every GPU test starts with KDA_SKIP_WITHOUT_SM90(). The reference is kda::prefill with
 // Backend::kCpuReference on widen(data): the same (bf16/fp16-exact) inputs in fp32, computed in
@@ -23,7 +23,8 @@
 #include <vector>
 
 #include "core/kda_math.h"
-#include "cuda/prefill/heuristics.h"
+#include "core/tuning.h"
+#include "cuda/heuristics/prefill.h"
 #include "gpu_support.h"
 #include "support.h"
 
@@ -257,12 +258,12 @@ std::vector<PrefillCase> sweep_cases() {
 class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 
 // Whether a call on case c takes the chunk-16 path: the host's choices (host.h make_params) for
-// its sequences x value heads on this device, under the same environment.
+// its sequences x value heads on this device, under the same tuning.
 bool takes_chunk16(const PrefillCase& c) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
   const int64_t pairs = static_cast<int64_t>(c.seqlens.size()) * c.HV;
-  return cuda::pf::recurrence_choice(pairs, prop.multiProcessorCount).chunk16;
+  return cuda::pf::recurrence_choice(pairs, prop.multiProcessorCount, detail::tuning()).chunk16;
 }
 
 // The full check of one case against the fp64 reference.
@@ -302,37 +303,14 @@ TEST_P(GpuPrefillSweep, MatchesReference) {
 }
 
 // The recurrence with and without its K split (the default for blocks of vs <= 32 value columns;
-// KDA_CUDA_PREFILL_KSPLIT=0 turns it off): vs = 16 (2 warps) under weak decay, where the state's
+// Tuning::prefill_ksplit = false turns it off): vs = 16 (2 warps) under weak decay, where the state's
 // contribution to every chunk is large, and vs = 32 (4 warps) through a pool, checkpoints, K-first
 // states and varlen with an empty sequence.
-// Restores an environment variable's value (or its absence) at scope exit.
-class EnvRestore {
- public:
-  explicit EnvRestore(const char* name) : name_(name) {
-    const char* v = std::getenv(name);
-    had_ = v != nullptr;
-    if (had_) value_ = v;
-  }
-  ~EnvRestore() {
-    if (had_) setenv(name_, value_.c_str(), 1);
-    else unsetenv(name_);
-  }
-  EnvRestore(const EnvRestore&) = delete;
-  EnvRestore& operator=(const EnvRestore&) = delete;
-
- private:
-  const char* name_;
-  bool had_ = false;
-  std::string value_;
-};
-
 TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_KSPLIT");
-  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {  // the default (split), then off
-    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_KSPLIT=") + (env ? env : "(unset)"));
-    if (env) setenv("KDA_CUDA_PREFILL_KSPLIT", env, 1);
-    else unsetenv("KDA_CUDA_PREFILL_KSPLIT");
+  for (bool split : {true, false}) {  // the default (split), then off
+    SCOPED_TRACE(split ? "K split on" : "K split off");
+    const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) { t.prefill_ksplit = split; }));
     PrefillCase c = base_case();
     c.gate = GateForm::kLowerBound;
     c.lower_bound = -0.05;
@@ -397,30 +375,29 @@ void check_wgmma_configs(const std::vector<int64_t>& lens) {
   }
 }
 
-// The wgmma recurrence on 64-token chunks (vs >= 64: the many-head cases; KDA_CUDA_PREFILL_CHUNK=64,
+// The wgmma recurrence on 64-token chunks (vs >= 64: the many-head cases; Tuning::prefill_chunk = 64,
 // since vs = 128 takes the chunk-16 path by default) and its mma.sync baseline
-// (KDA_CUDA_PREFILL_WGMMA=0), both against the fp64 reference; the value split is the heuristic's
+// (Tuning::prefill_wgmma = false), both against the fp64 reference; the value split is the heuristic's
 // here and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in the device
 // script's second pass (chunk 16 at 128, chunk 64 at 64).
 TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_WGMMA"), restore_chunk("KDA_CUDA_PREFILL_CHUNK");
-  setenv("KDA_CUDA_PREFILL_CHUNK", "64", 1);
-  for (const char* env : {static_cast<const char*>(nullptr), "0"}) {
-    SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_WGMMA=") + (env ? env : "(unset)"));
-    if (env) setenv("KDA_CUDA_PREFILL_WGMMA", env, 1);
-    else unsetenv("KDA_CUDA_PREFILL_WGMMA");
+  for (bool wgmma : {true, false}) {
+    SCOPED_TRACE(wgmma ? "wgmma" : "mma.sync");
+    const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) {
+      t.prefill_chunk = 64;
+      t.prefill_wgmma = wgmma;
+    }));
     check_wgmma_configs({129, 0, 64, 7});
   }
 }
 
 // The chunk-16 path (16-token records and recurrence steps; the default at vs = 128, forced here by
-// KDA_CUDA_PREFILL_CHUNK=16 at vs = 64 too) on the same configurations, with sequences of 15, 16
+// Tuning::prefill_chunk = 16 at vs = 64 too) on the same configurations, with sequences of 15, 16
 // and 17 tokens around the step length.
 TEST(GpuPrefillChunk16, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore("KDA_CUDA_PREFILL_CHUNK");
-  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_chunk = 16; }));
   check_wgmma_configs({129, 0, 64, 7, 15, 16, 17});
 }
 
@@ -479,15 +456,17 @@ TEST(GpuPrefillSmokePrefetch, HintChangesNothing) {
     c.seqlens = varlen ? std::vector<int64_t>{70, 0, 130, 5} : std::vector<int64_t>{200, 200};
     const PrefillData d = make_prefill(c);
     const PrefillData ref = run_reference(d);
-    unsetenv("KDA_CUDA_PREFILL_PREFETCH");
-    const GpuResult base = run_cuda(d);
+    GpuResult base;
+    {
+      const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_prefetch = 0; }));
+      base = run_cuda(d);
+    }
     ASSERT_TRUE(base.status.ok()) << base.status.to_string();
     expect_close("out", base.out, ref.out, out_tolerance(c.dtype));
-    for (const char* env : {"1", "0"}) {
-      SCOPED_TRACE(std::string("KDA_CUDA_PREFILL_PREFETCH=") + env);
-      setenv("KDA_CUDA_PREFILL_PREFETCH", env, 1);
+    for (int distance : {1, 0}) {
+      SCOPED_TRACE("prefetch distance " + std::to_string(distance));
+      const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) { t.prefill_prefetch = distance; }));
       const GpuResult r = run_cuda(d);
-      unsetenv("KDA_CUDA_PREFILL_PREFETCH");
       ASSERT_TRUE(r.status.ok()) << r.status.to_string();
       EXPECT_TRUE(bitwise_equal(r.out, base.out));
       EXPECT_TRUE(bitwise_equal(r.ht, base.ht));
@@ -611,9 +590,10 @@ TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
 // 16-token steps multiply the state by bf16 operands four times as often as chunk 64 does.
 TEST(GpuPrefillAccuracy, CaseAChunk16) {
   KDA_SKIP_WITHOUT_SM90();
-  const EnvRestore restore_vs("KDA_CUDA_PREFILL_VS"), restore_chunk("KDA_CUDA_PREFILL_CHUNK");
-  setenv("KDA_CUDA_PREFILL_VS", "128", 1);
-  setenv("KDA_CUDA_PREFILL_CHUNK", "16", 1);
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
+    t.prefill_vs = 128;
+    t.prefill_chunk = 16;
+  }));
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
@@ -719,93 +699,6 @@ TEST(GpuPrefill, UnsupportedFp32Inputs) {
   const Status s = prefill(dd.p);
   EXPECT_EQ(s.code(), StatusCode::kUnsupported);
   EXPECT_NE(s.message().find("'q'"), std::string::npos) << s.message();
-}
-
-// ---------------------------------------------------------------------------------------------
-// Launch heuristics (pure host functions: no GPU needed)
-// ---------------------------------------------------------------------------------------------
-
-TEST(PrefillHeuristics, ValueSplit) {
-  using cuda::pf::recurrence_value_split;
-  EXPECT_EQ(recurrence_value_split(96, 132), 128);   // P1
-  EXPECT_EQ(recurrence_value_split(64, 132), 64);    // P2
-  EXPECT_EQ(recurrence_value_split(32, 132), 32);    // P5, P7
-  EXPECT_EQ(recurrence_value_split(512, 132), 128);  // P6
-  EXPECT_EQ(recurrence_value_split(1, 132), 16);
-  EXPECT_EQ(recurrence_value_split(0, 132), 16);
-}
-
-TEST(PrefillHeuristics, KSplit) {
-  using cuda::pf::recurrence_k_split;
-  EXPECT_TRUE(recurrence_k_split(32, nullptr));  // default for vs <= 32
-  EXPECT_TRUE(recurrence_k_split(16, nullptr));
-  EXPECT_TRUE(recurrence_k_split(32, "1"));
-  EXPECT_TRUE(recurrence_k_split(32, "10"));      // only "0" turns it off
-  EXPECT_FALSE(recurrence_k_split(64, nullptr));  // would not fit one block per SM
-  EXPECT_FALSE(recurrence_k_split(128, nullptr));
-  EXPECT_FALSE(recurrence_k_split(32, "0"));
-  EXPECT_FALSE(recurrence_k_split(16, "0"));
-}
-
-TEST(PrefillHeuristics, Chunk16) {
-  using cuda::pf::prefill_chunk16;
-  EXPECT_TRUE(prefill_chunk16(true, 128, nullptr));  // the default at vs = 128 (P1, P3, P4, P6)
-  EXPECT_FALSE(prefill_chunk16(true, 64, nullptr));  // chunk 64 at vs = 64 (P2)
-  EXPECT_TRUE(prefill_chunk16(true, 64, "16"));      // forced on
-  EXPECT_FALSE(prefill_chunk16(true, 128, "64"));    // forced off
-  EXPECT_FALSE(prefill_chunk16(false, 32, "16"));    // wgmma recurrences only
-  EXPECT_FALSE(prefill_chunk16(false, 128, nullptr));
-  EXPECT_TRUE(prefill_chunk16(true, 128, "016x"));   // not a setting: the default
-  EXPECT_FALSE(prefill_chunk16(true, 64, ""));
-}
-
-TEST(PrefillHeuristics, WgmmaAndForcedSplit) {
-  using cuda::pf::recurrence_value_split_override;
-  using cuda::pf::recurrence_wgmma;
-  EXPECT_TRUE(recurrence_wgmma(128, nullptr));  // the default for vs >= 64
-  EXPECT_TRUE(recurrence_wgmma(64, nullptr));
-  EXPECT_TRUE(recurrence_wgmma(64, "1"));
-  EXPECT_FALSE(recurrence_wgmma(32, nullptr));  // a warpgroup needs 64 value rows
-  EXPECT_FALSE(recurrence_wgmma(16, nullptr));
-  EXPECT_FALSE(recurrence_wgmma(128, "0"));
-  EXPECT_EQ(recurrence_value_split_override(nullptr), 0);
-  EXPECT_EQ(recurrence_value_split_override("16"), 16);
-  EXPECT_EQ(recurrence_value_split_override("32"), 32);
-  EXPECT_EQ(recurrence_value_split_override("64"), 64);
-  EXPECT_EQ(recurrence_value_split_override("128"), 128);
-  for (const char* bad : {"", "0", "8", "48", "1280", "12", "64x", "auto"})
-    EXPECT_EQ(recurrence_value_split_override(bad), 0) << bad;
-}
-
-TEST(PrefillHeuristics, PrefetchDistance) {
-  using cuda::pf::prepare_prefetch_blocks;
-  EXPECT_EQ(prepare_prefetch_blocks(132, nullptr), 0);    // off by default (measured slower)
-  EXPECT_EQ(prepare_prefetch_blocks(132, "0"), 0);
-  EXPECT_EQ(prepare_prefetch_blocks(132, "1"), 1);        // a distance
-  EXPECT_EQ(prepare_prefetch_blocks(132, "264"), 264);
-  EXPECT_EQ(prepare_prefetch_blocks(8, "auto"), 16);      // two blocks per SM ahead
-  for (const char* off : {"", "off", "false", "-1", "12x", "autox"}) EXPECT_EQ(prepare_prefetch_blocks(132, off), 0) << off;
-}
-
-TEST(PrefillHeuristics, ChunkSlots) {
-  using cuda::pf::prefill_chunk_slots;
-  EXPECT_EQ(prefill_chunk_slots(false, 2, 130, 2), 6);
-  EXPECT_EQ(prefill_chunk_slots(false, 1, 0, 1), 0);
-  EXPECT_EQ(prefill_chunk_slots(true, 1, 1300 + 547 + 2048 + 963 + 271 + 3063, 6), 8192 / 64 + 6);
-  EXPECT_EQ(prefill_chunk_slots(true, 1, 0, 0), 0);
-  // Every sequence's chunks fit below the bound for any split of T tokens.
-  const std::vector<int64_t> lens = {1, 63, 64, 65, 0, 127, 129, 5};
-  int64_t T = 0;
-  for (int64_t l : lens) T += l;
-  const int64_t slots = prefill_chunk_slots(true, 1, T, static_cast<int64_t>(lens.size()));
-  int64_t bos = 0, prev_end = 0;
-  for (size_t n = 0; n < lens.size(); ++n) {
-    const int64_t base = bos / 64 + static_cast<int64_t>(n), chunks = (lens[n] + 63) / 64;
-    EXPECT_GE(base, prev_end);
-    EXPECT_LE(base + chunks, slots);
-    prev_end = base + chunks;
-    bos += lens[n];
-  }
 }
 
 }  // namespace

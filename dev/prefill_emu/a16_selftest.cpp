@@ -2,10 +2,7 @@
 // chunk-16 path) against an fp64 computation of the same quantities, on the
 // emulator. Dense batches: block (slot = n * chunks_per_seq + j, hv) holds sub-chunks u = 0..3 of
 // tokens 64 j + 16 u .. + 15 of sequence n, each a 16-token record (common.cuh, rec16_*).
-// Build (from the repository root; engine.h has the general build lines):
-//   E=dev/prefill_emu; g++ -O2 -g -std=c++20 -I$E/shim -Isrc -Iinclude -Itests $E/a16_selftest.cpp \
-//     tests/support.cpp src/api.cpp src/core/validate.cpp src/cpu/parallel.cpp src/cpu/reference.cpp \
-//     src/cpu/prefill_chunked.cpp src/cpu/decode_fast.cpp -lpthread -o /tmp/a16_selftest
+// Built by CMake with -DKDA_BUILD_EMULATOR=ON (target kda_emu_a16_selftest, CTest emu_a16).
 #include <cmath>
 
 #include "engine.h"
@@ -54,7 +51,7 @@ void run(const PrefillCase& c) {
   std::vector<uint8_t> ws(need + 256, 0xff);  // poisoned: a record part not written reads as NaN
   Params p;
   int64_t pb = 0, rb = 0;
-  s = make_params(pr, ws.data(), 132, &p, &pb, &rb);
+  s = make_params(pr, ws.data(), 132, detail::tuning(), &p, &pb, &rb);
   if (!s.ok()) { std::printf("  params failed: %s\n", s.to_string().c_str()); ++failures; return; }
   if (c.dtype == DType::kFloat16) emu_run::launch(prepare_kernel<true, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
   else emu_run::launch(prepare_kernel<false, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);

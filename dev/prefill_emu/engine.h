@@ -1,6 +1,6 @@
-// engine.h — CPU emulation of the CUDA prefill kernels, for development without a GPU. Not
-// built by CMake and not part of the library: a tool that runs the real kernel source
-// (prepare.cuh, recurrence.cuh, common.cuh, host.h) on the host.
+// engine.h — CPU emulation of the CUDA prefill kernels, for development without a GPU. Not part
+// of the library: a tool that runs the real kernel source (src/cuda/prefill/: prepare.cuh,
+// recurrence.cuh, their *_steps.cuh, common.cuh, host.h) on the host.
 //
 // Every CUDA thread of a block is a ucontext fiber (fibers.h), scheduled round-robin on one OS
 // thread; __syncthreads, named barriers and the warp collectives (shuffles, ballot, mma.sync,
@@ -12,17 +12,13 @@
 // so does the workspace: reads of unwritten data show up.
 //
 // shim/ replaces <cuda_runtime.h>, <cuda_runtime_api.h>, <cuda_bf16.h>, <cuda_fp16.h> and
-// "cuda/prefill/ptx.cuh"; it must come first on the include path. From the repository root:
-//   E=dev/prefill_emu
-//   # quick cases against the fp64 reference (after a normal build in build/)
-//   g++ -O1 -g -std=c++20 -I$E/shim -Isrc -Iinclude -Itests $E/emu_cases.cpp tests/support.cpp \
-//       build/libkda.a -L/usr/local/cuda/lib64 -lcudart_static -ldl -lrt -lpthread -o /tmp/emu_cases
-//   # tests/test_gpu_prefill.cpp on the emulated backend (kda::cuda::prefill -> emulation)
-//   g++ -O2 -g -std=c++20 -DKDA_WITH_CUDA -I$E/shim -Isrc -Iinclude -Itests src/api.cpp \
-//       src/core/validate.cpp src/cpu/parallel.cpp src/cpu/reference.cpp src/cpu/prefill_chunked.cpp \
-//       src/cpu/decode_fast.cpp tests/support.cpp tests/test_gpu_prefill.cpp $E/emu_backend.cpp \
-//       -lgtest -lgtest_main -lpthread -o /tmp/emu_tests
-//   /tmp/emu_tests --gtest_filter='-*CaseA*:*ErrorFlat*'   # ~1.5 min; the accuracy cases ~10 min
+// "cuda/common/ptx.cuh"; it must come first on the include path. Built by CMake with
+// -DKDA_BUILD_EMULATOR=ON (dev/prefill_emu/CMakeLists.txt; no CUDA toolkit needed):
+//   cmake -S . -B build-emu -DKDA_ENABLE_CUDA=OFF -DKDA_BUILD_EMULATOR=ON && cmake --build build-emu
+//   ctest --test-dir build-emu -L emu      # wgmma and 16-token record self-tests, quick cases,
+//                                          # tests/test_gpu_prefill.cpp without the long accuracy cases
+//   build-emu/dev/prefill_emu/kda_emu_tests --gtest_filter='*CaseA*'   # the accuracy cases (~10 min)
+// EMU_VS (16, 32, 64, 128) forces the value split of the emulated backend (kda_emu_tests).
 #pragma once
 #include <ucontext.h>
 #include <cstdio>
@@ -58,7 +54,7 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
 static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr, int vs_override,
                         bool fp16) {
   if (vs_override) {
-    const RecurrenceChoice rc = recurrence_choice_for_split(vs_override);
+    const RecurrenceChoice rc = recurrence_choice_for_split(vs_override, detail::tuning());
     p.vs = rc.vs; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
     p.ksplit = rc.ksplit; p.wgmma = rc.wgmma; p.chunk16 = rc.chunk16;
   }
@@ -90,7 +86,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
 // Runs the emulated CUDA prefill on host tensors (params: CPU views). vs_override: 0 = heuristic.
 static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
   Params p; int64_t pb = 0, rb = 0;
-  Status s = make_params(pr, wsp, 132, &p, &pb, &rb);
+  Status s = make_params(pr, wsp, 132, detail::tuning(), &p, &pb, &rb);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, pr.q.dtype == DType::kFloat16);
   return Status::Ok();
@@ -104,7 +100,7 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   const size_t need = workspace_bytes(pr);
   std::vector<uint8_t> ws(need + 256, 0xff);
   Params p; int64_t pb = 0, rb = 0;
-  s = make_params(pr, need ? ws.data() : nullptr, 132, &p, &pb, &rb);
+  s = make_params(pr, need ? ws.data() : nullptr, 132, detail::tuning(), &p, &pb, &rb);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, fp16);
   return Status::Ok();

@@ -1,8 +1,7 @@
-// wgmma_selftest.cpp — checks the emulated wgmma products of shim/cuda/prefill/ptx.cuh
+// wgmma_selftest.cpp — checks the emulated wgmma products of shim/cuda/common/ptx.cuh
 // (wgmma_bf16 n64 / n128, wgmma_tf32 n64, wgmma_desc_sw128) against a naive fp64 product.
-// Standalone (not built by CMake; needs only the shim, not the kernels). From the repository root:
-//   E=dev/prefill_emu
-//   g++ -O1 -g -std=c++20 -I$E/shim -Isrc -Iinclude $E/wgmma_selftest.cpp -o /tmp/wgmma_selftest && /tmp/wgmma_selftest
+// Needs only the shim, not the kernels: CMake target kda_emu_wgmma_selftest (CTest emu_wgmma,
+// -DKDA_BUILD_EMULATOR=ON).
 // One warpgroup (128 fiber threads, 4 warps) runs a K loop of products over a B matrix stored in
 // the 128-byte swizzle layout (common.cuh sw128_offset) at a 1024-aligned shared address; every
 // output element is compared with the fp64 product (rounded to float after each K step, as the
@@ -15,7 +14,7 @@
 #include <functional>
 #include <random>
 #include <vector>
-#include "cuda/prefill/ptx.cuh"  // the shim's (the include path puts shim/ first)
+#include "cuda/common/ptx.cuh"  // the shim's (the include path puts shim/ first)
 #include "fibers.h"
 
 

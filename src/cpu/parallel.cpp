@@ -10,6 +10,7 @@
 #include <thread>
 #include <vector>
 
+#include "core/tuning.h"
 #include "cpu/backends.h"
 
 #if defined(__SSE__) || defined(__x86_64__)
@@ -21,10 +22,7 @@ namespace kda::cpu {
 
 int resolve_num_threads(int requested) {
   if (requested > 0) return requested;
-  if (const char* env = std::getenv("KDA_NUM_THREADS")) {
-    const int n = std::atoi(env);
-    if (n > 0) return n;
-  }
+  if (const int n = detail::tuning().num_threads; n > 0) return n;  // KDA_NUM_THREADS
   const unsigned hw = std::thread::hardware_concurrency();
   return hw > 0 ? static_cast<int>(hw) : 1;
 }

@@ -1,6 +1,6 @@
-// common.cuh — device helpers of the CUDA prefill (prefill_sm90.cu): the kernel parameter block,
+// common.cuh — device helpers of the CUDA prefill (prefill/prefill.cu): the kernel parameter block,
 // strided views, the workspace record layout with its shared-memory swizzles, conversions.
-// PTX wrappers live in ptx.cuh.
+// PTX wrappers live in common/ptx.cuh.
 //
 // Fragment notation used in both kernels (PTX ISA, "warp-level matrix fragments"): lane = 4 g + c
 // (g = groupID 0..7, c = threadID_in_group 0..3).
@@ -20,7 +20,8 @@
 #include <cstdint>
 
 #include "core/kda_math.h"
-#include "cuda/prefill/ptx.cuh"
+#include "cuda/common/ptx.cuh"
+#include "cuda/common/view.cuh"
 
 namespace kda::cuda::pf {
 
@@ -88,7 +89,7 @@ __host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kH
 __host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
 __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
-// ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md session 11).
+// ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md).
 // Four per record slot (the workspace is sized as for 64-token records). Each matrix is a wgmma B
 // operand, K-major, in the swizzle mode of its row length (PTX ISA, shared memory matrix layouts:
 // the 16-byte chunk index of a row is XORed with row bits, 3 / 2 / 1 of them for 128 / 64 / 32-byte
@@ -133,22 +134,7 @@ __device__ __forceinline__ int swizzle_vtile(int row, int chunk, int vs) {
 // Views
 // ---------------------------------------------------------------------------------------------
 
-inline constexpr int kF32 = 0;  // static_cast<int>(DType::kFloat32)
-inline constexpr int kF16 = 1;
-inline constexpr int kBF16 = 2;
-
-// A rank-4 token tensor [B, T, heads, dim] (beta: [B, T, HV, 1]); last dimension contiguous.
-// `vec`: data pointer and leading strides allow 16-byte vector access of 8 (16-bit) or 4 (fp32)
-// consecutive elements that start at a multiple of 8 / 4.
-struct TokenView {
-  const void* data = nullptr;
-  int64_t s0 = 0, s1 = 0, s2 = 0;
-  int dtype = kBF16;
-  bool vec = false;
-  __device__ __forceinline__ int64_t offset(int64_t b, int64_t t, int64_t h) const {
-    return b * s0 + t * s1 + h * s2;
-  }
-};
+// Token tensors [B, T, heads, dim] (beta: [B, T, HV, 1]) are StridedViews (common/view.cuh).
 
 // A state tensor [rows, HV, V, K] (V-first) or [rows, HV, K, V] (K-first); absent: data null.
 struct StateView {
@@ -170,11 +156,11 @@ struct IndexView {
 
 // Everything both kernels read, passed by value (__grid_constant__).
 struct Params {
-  TokenView q, k, v, g, beta, out;  // out: written (const dropped at the store)
+  StridedView q, k, v, g, beta, out;  // out: written (const dropped at the store)
   const float* A_log = nullptr;     // [HV] (stride A_log_s), optional
   const float* dt_bias = nullptr;   // [HV, K] (row stride dt_bias_s), optional
   int64_t A_log_s = 1, dt_bias_s = kHeadDim;
-  IndexView cu;                     // varlen: cu_seqlens [N + 1]
+  IndexView cu_seqlens;             // varlen: [N + 1]
   bool varlen = false;
   int64_t B = 0, T = 0, N = 0;      // per-token tensors are [B, T, ...]; N sequences
   int H = 0, HV = 0, groups = 1;    // groups = HV / H
@@ -190,10 +176,10 @@ struct Params {
                                     // written by prepare block 0, read by the recurrence)
 
   // States (kernel B only).
-  StateView h0, ht, pool, ckpt;
-  IndexView pool_idx, ckpt_off;
-  bool has_pool = false;
-  int64_t ckpt_every = 0;
+  StateView initial_state, final_state, state_pool, checkpoints;
+  IndexView state_indices, checkpoint_offsets;
+  bool has_state_pool = false;
+  int64_t checkpoint_every = 0;
   bool kfirst = false;
   int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
   bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
@@ -218,7 +204,7 @@ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
 __device__ __forceinline__ int64_t varlen_base_at(const Params& p, int64_t n, int64_t cu_n) {
   return clamp64(cu_n, 0, p.T) / kChunk + n;
 }
-__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu.load(n)); }
+__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu_seqlens.load(n)); }
 
 // Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T].
 __device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n, int64_t cu_n1) {
@@ -237,7 +223,7 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
     s.len = p.T;
     s.base = n * p.chunks_per_seq;
   } else {
-    s = varlen_span(p, n, p.cu.load(n), p.cu.load(n + 1));
+    s = varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
   }
   return s;
 }

@@ -1,30 +1,16 @@
-// host.h — host side of the CUDA prefill shared by the launcher (prefill_sm90.cu) and the
+// host.h — host side of the CUDA prefill shared by the launcher (prefill/prefill.cu) and the
 // kernels' CPU emulation used in development: support checks, workspace size, kernel parameters.
 #pragma once
 
 #include <cstdint>
-#include <cstdlib>
 #include <string>
 
 #include "core/problem.h"
 #include "cuda/prefill/common.cuh"
-#include "cuda/prefill/heuristics.h"
+#include "core/tuning.h"
+#include "cuda/heuristics/prefill.h"
 
 namespace kda::cuda::pf {
-
-inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-inline TokenView token_view(const TensorView& t) {
-  TokenView v;
-  v.data = t.data;
-  v.s0 = t.strides[0];
-  v.s1 = t.strides[1];
-  v.s2 = t.strides[2];
-  v.dtype = static_cast<int>(t.dtype);
-  const int64_t per16 = 16 / static_cast<int64_t>(dtype_size(t.dtype));
-  v.vec = aligned16(t.data) && v.s0 % per16 == 0 && v.s1 % per16 == 0 && v.s2 % per16 == 0;
-  return v;
-}
 
 inline StateView state_view(const TensorView& t) {
   StateView s;
@@ -78,8 +64,8 @@ inline size_t workspace_bytes(const detail::PrefillProblem& pr) {
 
 // Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
 // workspace_bytes(pr) bytes (unused when that is 0). Returns the block counts of both kernels.
-inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms, Params* out,
-                          int64_t* prep_blocks_out, int64_t* rec_blocks_out) {
+inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms, const detail::Tuning& tuning,
+                          Params* out, int64_t* prep_blocks_out, int64_t* rec_blocks_out) {
   const auto& d = pr.d;
   const size_t need = workspace_bytes(pr);
   const int64_t slots = chunk_slots(pr);
@@ -91,12 +77,12 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
 
   Params& p = *out;
   p = Params{};
-  p.q = token_view(pr.q);
-  p.k = token_view(pr.k);
-  p.v = token_view(pr.v);
-  p.g = token_view(pr.g);
-  p.beta = token_view(pr.beta);
-  p.out = token_view(pr.out);
+  p.q = strided_view(pr.q);
+  p.k = strided_view(pr.k);
+  p.v = strided_view(pr.v);
+  p.g = strided_view(pr.g);
+  p.beta = strided_view(pr.beta);
+  p.out = strided_view(pr.out);
   if (pr.A_log.present()) {
     p.A_log = static_cast<const float*>(pr.A_log.data);
     p.A_log_s = pr.A_log.strides[0];
@@ -106,7 +92,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
     p.dt_bias_s = pr.dt_bias.strides[0];
   }
   p.varlen = d.varlen;
-  p.cu = index_view(pr.cu_seqlens);
+  p.cu_seqlens = index_view(pr.cu_seqlens);
   p.B = d.B;
   p.T = d.T;
   p.N = d.N;
@@ -127,22 +113,22 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
     if (uses_sequence_order(pr))
       p.order = reinterpret_cast<int32_t*>(p.ws + static_cast<size_t>(slots * d.HV) * kRecordBytes);
   }
-  p.h0 = state_view(pr.initial_state);
-  p.ht = state_view(pr.final_state);
-  p.pool = state_view(pr.state_pool);
-  p.has_pool = pr.state_pool.present();
-  p.pool_idx = index_view(pr.state_indices);
-  p.ckpt = state_view(pr.checkpoints);
-  p.ckpt_off = index_view(pr.checkpoint_offsets);
-  p.ckpt_every = pr.checkpoint_every;
+  p.initial_state = state_view(pr.initial_state);
+  p.final_state = state_view(pr.final_state);
+  p.state_pool = state_view(pr.state_pool);
+  p.has_state_pool = pr.state_pool.present();
+  p.state_indices = index_view(pr.state_indices);
+  p.checkpoints = state_view(pr.checkpoints);
+  p.checkpoint_offsets = index_view(pr.checkpoint_offsets);
+  p.checkpoint_every = pr.checkpoint_every;
   p.kfirst = pr.layout == StateLayout::kKFirst;
-  const RecurrenceChoice rc = recurrence_choice(pairs, num_sms);
+  const RecurrenceChoice rc = recurrence_choice(pairs, num_sms, tuning);
   p.vs = rc.vs;
   p.nslices = kHeadDim / p.vs;
   p.ksplit = rc.ksplit;
   p.wgmma = rc.wgmma;
   p.chunk16 = rc.chunk16;
-  p.prefetch_blocks = prepare_prefetch_blocks(num_sms, std::getenv("KDA_CUDA_PREFILL_PREFETCH"));
+  p.prefetch_blocks = prepare_prefetch_blocks(num_sms, tuning);
 
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;

@@ -23,541 +23,13 @@
 // 256 threads, ~108 KB shared memory: two blocks per SM.
 #pragma once
 
-#include <type_traits>
-
 #include "cuda/prefill/common.cuh"
+#include "cuda/prefill/prepare_steps.cuh"
 
 namespace kda::cuda::pf {
 
-// Shared memory of the prepare kernel. Pitches are chosen for conflict-free fragment reads.
-// G is kept in log2 units (G * log2 e) so that every exp() below is one MUFU.EX2.
-inline constexpr float kLog2e = 1.4426950408889634f;
-inline constexpr int kQkPitch = 136;  // f16 per row of q^, k^ (272 B)
-inline constexpr int kGPitch = 136;   // fp32 per row of G (544 B)
-inline constexpr int kMPitch = 72;    // fp32 per row of M = I + diag(b) Akk and X = M^-1 (288 B)
-inline constexpr int kSmQr = 0;                                   // q^ [64][136] f16, then kg
-inline constexpr int kSmKr = kSmQr + kChunk * kQkPitch * 2;       // k^ [64][136] f16
-inline constexpr int kSmG = kSmKr + kChunk * kQkPitch * 2;        // G      [64][136] fp32
-inline constexpr int kSmFq = kSmG + kChunk * kGPitch * 4;         // q_t = q^_t fq_t  [64]
-inline constexpr int kSmFk = kSmFq + kChunk * 4;                  // k_t = k^_t fk_t  [64]
-inline constexpr int kSmBeta = kSmFk + kChunk * 4;                // b_t              [64]
-inline constexpr int kSmM = kSmBeta + kChunk * 4;                 // M [64][72] fp32, then W's Tm fragments
-inline constexpr int kSmX = kSmM + kChunk * kMPitch * 4;          // X = M^-1 [64][72] fp32
-inline constexpr int kSmP = kSmX + kChunk * kMPitch * 4;          // inverse partial sums [3][16][16]
-inline constexpr int kPrepareSmemBytes = kSmP + 3 * 256 * 4;      // 110,336
-inline constexpr int kPrepareThreads = 256;
-// Slot of lane (g, c)'s fragment among the four of group g in the Tm fragment copy (W's A operand).
-__device__ __forceinline__ int tfrag_slot(int g, int c) { return (c + (g >> 1)) & 3; }
-
-// Log decay in log2 units (a * log2 e) of one channel. The lower-bound form (the common one)
-// takes a fast sigmoid: 1 / (1 + 2^(-x log2 e)) with an approximate reciprocal (x clamped at -80,
-// where the sigmoid is below 2e-35); the other forms use the shared accurate formula. The caller
-// branches on the form once for all its channels (uniform), so that their exp / reciprocal chains
-// interleave: a branch per channel serialized them (SASS of session 3).
-// 1 / (1 + e^-x) by ex2 and an approximate reciprocal: 0 for x -> -inf, 1 for x -> +inf.
-__device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e)); }
-// Folded per channel: y = ca g + cb = -x log2 e with ca = -exp(A_log) log2 e, cb = ca dt_bias (one
-// FFMA; the clamp x >= -80 becomes y <= 80 log2 e), lb2 = lower_bound log2 e.
-__device__ __forceinline__ float log2_decay_lower_bound(float g, float ca, float cb, float lb2) {
-  const float y = fminf(fmaf(ca, g, cb), 80.f * kLog2e);
-  return lb2 * __fdividef(1.f, 1.f + fast_exp2(y));
-}
-__device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias, float lower_bound) {
-  return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
-}
-
-// The sequence of chunk slot `slot` (varlen): the largest n with varlen_base(n) <= slot, and its
-// span, in every lane of the calling warp. A 32-ary search: rounds over spans of more than 32
-// sequences load one cu_seqlens value per lane; the last round (at most 32 candidates, the only
-// one for N <= 32) loads each candidate's start and end together, so a short batch costs one
-// dependent round trip to L2.
-__device__ __forceinline__ SeqSpan find_span(const Params& p, int64_t slot, int lane) {
-  int64_t lo = 0, hi = p.N;  // the answer lies in [lo, hi); slot_base(0) = 0 <= slot
-  while (hi - lo > 32) {
-    const int64_t span = hi - lo;
-    const int64_t cand = lo + (span * lane) / 32;  // < hi; lane 0 -> lo
-    const unsigned m = __ballot_sync(0xffffffffu, varlen_base(p, cand) <= slot);
-    const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
-    const int64_t next = __shfl_sync(0xffffffffu, cand, i < 31 ? i + 1 : 31);
-    lo = __shfl_sync(0xffffffffu, cand, i);
-    hi = i < 31 ? next : hi;
-  }
-  const int64_t cand = lo + lane;
-  SeqSpan c = {};
-  if (cand < hi) c = varlen_span(p, cand, p.cu.load(cand), p.cu.load(cand + 1));  // cand + 1 <= N
-  const unsigned m = __ballot_sync(0xffffffffu, cand < hi && c.base <= slot);
-  const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
-  SeqSpan s;
-  s.b = 0;
-  s.bos = __shfl_sync(0xffffffffu, c.bos, i);
-  s.len = __shfl_sync(0xffffffffu, c.len, i);
-  s.base = __shfl_sync(0xffffffffu, c.base, i);
-  return s;
-}
-
-// 8 consecutive 16-bit elements (16 bytes) of a token tensor at p; kVec: the
-// caller checked t.vec (a separate instantiation, so that the scalar fallback's packing is not
-// predicated into the vector path, where it would wait for the load).
-template <bool kVec>
-__device__ __forceinline__ uint4 load8_b16(const uint16_t* p) {
-  if constexpr (kVec) {
-    return ld_global_16(p);
-  } else {
-    uint32_t w[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
-    return make_uint4(w[0], w[1], w[2], w[3]);
-  }
-}
-
-// 8 consecutive gate inputs (q's dtype or fp32), as loaded: fp32 in w[0..7], 16-bit pairs in
-// w[0..3]. The conversion (gate_to_f32) runs after every load of the chunk is issued: a
-// conversion right behind its load inside the dtype branch makes the warp wait for that load
-// before issuing the next (measured: the load phase ran as several serial memory round trips).
-template <bool kVec>
-__device__ __forceinline__ void load8_gate_raw(const uint8_t* at, bool f32, uint32_t (&w)[8]) {
-  if (f32) {
-    const uint32_t* p = reinterpret_cast<const uint32_t*>(at);
-    if constexpr (kVec) {
-      const uint4 a = ld_global_16(p), b = ld_global_16(p + 4);
-      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) w[i] = p[i];
-    }
-  } else {
-    const uint4 r = load8_b16<kVec>(reinterpret_cast<const uint16_t*>(at));
-    w[0] = r.x, w[1] = r.y, w[2] = r.z, w[3] = r.w, w[4] = w[5] = w[6] = w[7] = 0u;
-  }
-}
-// b_t from the beta input (detail::activate_beta with fast_sigmoid).
-__device__ __forceinline__ float beta_fast(bool logits, bool neg_eig, float x) {
-  if (!logits) return x;
-  const float s = fast_sigmoid(x);
-  return neg_eig ? 2.f * s : s;
-}
-// Branch-free (selects), so that the conversions of several passes interleave.
-template <bool kFp16>
-__device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], float (&x)[8]) {
-#pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    const uint32_t h = w[i >> 1];
-    x[i] = f32 ? __uint_as_float(w[i]) : ((i & 1) ? hi_f32<kFp16>(h) : lo_f32<kFp16>(h));
-  }
-}
-
-// Akk / Aqk results of row block i against column tiles [tile0, tile0 + kTiles) (accumulator
-// fragments of q-hat / k-hat products) with the per-row factors applied: into M (b_t Akk, s < t)
-// and the Aqk record (s <= t; zero above the diagonal).
-template <int kTiles, bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], const float (&acc_q)[kTiles][4],
-                                              const float* fq, const float* fk, const float* bet, float* M,
-                                              float* rec_aqk, int i, int tile0, int g, int c) {
-  const int ta = 16 * i + g, tb = ta + 8;
-#pragma unroll
-  for (int jt = 0; jt < kTiles; ++jt) {
-    const int s = 8 * (tile0 + jt) + 2 * c;
-    const float fs0 = fk[s], fs1 = fk[s + 1];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {  // h = 0: row ta (c0, c1); h = 1: row tb (c2, c3)
-      const int t = h ? tb : ta;
-      const float kt = bet[t] * fk[t], qt = fq[t];
-      const float k0 = acc_k[jt][2 * h], k1 = acc_k[jt][2 * h + 1];
-      const float q0 = acc_q[jt][2 * h], q1 = acc_q[jt][2 * h + 1];
-      if (s < t) M[t * kMPitch + s] = kt * fs0 * k0;
-      if (s + 1 < t) M[t * kMPitch + s + 1] = kt * fs1 * k1;
-      // s, s + 1: k-slots c, c + 4; 16-token records (kC16): the diagonal block's own matrix
-      rec_aqk[kC16 ? rec16_f32(t & 15, s & 15) : rec_f32(t, s)] = s <= t ? tf32_round(qt * fs0 * q0) : 0.f;
-      rec_aqk[kC16 ? rec16_f32(t & 15, (s + 1) & 15) : rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
-    }
-  }
-}
-
-// Diagonal tiles of row block i (tf32): factored around reference token r (the block's middle),
-// operands k^_t exp(G_t - G_r) and k^_s exp(G_r - G_s) (q^_t for Aqk) in fp32, rounded to tf32
-// (G in log2 units). The factors reach e^+-45 here, beyond fp16, hence tf32.
-template <int kTiles, bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                              const float* fq, const float* fk, const float* bet,
-                                              float* M, float* rec_aqk, int i, int r, int tile0,
-                                              int g, int c) {
-  float acc_k[kTiles][4], acc_q[kTiles][4];
-#pragma unroll
-  for (int jt = 0; jt < kTiles; ++jt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
-  const int ta = 16 * i + g, tb = ta + 8;
-  // Paired k mapping: k-slot c <-> channel 8ks + 2c, k-slot c+4 <-> 8ks + 2c + 1 (one 32-bit load
-  // of two f16 values, one float2 of G per row).
-  auto lo = [](uint32_t x) { return lo_f32<true>(x); };
-  auto hi = [](uint32_t x) { return hi_f32<true>(x); };
-#pragma unroll 4
-  for (int ks = 0; ks < 16; ++ks) {
-    const int ch = 8 * ks + 2 * c;
-    const float2 gr = *reinterpret_cast<const float2*>(G + r * kGPitch + ch);
-    const float2 gta = *reinterpret_cast<const float2*>(G + ta * kGPitch + ch);
-    const float2 gtb = *reinterpret_cast<const float2*>(G + tb * kGPitch + ch);
-    const float ea0 = fast_exp2(gta.x - gr.x), eb0 = fast_exp2(gtb.x - gr.x);
-    const float ea1 = fast_exp2(gta.y - gr.y), eb1 = fast_exp2(gtb.y - gr.y);
-    const uint32_t ka = *reinterpret_cast<const uint32_t*>(kh + ta * kQkPitch + ch);
-    const uint32_t kb = *reinterpret_cast<const uint32_t*>(kh + tb * kQkPitch + ch);
-    const uint32_t qa = *reinterpret_cast<const uint32_t*>(qh + ta * kQkPitch + ch);
-    const uint32_t qb = *reinterpret_cast<const uint32_t*>(qh + tb * kQkPitch + ch);
-    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ea0), f32_to_tf32(lo(kb) * eb0), f32_to_tf32(hi(ka) * ea1),
-                            f32_to_tf32(hi(kb) * eb1)};
-    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * ea0), f32_to_tf32(lo(qb) * eb0), f32_to_tf32(hi(qa) * ea1),
-                            f32_to_tf32(hi(qb) * eb1)};
-#pragma unroll
-    for (int jt = 0; jt < kTiles; ++jt) {
-      const int s = 8 * (tile0 + jt) + g;
-      const float2 gs = *reinterpret_cast<const float2*>(G + s * kGPitch + ch);
-      const uint32_t ks2 = *reinterpret_cast<const uint32_t*>(kh + s * kQkPitch + ch);
-      const uint32_t b0 = f32_to_tf32(lo(ks2) * fast_exp2(gr.x - gs.x));
-      const uint32_t b1 = f32_to_tf32(hi(ks2) * fast_exp2(gr.y - gs.y));
-      mma_tf32(acc_k[jt], ak, b0, b1);
-      mma_tf32(acc_q[jt], aq, b0, b1);
-    }
-  }
-  akk_aqk_store<kTiles, kC16>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
-}
-
-// Off-diagonal tiles of row block i (fp16, m16n8k16): reference token r = 16 i, the block's first,
-// so that every column s < r and both factors exp(G_t - G_r), exp(G_r - G_s) are <= 1: operands
-// k^ (|k^| <= 1, f16 in shared memory) times the factor rounded to f16, one HMUL2 per pair. An
-// f16 operand carries 11 significant bits like tf32; the exponent range ends at 2^-24, where a
-// factor's absolute error (<= 2^-25, products bounded by 1) is far below the tf32 rounding of the
-// large entries. Natural k mapping: k-index j of step ks <-> channel 16 ks + j.
-template <int kTiles>
-__device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                                  const float* fq, const float* fk, const float* bet,
-                                                  float* M, float* rec_aqk, int i, int tile0, int g, int c) {
-  float acc_k[kTiles][4], acc_q[kTiles][4];
-#pragma unroll
-  for (int jt = 0; jt < kTiles; ++jt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_k[jt][e] = acc_q[jt][e] = 0.f;
-  const int r = 16 * i, ta = r + g, tb = ta + 8;
-  auto ld2 = [](const uint16_t* p) { return *reinterpret_cast<const uint32_t*>(p); };
-  auto gld = [&](int t, int ch) { return *reinterpret_cast<const float2*>(G + t * kGPitch + ch); };
-#pragma unroll 2
-  for (int ks = 0; ks < 8; ++ks) {
-    uint32_t ak[4], aq[4];
-    float2 gr[2];
-#pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {  // registers a0, a1 (hh = 0: k 2c, 2c + 1) and a2, a3 (hh = 1: + 8)
-      const int ch = 16 * ks + 8 * hh + 2 * c;
-      gr[hh] = gld(r, ch);
-      const float2 gta = gld(ta, ch), gtb = gld(tb, ch);
-      const uint32_t ea = pack_f16(fast_exp2(gta.x - gr[hh].x), fast_exp2(gta.y - gr[hh].y));
-      const uint32_t eb = pack_f16(fast_exp2(gtb.x - gr[hh].x), fast_exp2(gtb.y - gr[hh].y));
-      ak[2 * hh] = mul_f16x2(ld2(kh + ta * kQkPitch + ch), ea);
-      ak[2 * hh + 1] = mul_f16x2(ld2(kh + tb * kQkPitch + ch), eb);
-      aq[2 * hh] = mul_f16x2(ld2(qh + ta * kQkPitch + ch), ea);
-      aq[2 * hh + 1] = mul_f16x2(ld2(qh + tb * kQkPitch + ch), eb);
-    }
-#pragma unroll
-    for (int jt = 0; jt < kTiles; ++jt) {
-      const int s = 8 * (tile0 + jt) + g;
-      uint32_t b[2];
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {  // b0: k 2c, 2c + 1; b1: + 8
-        const int ch = 16 * ks + 8 * hh + 2 * c;
-        const float2 gs = gld(s, ch);
-        b[hh] = mul_f16x2(ld2(kh + s * kQkPitch + ch), pack_f16(fast_exp2(gr[hh].x - gs.x), fast_exp2(gr[hh].y - gs.y)));
-      }
-      mma_f16(acc_k[jt], ak, b[0], b[1]);
-      mma_f16(acc_q[jt], aq, b[0], b[1]);
-    }
-  }
-  akk_aqk_store<kTiles>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
-}
-
-// Diagonal block i by pairwise differences (any decay): lanes = 16 columns s x 2 channel halves.
-template <bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                                      const float* fq, const float* fk, const float* bet,
-                                                      float* M, float* rec_aqk, int i, int lane) {
-  const int sl = lane & 15, hc = lane >> 4, s = 16 * i + sl;
-  for (int tl = 0; tl < 16; ++tl) {
-    const int t = 16 * i + tl;
-    float sk = 0.f, sq = 0.f;
-    if (sl <= tl) {
-      for (int m = 0; m < 64; ++m) {
-        const int cc = 64 * hc + ((m + (sl >> 3) + 2 * hc) & 63);  // rotated: fewer bank conflicts
-        const float e = fast_exp2(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
-        const float ks = in_to_f32<true>(kh[s * kQkPitch + cc]) * e;
-        sk = fmaf(in_to_f32<true>(kh[t * kQkPitch + cc]), ks, sk);
-        sq = fmaf(in_to_f32<true>(qh[t * kQkPitch + cc]), ks, sq);
-      }
-    }
-    sk += __shfl_xor_sync(0xffffffffu, sk, 16);
-    sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-    if (hc == 0) {
-      if (sl < tl) M[t * kMPitch + s] = bet[t] * fk[t] * fk[s] * sk;
-      rec_aqk[kC16 ? rec16_f32(tl, sl) : rec_f32(t, s)] = sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
-    }
-  }
-}
-
-// ---- Off-diagonal blocks of X = M^-1 on the tensor cores, 3xTF32: x = hi + lo with hi = tf32(x),
-// lo = tf32(x - hi), and a b ~ a_hi b_hi + a_hi b_lo + a_lo b_hi with fp32 accumulation (the
-// dropped a_lo b_lo and the rounding of lo are ~2^-22 relative): X stays ~fp32 accurate, its error
-// far below the tf32 rounding of Tm. Operands are 16x16 blocks of M and X (pitch kMPitch) in the
-// paired k mapping (common.cuh): A fragments are float2 reads along a row.
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = f32_to_tf32(x);
-  lo = f32_to_tf32(x - __uint_as_float(hi));
-}
-// A fragment: rows 0..15, k columns 0..7 at a.
-__device__ __forceinline__ void load_a3(const float* a, int g, int c, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
-  const float2 x0 = *reinterpret_cast<const float2*>(a + g * kMPitch + 2 * c);
-  const float2 x1 = *reinterpret_cast<const float2*>(a + (g + 8) * kMPitch + 2 * c);
-  const float v[4] = {x0.x, x1.x, x0.y, x1.y};
-#pragma unroll
-  for (int e = 0; e < 4; ++e) split_tf32(v[e], hi[e], lo[e]);
-}
-// B fragment: k rows 0..7, columns 0..7 at b (column g, rows 2c and 2c + 1).
-__device__ __forceinline__ void load_b3(const float* b, int g, int c, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
-  split_tf32(b[2 * c * kMPitch + g], hi[0], lo[0]);
-  split_tf32(b[(2 * c + 1) * kMPitch + g], hi[1], lo[1]);
-}
-__device__ __forceinline__ void mma3_tf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
-  mma_tf32(d, al, bh[0], bh[1]);  // small terms first
-  mma_tf32(d, ah, bl[0], bl[1]);
-  mma_tf32(d, ah, bh[0], bh[1]);
-}
-
-// Partial sums of the inverse, kept in P as accumulator fragments (slot s, n-tile nt: 32 lanes x
-// float4 at P + 128 (2s + nt)): Q_s += M_{i_s k} X_kj over one k block, for MT row blocks i_s and
-// both n-tiles of block column j (one warp: the X_kj fragments serve all MT rows, the M
-// fragments both n-tiles). add = false starts from zero.
-template <int MT>
-__device__ __forceinline__ void inv_partial(const float* M, const float* X, float* P, const int (&rows)[MT],
-                                            const int (&slots)[MT], int k, int j, bool add, int g, int c,
-                                            int lane) {
-  float acc[MT][2][4];
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      const float4 v = add ? *reinterpret_cast<const float4*>(P + 128 * (2 * slots[m] + nt) + 4 * lane)
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[m][nt][0] = v.x; acc[m][nt][1] = v.y; acc[m][nt][2] = v.z; acc[m][nt][3] = v.w;
-    }
-#pragma unroll
-  for (int ks = 0; ks < 2; ++ks) {
-    uint32_t ah[MT][4], al[MT][4];
-#pragma unroll
-    for (int m = 0; m < MT; ++m) load_a3(M + (16 * rows[m]) * kMPitch + 16 * k + 8 * ks, g, c, ah[m], al[m]);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt) {
-      if (k == j && ks == 0 && nt == 1) continue;  // upper right 8x8 of X_jj: zero
-      uint32_t bh[2], bl[2];
-      load_b3(X + (16 * k + 8 * ks) * kMPitch + 16 * j + 8 * nt, g, c, bh, bl);
-#pragma unroll
-      for (int m = 0; m < MT; ++m) mma3_tf32(acc[m][nt], ah[m], al[m], bh, bl);
-    }
-  }
-#pragma unroll
-  for (int m = 0; m < MT; ++m)
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-      *reinterpret_cast<float4*>(P + 128 * (2 * slots[m] + nt) + 4 * lane) =
-          make_float4(acc[m][nt][0], acc[m][nt][1], acc[m][nt][2], acc[m][nt][3]);
-}
-
-// Columns 8nt..8nt+7 of the off-diagonal block X_ij (i > j), one warp: the last term of the block
-// sum, S = Q + M_{i,i-1} X_{i-1,j} (Q: the terms k < i - 1 from inv_partial, slot qs; none when
-// i - j = 1), then X_ij = -X_ii S. S is the B operand of the second product: it takes the round
-// trip through the tile's own place in X, which nothing else reads in this phase. Each product
-// keeps one accumulator per k-step: two chains of 3 dependent mma instead of one of 6.
-__device__ __forceinline__ void inv_tile(const float* M, float* X, const float* P, int qs, int i, int j, int nt,
-                                         int g, int c, int lane) {
-  float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-  if (qs >= 0) {
-    const float4 v = *reinterpret_cast<const float4*>(P + 128 * (2 * qs + nt) + 4 * lane);
-    acc[1][0] = v.x; acc[1][1] = v.y; acc[1][2] = v.z; acc[1][3] = v.w;
-  }
-  const int k = i - 1;
-#pragma unroll
-  for (int ks = 0; ks < 2; ++ks) {
-    if (k == j && ks == 0 && nt == 1) continue;  // upper right 8x8 of X_jj: zero
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    load_a3(M + (16 * i) * kMPitch + 16 * k + 8 * ks, g, c, ah, al);
-    load_b3(X + (16 * k + 8 * ks) * kMPitch + 16 * j + 8 * nt, g, c, bh, bl);
-    mma3_tf32(acc[ks], ah, al, bh, bl);
-  }
-  float* t = X + (16 * i) * kMPitch + 16 * j + 8 * nt;
-  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) = make_float2(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]);
-  *reinterpret_cast<float2*>(t + (g + 8) * kMPitch + 2 * c) =
-      make_float2(acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
-  __syncwarp();
-  float x[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
-#pragma unroll
-  for (int ks = 0; ks < 2; ++ks) {
-    uint32_t ah[4], al[4], bh[2], bl[2];
-    load_a3(X + (16 * i) * kMPitch + 16 * i + 8 * ks, g, c, ah, al);
-    load_b3(t + (8 * ks) * kMPitch, g, c, bh, bl);
-    mma3_tf32(x[ks], ah, al, bh, bl);
-  }
-  __syncwarp();  // S read by every lane before it is overwritten
-  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) = make_float2(-x[0][0] - x[1][0], -x[0][1] - x[1][1]);
-  *reinterpret_cast<float2*>(t + (g + 8) * kMPitch + 2 * c) = make_float2(-x[0][2] - x[1][2], -x[0][3] - x[1][3]);
-}
-
-// X = M^-1 for the unit lower triangular M (strictly lower part in M; X gets the lower blocks,
-// upper triangles of the diagonal blocks zero), all 256 threads; P: scratch. Ends with a barrier.
-// kDiagOnly (16-token records): the four diagonal blocks' inverses only.
-template <bool kDiagOnly = false>
-__device__ __forceinline__ void invert_m(const float* M, float* X, float* P, int warp, int lane) {
-  const int g = lane >> 2, c = lane & 3;
-  // Diagonal 16x16 blocks by forward substitution: warp i, lane = column.
-  if (warp < 4) {
-    const int i = warp, jj = lane & 15;
-    float x[16];
-#pragma unroll
-    for (int t = 0; t < 16; ++t) {
-      float acc = (t == jj) ? 1.f : 0.f;
-#pragma unroll
-      for (int s = 0; s < t; ++s) acc = fmaf(-M[(16 * i + t) * kMPitch + 16 * i + s], x[s], acc);
-      x[t] = acc;
-    }
-    if (lane < 16) {
-#pragma unroll
-      for (int t = 0; t < 16; ++t) X[(16 * i + t) * kMPitch + 16 * i + jj] = x[t];
-    }
-  }
-  __syncthreads();
-  if constexpr (kDiagOnly) return;
-  // Off-diagonal blocks: X_ij = -X_ii sum_{k=j}^{i-1} M_ik X_kj, in three phases by distance
-  // d = i - j, one barrier each (block columns are independent, so a warp takes 8 columns of a
-  // block and chains both of its products). The terms that need only X_jj (M_20 X_00, M_30 X_00,
-  // M_31 X_11) and M_31 X_10 go into P from otherwise idle warps ahead of the phase that needs
-  // them: every tile then has one k block left before its X_ii product.
-  //   d = 1: warps 0-5: X_10, X_21, X_32 (two warps each)   warp 6: Q_20, Q_30   warp 7: Q_31
-  //   d = 2: warps 0-3: X_20 (Q_20), X_31 (Q_31)            warp 4: Q_30 += M_31 X_10
-  //   d = 3: warps 0-1: X_30 (Q_30)
-  if (warp < 6) {
-    inv_tile(M, X, P, -1, warp / 2 + 1, warp / 2, warp & 1, g, c, lane);
-  } else if (warp == 6) {
-    inv_partial<2>(M, X, P, {2, 3}, {0, 1}, 0, 0, false, g, c, lane);
-  } else {
-    inv_partial<1>(M, X, P, {3}, {2}, 1, 1, false, g, c, lane);
-  }
-  __syncthreads();
-  if (warp < 4) {
-    const int i = 2 + (warp >> 1);
-    inv_tile(M, X, P, i == 2 ? 0 : 2, i, i - 2, warp & 1, g, c, lane);
-  } else if (warp == 4) {
-    inv_partial<1>(M, X, P, {3}, {1}, 1, 0, true, g, c, lane);
-  }
-  __syncthreads();
-  if (warp < 2) inv_tile(M, X, P, 1, 3, 0, warp, g, c, lane);
-  __syncthreads();
-}
-
-#ifdef KDA_PREFILL_TRACE
-// Development builds only (-DKDA_PREFILL_TRACE): thread 0 of every block adds the SM clocks spent
-// between consecutive phase boundaries (each after a block barrier, so a phase's time is its
-// slowest warp's) to g_prepare_phase_clocks; prefill_trace_fetch (cuda_backend.h) reads them.
-inline constexpr int kPrepareTracePhases = 8;
-__device__ unsigned long long g_prepare_phase_clocks[kPrepareTracePhases + 1];  // + 1: blocks
-#define KDA_PF_PHASE(i)                                                           \
-  do {                                                                            \
-    if (tid == 0) {                                                               \
-      const long long now_ = clock64();                                           \
-      atomicAdd(&g_prepare_phase_clocks[i], static_cast<unsigned long long>(now_ - trace_prev_)); \
-      trace_prev_ = now_;                                                         \
-    }                                                                             \
-  } while (0)
-#else
-#define KDA_PF_PHASE(i) ((void)0)
-#endif
-
-// Dense chunk slot -> (sequence n, chunk j), by a 32-bit division where the values allow (a
-// 64-bit one is a ~100-instruction call).
-__device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_t& n, int64_t& j) {
-  if (slot <= INT32_MAX && p.chunks_per_seq <= INT32_MAX) {
-    const uint32_t s32 = static_cast<uint32_t>(slot), c32 = static_cast<uint32_t>(p.chunks_per_seq);
-    n = s32 / c32;
-    j = s32 - static_cast<uint32_t>(n) * c32;
-  } else {
-    n = slot / p.chunks_per_seq;
-    j = slot % p.chunks_per_seq;
-  }
-}
-
-// Opt-in (heuristics.h: measured slower at the natural distance) L2 prefetch (a hint) of the q, k,
-// g rows of the chunk that block blockIdx.x + p.prefetch_blocks will load; threads 0..191: one 256- or 512-byte row each. Dense:
-// that block's rows exactly; varlen: this block's sequence continued (exact while it lasts, a
-// harmless guess past its end). Only for 16-byte aligned rows.
-__device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0, int tid) {
-  if (p.prefetch_blocks <= 0 || tid >= 3 * kChunk || !(p.q.vec && p.k.vec && p.g.vec)) return;
-  const uint32_t nb = blockIdx.x + static_cast<uint32_t>(p.prefetch_blocks);
-  if (nb >= gridDim.x) return;
-  const int hv2 = static_cast<int>(nb % static_cast<unsigned>(p.HV));
-  const int64_t slot2 = nb / static_cast<unsigned>(p.HV);
-  int64_t b2 = 0, t2;
-  if (!p.varlen) {
-    int64_t j2;
-    dense_slot(p, slot2, b2, j2);
-    t2 = j2 * kChunk;
-  } else {
-    t2 = t0 + (slot2 - slot) * kChunk;
-  }
-  const int which = tid / kChunk;  // 0: q, 1: k, 2: g
-  const int64_t tok = t2 + (tid % kChunk);
-  if (tok >= p.T) return;
-  const TokenView& tv = which == 0 ? p.q : (which == 1 ? p.k : p.g);
-  const int esize = tv.dtype == kF32 ? 4 : 2;
-  const int64_t off = tv.offset(b2, tok, which == 2 ? hv2 : hv2 / p.groups);
-  prefetch_l2(static_cast<const uint8_t*>(tv.data) + off * esize, static_cast<uint32_t>(kHeadDim * esize));
-}
-
-// Varlen batches (p.order set): the recurrence's sequence order, longest first, by a counting sort
-// of the chunk counts (capped at 1023: longer sequences tie) in one block. Ties land in any order:
-// every (sequence, value head) is computed by one recurrence block whatever its index, so results
-// do not depend on it. cnt: 1024 + 8 ints of shared scratch. Ends with a barrier.
-__device__ __forceinline__ void order_sequences(const Params& p, int* cnt, int tid) {
-  constexpr int kKeys = 1024;
-  static_assert(kKeys == 4 * kPrepareThreads, "four keys per thread");
-  auto key = [&](int64_t n) {  // more chunks -> smaller key
-    const int64_t ch = (seq_span(p, n).len + kChunk - 1) / kChunk;
-    return kKeys - 1 - static_cast<int>(ch < kKeys - 1 ? ch : kKeys - 1);
-  };
-  for (int i = tid; i < kKeys; i += kPrepareThreads) cnt[i] = 0;
-  __syncthreads();
-  for (int64_t n = tid; n < p.N; n += kPrepareThreads) atomicAdd(&cnt[key(n)], 1);
-  __syncthreads();
-  // Exclusive prefix sums of the counts: four keys per thread, a warp scan, the warp totals.
-  int* wsum = cnt + kKeys;
-  const int lane = tid & 31, warp = tid >> 5;
-  int v[4], local = 0;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) local += (v[j] = cnt[4 * tid + j]);
-  int incl = local;
-#pragma unroll
-  for (int o = 1; o < 32; o <<= 1) {
-    const int x = __shfl_up_sync(0xffffffffu, incl, o);
-    if (lane >= o) incl += x;
-  }
-  if (lane == 31) wsum[warp] = incl;
-  __syncthreads();
-  int base = incl - local;
-  for (int w = 0; w < warp; ++w) base += wsum[w];
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    cnt[4 * tid + j] = base;
-    base += v[j];
-  }
-  __syncthreads();
-  for (int64_t n = tid; n < p.N; n += kPrepareThreads) p.order[atomicAdd(&cnt[key(n)], 1)] = static_cast<int32_t>(n);
-  __syncthreads();
-}
-
-// kC16: four 16-token records per block instead of one 64-token record (the chunk-16 path, in
-// development: common.cuh). The cumulative sum restarts every 16 tokens, only the diagonal 16 x 16
+// kC16: four 16-token records per block instead of one 64-token record (the chunk-16 path:
+// common.cuh). The cumulative sum restarts every 16 tokens, only the diagonal 16 x 16
 // blocks of Akk / Aqk and of the inverse are computed, W uses the diagonal blocks of Tm, and kbT /
 // gL decay to each sub-chunk's last token.
 template <bool kFp16, bool kC16 = false>
@@ -575,9 +47,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   float* P = reinterpret_cast<float*>(smem + kSmP);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-#ifdef KDA_PREFILL_TRACE
-  long long trace_prev_ = clock64();
-#endif
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
   if (p.order != nullptr && blockIdx.x == 0) order_sequences(p, reinterpret_cast<int*>(M), tid);  // M: unused yet
@@ -599,10 +68,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     L = (j < 0 || j * kChunk >= sp.len) ? 0 : static_cast<int>(clamp64(sp.len - j * kChunk, 0, kChunk));
   }
   if (L <= 0) return;  // an unused slot of a varlen batch
-#ifdef KDA_PREFILL_TRACE
-  if (tid == 0) atomicAdd(&g_prepare_phase_clocks[kPrepareTracePhases], 1ull);  // blocks with a chunk
-#endif
-  KDA_PF_PHASE(0);  // locate
   prefetch_next_chunk(p, slot, t0, tid);
   uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
@@ -755,7 +220,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
-  KDA_PF_PHASE(1);  // load, l2 norms, log decays
 
   // ---- G = cumulative log decay over the chunk (padded tokens have a = 0: G_t = G_{L-1}).
   {
@@ -775,7 +239,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     }
   }
   __syncthreads();
-  KDA_PF_PHASE(2);  // cumulative sum
 
   // ---- Akk (into M = b_t Akk), Aqk (into the record). Warps 0-3: diagonal block i = warp around
   // its middle token (or pairwise); warps 4-7: off-diagonal tiles of row blocks 3, 3, 2, 1 with
@@ -808,11 +271,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   }
   __syncthreads();
 
-  KDA_PF_PHASE(3);  // Akk, Aqk
 
   // ---- X = M^-1.
   invert_m<kC16>(M, X, P, warp, lane);
-  KDA_PF_PHASE(4);  // inverse: diagonal and off-diagonal blocks
 
   // ---- Tm = X diag(b), tf32-rounded, zero above the diagonal blocks: into the record (positions
   // 0-3 of the record's k-slot order hold the even tokens of 8, 4-7 the odd) and, as W's tf32 A
@@ -910,7 +371,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
   }
   __syncthreads();
 
-  KDA_PF_PHASE(5);  // Tm, qg, kg
 
   // ---- W = Tm (kg fk), kg = exp(G) k^ from the pass above: warp w owns channels [16w, 16w + 16);
   // k-steps over tokens s with the paired k mapping (slot c <-> s0 = 8sk + 2c, slot c+4 <-> s0 + 1).
@@ -959,7 +419,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       }
   }
 
-  KDA_PF_PHASE(6);  // W (thread 0's warp; no barrier)
 
   // ---- kbT = (exp(G_L - G) k)^T (bf16), gL = exp(G_L).
   {
@@ -994,7 +453,6 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
           make_uint4(pack_bf16(v1[0], v1[1]), pack_bf16(v1[2], v1[3]), pack_bf16(v1[4], v1[5]), pack_bf16(v1[6], v1[7]));
     }
   }
-  KDA_PF_PHASE(7);  // kbT, gL (thread 0's warp)
 }
 
 }  // namespace kda::cuda::pf

@@ -1,5 +1,6 @@
-// decode_common.cuh — device helpers of the CUDA decode (decode_sm90.cu): strided views with
-// runtime dtypes, index loads, 16-byte state vectors (fp32 / bf16), lane-group sums.
+// load.cuh — loads and stores of the decode kernels: index loads, runtime-dtype element and run
+// loads (raw bits loaded early, converted at first use), 16-byte state vectors (fp32 / bf16),
+// lane-group sums.
 //
 // Inputs (q, k, v, g, beta, out, dt_bias) keep their dtype as a runtime code (a uniform branch
 // per load), so the kernel is instantiated only on what changes its register layout: the K tile,
@@ -13,28 +14,10 @@
 #include <cstdint>
 
 #include "core/kda_math.h"
+#include "cuda/common/view.cuh"
 #include "kda/kda.h"
 
 namespace kda::cuda::dec {
-
-// dtype codes seen by the device: static_cast<int>(DType).
-inline constexpr int kF32 = static_cast<int>(DType::kFloat32);
-inline constexpr int kF16 = static_cast<int>(DType::kFloat16);
-inline constexpr int kBF16 = static_cast<int>(DType::kBFloat16);
-
-// A strided rank-4 view in device memory: element strides of the three leading dimensions; the
-// last dimension is contiguous. `vec`: the data pointer and every leading stride are 16-byte
-// aligned, so any run of elements that starts at a multiple of its own length (up to 16 bytes)
-// may be read with one vector load.
-struct Tensor4 {
-  void* data = nullptr;
-  int64_t s0 = 0, s1 = 0, s2 = 0;
-  int dtype = kF32;
-  bool vec = false;
-  __device__ __forceinline__ int64_t offset(int64_t i0, int64_t i1, int64_t i2) const {
-    return i0 * s0 + i1 * s1 + i2 * s2;
-  }
-};
 
 // An int32/int64 index tensor of rank 1 or 2 (s1 = 0 for rank 1).
 struct IndexTensor {
@@ -138,7 +121,7 @@ __device__ __forceinline__ float load_elem(const void* base, int dtype, int64_t 
 }
 
 // Loads N contiguous elements at base[off ..] as fp32. `vec`: use 8/16-byte loads (the caller
-// guarantees off is a multiple of N and the row is 16-byte aligned, see Tensor4::vec).
+// guarantees off is a multiple of N and the row is 16-byte aligned, see StridedView::vec).
 template <int N>
 __device__ __forceinline__ void load_run(const void* base, int dtype, bool vec, int64_t off,
                                          float* dst) {
@@ -261,129 +244,5 @@ __device__ __forceinline__ float lane_group_sum(float x) {
   for (int m = 1; m < kLanes; m <<= 1) x += __shfl_xor_sync(0xffffffffu, x, m);
   return x;
 }
-
-// The lane index, re-read at every use (volatile: the compiler neither hoists nor keeps it live
-// across loops, which keeps values derived from it out of the register budget).
-__device__ __forceinline__ int lane_id() {
-  int lane;
-  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
-  return lane;
-}
-
-__device__ __forceinline__ void prefetch_l2(const void* p) {
-  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// Hopper asynchronous copies (the persistent kernel): mbarriers in shared memory, 1-D bulk copies
-// global -> shared (cp.async.bulk, the TMA engine) completing on an mbarrier's transaction count.
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_addr(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint64_t* bar, uint32_t count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(smem_addr(bar)), "r"(count) : "memory");
-}
-
-// Makes the mbarrier initializations visible (to the other threads after a barrier, and to the
-// async proxy that completes transactions on them).
-__device__ __forceinline__ void fence_mbar_init() {
-  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-}
-
-// Arrive (release, CTA scope): the calling thread's earlier memory accesses happen before the
-// completion of the phase.
-__device__ __forceinline__ void mbar_arrive(uint64_t* bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(smem_addr(bar)) : "memory");
-}
-
-// Arrive and raise the phase's expected transaction count by `bytes` (before any copy that
-// completes `bytes` on this barrier is issued).
-__device__ __forceinline__ void mbar_arrive_expect_tx(uint64_t* bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_addr(bar)), "r"(bytes)
-               : "memory");
-}
-
-// Waits (acquire, CTA scope) until the phase of parity `parity` has completed. A fresh barrier is
-// in phase 0, so waiting for parity 1 returns at once (the "previous" phase counts as complete).
-__device__ __forceinline__ void mbar_wait(uint64_t* bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred P1;\n"
-      "WAIT_LOOP:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
-      "@!P1 bra WAIT_LOOP;\n"
-      "}\n" ::"r"(smem_addr(bar)),
-      "r"(parity)
-      : "memory");
-}
-
-// Orders this thread's generic-proxy shared-memory accesses before its later async-proxy ones
-// (a bulk copy into a buffer that generic loads / stores used before).
-__device__ __forceinline__ void fence_proxy_async_smem() {
-  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-}
-
-// An L2 policy for data read once (the state tiles).
-__device__ __forceinline__ uint64_t l2_evict_first_policy() {
-  uint64_t pol;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-  return pol;
-}
-
-// Bulk copy of `bytes` (a multiple of 16; both addresses 16-byte aligned) global -> shared,
-// completing `bytes` transactions on `bar`.
-__device__ __forceinline__ void bulk_copy_g2s(void* dst, const void* src, uint32_t bytes, uint64_t* bar,
-                                              uint64_t policy) {
-  asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          smem_addr(dst)),
-      "l"(src), "r"(bytes), "r"(smem_addr(bar)), "l"(policy)
-      : "memory");
-}
-
-// Plain bulk copy global -> shared (no cache hint), completing `bytes` transactions on `bar`.
-__device__ __forceinline__ void bulk_load(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                   smem_addr(dst)),
-               "l"(src), "r"(bytes), "r"(smem_addr(bar))
-               : "memory");
-}
-
-// Bulk copy shared -> global (a multiple of 16 bytes, 16-byte aligned), in the calling thread's
-// bulk async-group. Every thread that wrote the shared source with generic stores must have run
-// fence_proxy_async_smem() before the barrier that precedes this call.
-__device__ __forceinline__ void bulk_store(void* dst, const void* src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(smem_addr(src)),
-               "r"(bytes)
-               : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
-
-// Waits until the calling thread's committed bulk stores have finished reading shared memory
-// (the source may be overwritten; the global writes complete before the grid does).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
-
-// Waits until the calling thread's committed bulk stores are complete (their global writes
-// performed): a later bulk store to the same addresses is then ordered after them.
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
-
-// ---------------------------------------------------------------------------------------------
-// Ampere-style asynchronous copies (the staged tile kernel): 16-byte cp.async global -> shared,
-// bypassing L1 (.cg). Both addresses must be 16-byte aligned. A thread's copies complete for that
-// thread at cp_async_wait_all (the data is visible to other threads only after a barrier).
-// ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ void cp_async_16(void* smem_dst, const void* gmem_src) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(smem_addr(smem_dst)), "l"(gmem_src) : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
 
 }  // namespace kda::cuda::dec

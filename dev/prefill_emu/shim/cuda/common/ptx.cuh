@@ -1,4 +1,5 @@
-// Emulation of ptx.cuh (host): warp collectives through emu::WarpCtx.
+// Emulation of src/cuda/common/ptx.cuh (host), the part the prefill kernels use: warp collectives
+// through emu::WarpCtx.
 #pragma once
 #include <cassert>
 #include <cstdio>
@@ -10,7 +11,7 @@ namespace kda::cuda::pf {
 inline uint32_t f32_to_tf32(float x) { uint32_t u = __float_as_uint(x); if ((u & 0x7f800000u) != 0x7f800000u) { u += 0x1000u; u &= 0xffffe000u; } return u; }
 inline float tf32_round(float x) { return __uint_as_float(f32_to_tf32(x)); }
 inline float fast_exp2(float x) { float r = std::exp2(x); return r < 1.17549435e-38f ? 0.f : r; }
-inline uint32_t smem_u32(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
+inline uint32_t smem_addr(const void* p) { return static_cast<uint32_t>(__cvta_generic_to_shared(p)); }
 inline uint8_t* sptr(uint32_t a, int bytes) { EMU_CHECK(a + bytes <= emu::smem_size, "shared address out of range"); return emu::smem_base + a; }
 inline float bf(uint32_t r, int hi) { return __uint_as_float(hi ? (r & 0xffff0000u) : (r << 16)); }
 // m16n8k16 with 16-bit inputs (bf16 or f16: elem decodes the half `hi` of a register), fp32 accumulate.
@@ -88,7 +89,7 @@ inline void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t 
   }
   emu::warp_sync();
 }
-inline void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+inline void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0, "cp.async misaligned");
   uint8_t* d = sptr(dst, 16); std::memset(d, 0, 16); if (src_bytes) std::memcpy(d, src, src_bytes);
 }
@@ -99,7 +100,7 @@ inline void pdl_prologue() {}  // no dependent grids on the CPU
 }  // namespace kda::cuda
 namespace kda::cuda::pf {
 template <int kPending> inline void cp_async_wait() {}
-inline void fence_barrier_init() {}
+inline void fence_mbar_init() {}
 inline void fence_proxy_async() {}
 inline void named_barrier_sync(int id, int count) { emu::named_sync(id, count); }
 // mbarriers with their hardware semantics, kept in their 8 bytes of shared memory: expected
@@ -139,7 +140,7 @@ inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_
   EmuMbar* m = mbar_live(bar); m->tx -= static_cast<int32_t>(bytes);
   EMU_CHECK(m->tx >= 0, "bulk copy: more bytes than the barrier expects"); mbar_complete_if_done(m);
 }
-inline void prefetch_l2(const void* src, uint32_t bytes) {
+inline void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   EMU_CHECK(reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "prefetch misaligned");
 }
 // wgmma (sm_90a), emulated: products complete at issue, so fence/commit/wait are no-ops. Each warp
@@ -209,7 +210,7 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
   for (int j = 0; j < NJ; ++j)
     for (int e = 0; e < 4; ++e) d[j][e] = out[j][e];
 }
-// src/cuda/prefill/ptx.cuh's products: bf16 NJ = 2, 8 or 16 (n16, n64, n128); tf32 NJ = 2 or 8.
+// src/cuda/common/ptx.cuh's products: bf16 NJ = 2, 8 or 16 (n16, n64, n128); tf32 NJ = 2 or 8.
 template <int NJ, int kScaleA = 1>
 inline void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
   static_assert(NJ == 2 || NJ == 8 || NJ == 16, "wgmma_bf16: n16, n64 or n128");

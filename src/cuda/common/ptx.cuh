@@ -1,15 +1,44 @@
-// ptx.cuh — PTX wrappers of the CUDA prefill: mma.sync (bf16 m16n8k16, tf32 m16n8k8), wgmma,
-// ldmatrix/stmatrix, cp.async, bulk copies completing on an mbarrier, tf32 rounding.
-// Fragment layouts: see common.cuh.
+// ptx.cuh — the one set of PTX wrappers of the CUDA kernels (decode and prefill): programmatic
+// dependent launch, lane id, L2 prefetch, mma.sync (bf16 / fp16 m16n8k16, tf32 m16n8k8), wgmma,
+// ldmatrix / stmatrix, cp.async, mbarriers, bulk copies (the TMA engine) in both directions, tf32
+// rounding. Shared-memory operands are 32-bit shared addresses (smem_addr). Fragment layouts: see
+// prefill/common.cuh. dev/prefill_emu/shim/cuda/common/ptx.cuh emulates the part that the prefill
+// kernels use.
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include <cstdint>
 
-#include "cuda/launch.cuh"
+namespace kda::cuda {
 
-namespace kda::cuda::pf {
+// Every kernel of the library starts with pdl_prologue(): it lets the next kernel in the stream
+// (if that one was launched with PDL, common/launch.cuh) be scheduled while this grid finishes,
+// then waits until every grid this one depends on has completed and its memory is visible.
+// Nothing is read or written in global memory before the wait, so a PDL launch is exactly as
+// ordered as a plain one. Without the launch attribute both instructions do nothing.
+__device__ __forceinline__ void pdl_prologue() {
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+
+// The lane index, re-read at every use (volatile: the compiler neither hoists nor keeps it live
+// across loops, which keeps values derived from it out of the register budget).
+__device__ __forceinline__ int lane_id() {
+  int lane;
+  asm volatile("mov.u32 %0, %%laneid;" : "=r"(lane));
+  return lane;
+}
+
+// L2 prefetch of the line at p (a hint).
+__device__ __forceinline__ void prefetch_l2(const void* p) {
+  asm volatile("prefetch.global.L2 [%0];" ::"l"(p));
+}
+
+// The 32-bit shared-memory address of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t smem_addr(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
 
 // fp32 -> tf32, round to nearest (ties away from zero) on the 13 dropped bits: what
 // cvt.rna.tf32.f32 computes, in two full-rate integer operations (the conversion instruction is
@@ -27,10 +56,6 @@ __device__ __forceinline__ float fast_exp2(float x) {
 // ---------------------------------------------------------------------------------------------
 // PTX wrappers
 // ---------------------------------------------------------------------------------------------
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
 
 // D = A B + D, bf16 inputs, fp32 accumulate. Not volatile: a pure register operation that the
 // compiler may schedule freely (interleaving independent accumulators).
@@ -97,14 +122,15 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
                : "memory");
 }
 
-// 16-byte asynchronous copy global -> shared; src_bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src, int src_bytes) {
+// 16-byte asynchronous copy global -> shared, bypassing L1 (.cg); src_bytes = 0 writes zeros and
+// reads nothing.
+__device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
                : "memory");
 }
 // L2 prefetch of `bytes` (a multiple of 16) from a 16-byte aligned global address: a hint, no
 // completion to wait for.
-__device__ __forceinline__ void prefetch_l2(const void* src, uint32_t bytes) {
+__device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
@@ -116,10 +142,13 @@ __device__ __forceinline__ void cp_async_wait() {
 __device__ __forceinline__ void mbar_init(uint32_t bar, uint32_t count) {
   asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(bar), "r"(count) : "memory");
 }
-// Makes barrier initialisation visible to the async proxy (the bulk-copy engine).
-__device__ __forceinline__ void fence_barrier_init() {
+// Makes the mbarrier initializations visible (to the other threads after a barrier, and to the
+// async proxy, the bulk-copy engine, that completes transactions on them).
+__device__ __forceinline__ void fence_mbar_init() {
   asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
 }
+// Orders this thread's generic-proxy shared-memory accesses before its later async-proxy ones
+// (a bulk copy into a buffer that generic loads / stores used before).
 __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
@@ -133,6 +162,8 @@ __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
 __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
+// Waits (acquire, CTA scope) until the phase of parity `parity` has completed; the retry loop is
+// C++ (the compiler sees it). A fresh barrier is in phase 0, so waiting for parity 1 returns at once.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
@@ -143,7 +174,8 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
         : "memory");
   }
 }
-// Bulk copy global -> shared (16-byte aligned, size a multiple of 16), completing on `bar`.
+// Bulk copy global -> shared (16-byte aligned, size a multiple of 16), completing `bytes`
+// transactions on `bar`.
 __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
@@ -275,4 +307,62 @@ __device__ __forceinline__ void st_global_16(void* p, uint4 v) {
 // 16-byte read-only global load (p 16-byte aligned).
 __device__ __forceinline__ uint4 ld_global_16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
 
-}  // namespace kda::cuda::pf
+// Waits as mbar_wait, with the retry loop inside the asm block (one branch back to the try_wait;
+// the decode kernels' measured code uses this form, the prefill kernels' mbar_wait's).
+__device__ __forceinline__ void mbar_wait_spin(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred P1;\n"
+      "WAIT_LOOP:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 P1, [%0], %1;\n"
+      "@!P1 bra WAIT_LOOP;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// An L2 policy for data read once (the decode state tiles).
+__device__ __forceinline__ uint64_t l2_evict_first_policy() {
+  uint64_t pol;
+  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+  return pol;
+}
+
+// bulk_copy_g2s with an L2 cache policy (l2_evict_first_policy).
+__device__ __forceinline__ void bulk_copy_g2s_hint(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
+                                                   uint64_t policy) {
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
+          dst),
+      "l"(src), "r"(bytes), "r"(bar), "l"(policy)
+      : "memory");
+}
+
+// Bulk copy shared -> global (a multiple of 16 bytes, 16-byte aligned), in the calling thread's
+// bulk async-group. Every thread that wrote the shared source with generic stores must have run
+// fence_proxy_async() before the barrier that precedes this call.
+__device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+               : "memory");
+}
+
+__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+
+// Waits until the calling thread's committed bulk stores have finished reading shared memory
+// (the source may be overwritten; the global writes complete before the grid does).
+__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+
+// Waits until the calling thread's committed bulk stores are complete (their global writes
+// performed): a later bulk store to the same addresses is then ordered after them.
+__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+
+// 16-byte cp.async global -> shared, bypassing L1 (.cg), both addresses 16-byte aligned. A
+// thread's copies complete for that thread at cp_async_wait_all (the data is visible to other
+// threads only after a barrier).
+__device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
+
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+}  // namespace kda::cuda

@@ -1,0 +1,132 @@
+// tuning.h — every tuning knob of the library, read from the environment once into one struct
+// (docs/tuning.md is the table: name, default, effect, valid values). No CUDA headers: the CPU
+// build, the heuristics (src/cuda/heuristics/) and their CPU tests see it.
+//
+// tuning() is the struct the library uses: the environment as read on first use (thread-safe,
+// never re-read), or the innermost ScopedTuning override. A value that is not valid for its knob
+// is ignored (the default applies), as documented per knob.
+//
+// Testing hook (tests and benchmarks; not part of the public API): ScopedTuning replaces the
+// struct for its scope, e.g. to force a kernel:
+//   kda::detail::Tuning t = kda::detail::tuning();
+//   t.decode_kernel = kda::detail::DecodeKernelOverride::kStaged;
+//   kda::detail::ScopedTuning scope(t);   // calls in this scope run the staged kernel
+// Overrides nest (each restores the previous on destruction) and are process-wide: set them from
+// one thread while no call is in flight.
+#pragma once
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+
+namespace kda::detail {
+
+// KDA_CUDA_DECODE_KERNEL: the decode kernel to run where it is eligible (else the default choice).
+enum class DecodeKernelOverride {
+  kAuto,
+  kBaseline,
+  kTile,
+  kStaged,
+  kBulk,
+  kBulkLatency,
+  kPersistent
+};
+
+struct Tuning {
+  bool pdl = true;  // KDA_CUDA_PDL: programmatic dependent launch
+  DecodeKernelOverride decode_kernel = DecodeKernelOverride::kAuto;  // KDA_CUDA_DECODE_KERNEL
+  int decode_grid = 0;         // KDA_CUDA_DECODE_GRID: persistent grid cap (0: SMs x 3)
+  int prefill_vs = 0;          // KDA_CUDA_PREFILL_VS: 16/32/64/128 (0: heuristic)
+  bool prefill_ksplit = true;  // KDA_CUDA_PREFILL_KSPLIT: K split at vs <= 32
+  bool prefill_wgmma = true;   // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
+  int prefill_chunk = 0;       // KDA_CUDA_PREFILL_CHUNK: 16 or 64 forces (0: heuristic)
+  int prefill_prefetch = 0;    // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
+  int num_threads = 0;         // KDA_NUM_THREADS: CPU worker threads (0: hardware)
+};
+
+// ---- Parsing (pure; `get` maps a name to its value or nullptr, like std::getenv)
+
+// A string of decimal digits as a number (saturating at 1e6); -1 for null, empty or anything else.
+inline long tuning_digits(const char* s) {
+  if (s == nullptr || s[0] == '\0') return -1;
+  long v = 0;
+  for (const char* c = s; *c != '\0'; ++c) {
+    if (*c < '0' || *c > '9') return -1;
+    if (v < 1000000) v = 10 * v + (*c - '0');
+  }
+  return v;
+}
+
+template <typename Get>
+Tuning parse_tuning(Get&& get) {
+  Tuning t;
+  auto is = [](const char* s, const char* name) {
+    return s != nullptr && std::strcmp(s, name) == 0;
+  };
+  const char* s = get("KDA_CUDA_PDL");
+  t.pdl = !is(s, "0");
+  s = get("KDA_CUDA_DECODE_KERNEL");
+  if (is(s, "baseline")) t.decode_kernel = DecodeKernelOverride::kBaseline;
+  if (is(s, "tile")) t.decode_kernel = DecodeKernelOverride::kTile;
+  if (is(s, "staged")) t.decode_kernel = DecodeKernelOverride::kStaged;
+  if (is(s, "bulk")) t.decode_kernel = DecodeKernelOverride::kBulk;
+  if (is(s, "bulklat")) t.decode_kernel = DecodeKernelOverride::kBulkLatency;
+  if (is(s, "persistent")) t.decode_kernel = DecodeKernelOverride::kPersistent;
+  if ((s = get("KDA_CUDA_DECODE_GRID")) != nullptr) {
+    const long g = std::strtol(s, nullptr, 10);
+    if (g > 0 && g <= 1000000) t.decode_grid = static_cast<int>(g);
+  }
+  s = get("KDA_CUDA_PREFILL_VS");
+  const long vs = tuning_digits(s);
+  if ((vs == 16 || vs == 32 || vs == 64 || vs == 128) && s[0] != '0')
+    t.prefill_vs = static_cast<int>(vs);
+  t.prefill_ksplit = !is(get("KDA_CUDA_PREFILL_KSPLIT"), "0");
+  t.prefill_wgmma = !is(get("KDA_CUDA_PREFILL_WGMMA"), "0");
+  const long chunk = tuning_digits(get("KDA_CUDA_PREFILL_CHUNK"));
+  if (chunk == 16 || chunk == 64) t.prefill_chunk = static_cast<int>(chunk);
+  s = get("KDA_CUDA_PREFILL_PREFETCH");
+  const long pf = tuning_digits(s);
+  if (is(s, "auto"))
+    t.prefill_prefetch = -1;
+  else if (pf > 0)
+    t.prefill_prefetch = static_cast<int>(pf);
+  if ((s = get("KDA_NUM_THREADS")) != nullptr) {
+    const int n = std::atoi(s);
+    if (n > 0) t.num_threads = n;
+  }
+  return t;
+}
+
+inline Tuning tuning_from_env() {
+  return parse_tuning([](const char* name) -> const char* { return std::getenv(name); });
+}
+
+// ---- The struct in use
+
+inline std::atomic<const Tuning*>& tuning_override() {
+  static std::atomic<const Tuning*> current{nullptr};
+  return current;
+}
+
+inline const Tuning& tuning() {
+  if (const Tuning* o = tuning_override().load(std::memory_order_acquire)) return *o;
+  static const Tuning env = tuning_from_env();  // thread-safe, first use only
+  return env;
+}
+
+class ScopedTuning {
+ public:
+  explicit ScopedTuning(const Tuning& t) : value_(t), saved_(tuning_override().load()) {
+    tuning_override().store(&value_, std::memory_order_release);
+  }
+  ~ScopedTuning() { tuning_override().store(saved_, std::memory_order_release); }
+  ScopedTuning(const ScopedTuning&) = delete;
+  ScopedTuning& operator=(const ScopedTuning&) = delete;
+  Tuning& value() { return value_; }
+
+ private:
+  Tuning value_;
+  const Tuning* saved_;
+};
+
+}  // namespace kda::detail

@@ -1,0 +1,58 @@
+// device.cpp — CUDA device discovery (`kda info`, backend checks) and the per-device cache.
+#include "cuda/common/device.h"
+
+#include <mutex>
+
+#include "cuda/cuda_backend.h"
+
+namespace kda::cuda {
+
+std::vector<DeviceInfo> devices() {
+  std::vector<DeviceInfo> out;
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    cudaGetLastError();  // clear the sticky "no driver / no device" error
+    return out;
+  }
+  for (int i = 0; i < count; ++i) {
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, i) != cudaSuccess) continue;
+    DeviceInfo d;
+    d.index = i;
+    d.name = prop.name;
+    d.sm_major = prop.major;
+    d.sm_minor = prop.minor;
+    d.multiprocessors = prop.multiProcessorCount;
+    d.global_memory_bytes = prop.totalGlobalMem;
+    d.supported = prop.major == 9 && prop.minor == 0;
+    out.push_back(d);
+  }
+  return out;
+}
+
+Status device_attributes(int device, DeviceAttributes** out) {
+  constexpr int kMaxDevices = 64;
+  static DeviceAttributes cache[kMaxDevices];
+  static std::atomic<bool> ready[kMaxDevices];
+  static std::mutex mu;
+  if (device < 0 || device >= kMaxDevices)
+    return {StatusCode::kUnsupported, "argument 'q': CUDA device index " + std::to_string(device) +
+                                          " out of range (at most " + std::to_string(kMaxDevices) +
+                                          " devices)"};
+  DeviceAttributes& d = cache[device];
+  if (!ready[device].load(std::memory_order_acquire)) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (!ready[device].load(std::memory_order_relaxed)) {
+      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_per_sm,
+                                            cudaDevAttrMaxSharedMemoryPerMultiprocessor, device));
+      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_reserved,
+                                            cudaDevAttrReservedSharedMemoryPerBlock, device));
+      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
+      ready[device].store(true, std::memory_order_release);
+    }
+  }
+  *out = &d;
+  return Status::Ok();
+}
+
+}  // namespace kda::cuda

@@ -1,0 +1,89 @@
+// device.h — the CUDA device as the launchers see it: a guard that makes a tensor's device current
+// for one call and restores the caller's, and the per-device facts read once (multiprocessor
+// count, shared memory per SM) with the once-per-device kernel attribute settings.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "cuda/common/check.h"
+#include "kda/kda.h"
+
+namespace kda::cuda {
+
+// Makes `device` current for the guard's scope and restores the caller's current device after.
+// status(): the cudaSetDevice error, if switching failed (the guard then restores nothing).
+class DeviceGuard {
+ public:
+  explicit DeviceGuard(int device) {
+    if (cudaGetDevice(&saved_) != cudaSuccess) {
+      cudaGetLastError();
+      saved_ = -1;
+    }
+    if (saved_ != device) {
+      status_ = cudaSetDevice(device);
+      switched_ = status_ == cudaSuccess && saved_ >= 0;
+    }
+  }
+  ~DeviceGuard() {
+    if (switched_) cudaSetDevice(saved_);
+  }
+  DeviceGuard(const DeviceGuard&) = delete;
+  DeviceGuard& operator=(const DeviceGuard&) = delete;
+  cudaError_t status() const { return status_; }
+
+ private:
+  int saved_ = -1;
+  bool switched_ = false;
+  cudaError_t status_ = cudaSuccess;
+};
+
+// Kernel attributes set once per device (cudaFuncSetAttribute: dynamic shared-memory limit,
+// carveout), one bit per kernel instantiation. The decode and prefill launchers own disjoint bits.
+enum class KernelSlot : int {
+  // prefill: prepare (fp16 / bf16) x (chunk 64 / 16); recurrence fp16 / bf16 x path
+  kPrepareF16,
+  kPrepareBf16,
+  kPrepare16F16,
+  kPrepare16Bf16,
+  kRecurrenceMmaF16,
+  kRecurrenceMmaBf16,
+  kRecurrenceKSplitF16,
+  kRecurrenceKSplitBf16,
+  kRecurrenceWgmmaF16,
+  kRecurrenceWgmmaBf16,
+  kRecurrence16F16,
+  kRecurrence16Bf16,
+  // decode: staged (state dtype x latency), bulk (state dtype x slots x latency), persistent
+  kStaged = 16,
+  kBulk = kStaged + 4,
+  kPersistent = kBulk + 8,
+  kCount = kPersistent + 2,
+};
+static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
+
+// Facts of one device, read on its first use, never again.
+struct DeviceAttributes {
+  int sms = 0;                          // multiprocessors
+  int smem_per_sm = 0;                  // bytes of shared memory per SM
+  int smem_reserved = 0;                // bytes the runtime reserves per resident block
+  std::atomic<uint64_t> configured{0};  // KernelSlot bits whose attributes are set
+};
+
+// The attributes of `device` (cached: only the first call per device queries the runtime).
+Status device_attributes(int device, DeviceAttributes** out);
+
+// Runs `set` (returning a cudaError_t) unless `slot` is already configured on this device; racing
+// callers may both run it (they set the same values).
+template <typename Set>
+Status configure_once(DeviceAttributes& d, KernelSlot slot, int slot_offset, Set&& set) {
+  const uint64_t bit = uint64_t{1} << (static_cast<int>(slot) + slot_offset);
+  if (d.configured.load(std::memory_order_acquire) & bit) return Status::Ok();
+  KDA_CUDA_CHECK(set());
+  d.configured.fetch_or(bit, std::memory_order_acq_rel);
+  return Status::Ok();
+}
+
+}  // namespace kda::cuda

@@ -1,0 +1,363 @@
+// decode.cu — CUDA decode on Hopper (spec section 5): one or a few tokens per sequence
+// against a state pool, at memory speed.
+//
+// Design. Decode is memory bound: every call reads and writes the whole state of each active
+// (sequence, value head) once, and the per-token inputs are tiny. One block owns a tile of 32 value
+// rows of one (sequence n, value head hv); the grid is N x HV x V/32 blocks (B = 256, HV = 32,
+// V = 128: 32768 blocks of 128 threads). The tile lives in registers, 32 state elements per thread,
+// read with 16-byte loads that are all issued before the first use, then kept across the tokens of
+// the sequence (T = 1..8 typical, any T works), and written with 16-byte stores.
+//
+//   V-first [.., HV, V, K]: each value row is K contiguous elements. kKLanes = K/16 consecutive
+//     lanes share a row, each holding 16 k elements (fp32: four 16-byte vectors interleaved so a
+//     warp instruction reads whole 128-byte lines); a thread holds 2 rows. The k reductions
+//     (S^T k and S^T q) are xor butterflies over the row's lanes: no shared memory, no barrier.
+//   K-first [.., HV, K, V]: threads along V: a thread holds one 16-byte vector of 4 (fp32) or
+//     8 (bf16) value columns for 8 (or 4) consecutive k rows; the lanes of one column group cover
+//     all of K and reduce with the same butterflies.
+//
+// Per-token preprocessing (l2norm of q and k, scale, gate -> decay, beta activation) is computed
+// redundantly by every row group from L1/L2-resident inputs: each lane loads only the k elements
+// it holds, and the l2 norms reuse the row butterflies. A bf16 state is widened to fp32 and
+// rounded back to bf16 after every token, exactly as the reference does; the output of a token
+// reads the state before that rounding (as the reference does).
+//
+// Staged tile kernel (decode/staged.cuh, the default for the hot shape: V-first, K = V = 128, fp32
+// or bf16 pool with 16-byte aligned rows; any T, dense or varlen, every index / output mode, except
+// the large fp32 batches the bulk kernel takes). The tile kernel's block and thread map, but the
+// tile is staged through shared memory with 16-byte cp.async (each thread copies exactly the units
+// it reads, so cp.async.wait_all + the token barrier is all the synchronization) and the recurrence
+// streams it from shared memory in two passes, so 48 registers (no spills) and 19.5 KB (fp32) /
+// 11.5 KB (bf16) of shared memory per block: 10 blocks (160 KB of state loads) in flight per SM
+// instead of 6 (96 KB). Warp 0 preprocesses each token once per block (as the persistent
+// kernel's producer: bitwise the same as stage_token); token 0's input loads of a dense row are
+// issued before the index loads are consumed. The k products are summed in four partial sums
+// (k mod 4) to shorten the dependency chains, so results match the tile kernel up to
+// reassociation. A latency variant (no register bound, unrolled passes) runs grids of at most
+// two blocks per SM (B = 1, 2 at HV = 32). See docs/perf_decode.md, "smem-staged tile kernel" and
+// "bulk-copy kernel". Unaligned pools, K-first and K != 128 run the tile kernel.
+//
+// Bulk kernel (decode/bulk.cuh, the default for fp32 pools when the grid has >= 64 blocks per SM,
+// e.g. B >= 66 at HV = 32): the staged kernel's arithmetic (bitwise the same), but the copy engine
+// moves the tile: one cp.async.bulk in (per row when rows are padded), s' written back in place in
+// shared memory, one bulk copy out. Dense single-token calls use a one-slot token stage: 18.3 KB of
+// shared memory and 40 registers, 12 blocks per SM. Its latency
+// variant (no register bound, passes unrolled, s' stored from registers during pass 2 instead of
+// the write-back, barrier and bulk store) is the default for dense single-token calls on grids
+// of <= 2 blocks per SM and with every bf16 pool (docs/perf_decode.md, "a latency variant of the
+// bulk kernel").
+//
+// Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
+// (common/launch.cuh): the next kernel's launch overlaps this one's tail.
+//
+// Persistent kernel (decode/persistent.cuh; the hot shape: V-first, K = V = 128, fp32 or bf16 pool
+// with 16-byte aligned rows, dense tokens, T <= 8). The tile kernel (decode/tile.cuh) is latency
+// bound: a block's life is index load -> state load -> token staging -> compute -> store, and
+// registers cap residency at 6 blocks (96 KB of state loads) per SM, in flight only during the load
+// phase (measured 2.8-3.0 TB/s at B = 256-1024, bf16 state no faster than fp32). The persistent
+// kernel decouples the two: grid = min(items, 3 x SMs) blocks of 4 consumer warps + 1 producer
+// warp; work items (n, hv, 32-row tile) are dealt round robin; the producer keeps a ring of S
+// stages in shared memory filled with 1-D bulk copies (cp.async.bulk -> mbarrier transaction
+// counts), S x 16 KB (fp32) or S x 8 KB (bf16) of state in flight per block, and preprocesses the
+// item's tokens (l2 norm, scale, gate, beta) into the stage, once per item instead of once per
+// warp. Its index loads and token-0 input loads for item i + 1 are issued right after item i's bulk
+// copy, so the per-item chain is one load latency, hidden behind the ring. The consumers read the
+// tile from shared memory (each quarter warp reads one 128-byte run of a row: no bank conflicts),
+// run the same recurrence_token as the tile kernel (bitwise the same arithmetic), release the
+// stage, and store the new state from registers with 16-byte streaming stores. At B = 1 (128 items,
+// one per block) the chain is index + token loads together -> state copy -> compute -> store, one
+// dependent load shorter than the tile kernel's.
+//
+// Byte model (what the benchmark counts): state 2 x B x HV x K x V x sizeof(state) (read once,
+// written once; more writes with per-token states) + q, k, v, g, beta, out once each. The extra
+// traffic of the redundant q/k/g reads (V/32 tiles per head, HV/H heads per q/k head) hits L2.
+// Prediction (persistent kernel): per SM 3 blocks x (S - 1) x 16 KB = 144 KB fp32 (3 x 6 x 8 KB
+// bf16) of reads in flight at all times, well above the ~25-35 KB of reads that Little's law
+// asks per SM at ~4 TB/s (read + write) and 1.5-2 us loaded latency, so DRAM-bound: ~3.7-3.9
+// TB/s at B = 256 / 1024, >= 3 TB/s at B = 32 (10 items per block; the ramp of the first stage is
+// the cost), the bf16 state at about half the fp32 time, T = 4 at about the T = 1 time (the state
+// traffic is the same; the per-token work is in the producer and the consumers' FMAs).
+//
+// Budget (ptxas 13.0, sm_90a): the tile kernel's V-first K = 128 tiles use 79 (fp32) / 80 (bf16)
+// registers and 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state
+// loads in flight) fit on an SM. The persistent kernel: 160 threads, 126 (fp32) / 120 (bf16)
+// registers (3 blocks x 5 warps x 128 x 32 = 61440 <= 64 K), dynamic shared memory 128 B of
+// barriers + S stages of 16 KB (8 KB) state + T x 1792 B tokens + 80 B descriptor, S = min(8,
+// (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
+// T = 8). No kernel spills, except a few bytes in the bulk kernels (4-52 B outside the passes:
+// -DKDA_PTXAS_VERBOSE=ON shows them).
+//
+// Kernels (one family per header of decode/): decode_bulk_kernel<StateT, kSlots, kLatency> (6
+// instantiations), decode_staged_kernel<StateT, kLatency> (4), decode_persistent_kernel<StateT>
+// (2), decode_tile_kernel<kMaxK, StateT, kKFirst> (12), and decode_baseline_kernel, the tested
+// reference. choose_kernel (heuristics/decode.h, host only, tested in the CPU build) is the one
+// heuristic; Tuning::decode_kernel (KDA_CUDA_DECODE_KERNEL) overrides it where eligible and
+// Tuning::decode_grid (KDA_CUDA_DECODE_GRID) caps the persistent grid (docs/tuning.md).
+// Nothing is allocated on the device and nothing synchronizes, except check_indices, which#include
+// <cuda_runtime.h>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/problem.h"
+#include "core/tuning.h"
+#include "cuda/common/check.h"
+#include "cuda/common/device.h"
+#include "cuda/common/launch.cuh"
+#include "cuda/cuda_backend.h"
+#include "cuda/decode/baseline.cuh"
+#include "cuda/decode/bulk.cuh"
+#include "cuda/decode/persistent.cuh"
+#include "cuda/decode/staged.cuh"
+#include "cuda/decode/tile.cuh"
+#include "cuda/heuristics/decode.h"
+
+namespace kda::cuda {
+namespace {
+
+using namespace dec;
+
+IndexTensor to_index(const TensorView& t) {
+  IndexTensor r;
+  if (!t.present()) return r;
+  r.data = t.data;
+  r.s0 = t.strides[0];
+  r.s1 = t.ndim > 1 ? t.strides[1] : 0;
+  r.is64 = t.dtype == DType::kInt64;
+  return r;
+}
+
+DecodeArgs make_args(const detail::DecodeProblem& pr) {
+  DecodeArgs a;
+  a.q = strided_view(pr.q);
+  a.k = strided_view(pr.k);
+  a.v = strided_view(pr.v);
+  a.g = strided_view(pr.g);
+  a.beta = strided_view(pr.beta);
+  a.out = strided_view(pr.out);
+  a.dt_bias = strided_view(pr.dt_bias);
+  if (pr.A_log.present()) {
+    a.A_log = static_cast<const float*>(pr.A_log.data);
+    a.A_log_s0 = pr.A_log.strides[0];
+  }
+  a.cu_seqlens = to_index(pr.cu_seqlens);
+  a.state_indices = to_index(pr.state_indices);
+  a.num_accepted_tokens = to_index(pr.num_accepted_tokens);
+  a.state = strided_view(pr.state);
+  a.final_state = strided_view(pr.final_state);
+  a.intermediate_states = strided_view(pr.intermediate_states);
+  a.N = pr.d.N;
+  a.T = pr.d.T;
+  a.Tmax = pr.Tmax;
+  a.P = pr.state.shape[0];
+  a.H = static_cast<int>(pr.d.H);
+  a.HV = static_cast<int>(pr.d.HV);
+  a.K = static_cast<int>(pr.d.K);
+  a.V = static_cast<int>(pr.d.V);
+  a.groups = static_cast<int>(pr.d.groups());
+  a.gate_form = static_cast<int>(pr.gate.form);
+  a.scale = static_cast<float>(pr.gate.scale);
+  a.lower_bound = pr.gate.lower_bound;
+  a.varlen = pr.d.varlen;
+  a.has_indices = pr.state_indices.present();
+  a.indices_2d = pr.indices_2d;
+  a.has_num_accepted = pr.num_accepted_tokens.present();
+  a.has_final_state = pr.final_state.present();
+  a.has_intermediate = pr.intermediate_states.present();
+  a.use_initial_state = pr.use_initial_state;
+  a.store_final_state = pr.store_final_state;
+  a.l2norm = pr.gate.l2norm;
+  a.beta_logits = pr.gate.beta_form == BetaForm::kLogits;
+  a.allow_neg_eigval = pr.gate.allow_neg_eigval;
+  a.beta_per_v = pr.beta_per_v;
+  return a;
+}
+
+// check_indices: copies state_indices / num_accepted_tokens / cu_seqlens to the host (same
+// strided layout), waits for them, and checks their values.
+Status check_index_values(const detail::DecodeProblem& pr, cudaStream_t stream) {
+  auto extent_bytes = [](const TensorView& t) -> size_t {
+    if (!t.present() || t.numel() == 0) return 0;
+    int64_t last = 0;
+    for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.strides[i];
+    return static_cast<size_t>(last + 1) * dtype_size(t.dtype);
+  };
+  std::vector<uint8_t> idx(extent_bytes(pr.state_indices)),
+      nat(extent_bytes(pr.num_accepted_tokens)), cu(extent_bytes(pr.cu_seqlens));
+  auto fetch = [&](const TensorView& t, std::vector<uint8_t>& h) -> cudaError_t {
+    return h.empty() ? cudaSuccess
+                     : cudaMemcpyAsync(h.data(), t.data, h.size(), cudaMemcpyDeviceToHost, stream);
+  };
+  KDA_CUDA_CHECK(fetch(pr.state_indices, idx));
+  KDA_CUDA_CHECK(fetch(pr.num_accepted_tokens, nat));
+  KDA_CUDA_CHECK(fetch(pr.cu_seqlens, cu));
+  KDA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (pr.d.varlen) {
+    TensorView host_cu = pr.cu_seqlens;
+    host_cu.data = cu.data();
+    host_cu.device = Device::kCPU;
+    const Status s = detail::check_cu_seqlens_values(host_cu, pr.d.T);
+    if (!s.ok()) return s;
+  }
+  return detail::check_decode_index_values(pr, idx.empty() ? nullptr : idx.data(),
+                                           nat.empty() ? nullptr : nat.data(),
+                                           cu.empty() ? nullptr : cu.data());
+}
+
+template <int kMaxK, typename StateT, bool kKFirst>
+Status launch_tile(const DecodeArgs& a, int64_t blocks, cudaStream_t stream) {
+  using Map = TileMap<kMaxK, StateT, kKFirst>;
+  KDA_CUDA_CHECK(launch_kernel(decode_tile_kernel<kMaxK, StateT, kKFirst>,
+                               dim3(static_cast<unsigned>(blocks)), dim3(Map::kThreads), 0, stream,
+                               a));
+  return Status::Ok();
+}
+
+// The tile kernel's dispatch: K tile x state dtype x layout.
+template <typename StateT>
+Status dispatch_tile(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStream_t stream) {
+  if (a.K <= 64)
+    return k_first ? launch_tile<64, StateT, true>(a, blocks, stream)
+                   : launch_tile<64, StateT, false>(a, blocks, stream);
+  if (a.K <= 128)
+    return k_first ? launch_tile<128, StateT, true>(a, blocks, stream)
+                   : launch_tile<128, StateT, false>(a, blocks, stream);
+  if (a.K <= 256)
+    return k_first ? launch_tile<256, StateT, true>(a, blocks, stream)
+                   : launch_tile<256, StateT, false>(a, blocks, stream);
+  return {StatusCode::kUnsupported,
+          "argument 'q': the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
+}
+
+// Dynamic shared memory one persistent block may use: kPersistBlocksPerSM blocks per SM.
+int persist_block_smem(const DeviceAttributes& d) {
+  return d.smem_per_sm / kPersistBlocksPerSM - d.smem_reserved;
+}
+
+// Ring stages of the persistent kernel for T tokens per item (0: it does not fit).
+int persist_stages(const DeviceAttributes& d, int state_elem_bytes, int64_t T) {
+  if (T < 0 || T > kPersistMaxT) return 0;
+  const int per_stage = persist_stage_bytes(state_elem_bytes, static_cast<int>(T));
+  const int s = (persist_block_smem(d) - kPersistBarrierBytes) / per_stage;
+  return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
+}
+
+// Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
+// shared array as shared memory (set once per kernel and device).
+Status launch_max_shared(void (*kernel)(DecodeArgs), DeviceAttributes& d, int slot_offset,
+                         KernelSlot slot, int64_t blocks, cudaStream_t stream,
+                         const DecodeArgs& a) {
+  KDA_RETURN_IF_ERROR(configure_once(d, slot, slot_offset, [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                                cudaSharedmemCarveoutMaxShared);
+  }));
+  KDA_CUDA_CHECK(launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kStagedThreads), 0,
+                               stream, a));
+  return Status::Ok();
+}
+
+template <typename StateT>
+Status launch_staged(const DecodeArgs& a, DeviceAttributes& d, int64_t blocks, bool latency,
+                     cudaStream_t stream) {
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (latency ? 2 : 0);
+  return launch_max_shared(
+      latency ? decode_staged_kernel<StateT, true> : decode_staged_kernel<StateT, false>, d, which,
+      KernelSlot::kStaged, blocks, stream, a);
+}
+
+template <typename StateT>
+Status launch_bulk(const DecodeArgs& a, DeviceAttributes& d, int64_t blocks, bool latency,
+                   cudaStream_t stream) {
+  const bool one_token = !a.varlen && a.T == 1;
+  latency = latency && one_token;  // the latency variant handles one token per row only
+  const int which = (sizeof(StateT) == 2 ? 1 : 0) + (one_token ? 2 : 0) + (latency ? 4 : 0);
+  return launch_max_shared(latency     ? decode_bulk_kernel<StateT, 1, true>
+                           : one_token ? decode_bulk_kernel<StateT, 1>
+                                       : decode_bulk_kernel<StateT, 2>,
+                           d, which, KernelSlot::kBulk, blocks, stream, a);
+}
+
+template <typename StateT>
+Status launch_persistent(const DecodeArgs& a, DeviceAttributes& d, int stages, int grid_cap,
+                         cudaStream_t stream) {
+  auto* kernel = decode_persistent_kernel<StateT>;
+  KDA_RETURN_IF_ERROR(configure_once(d, KernelSlot::kPersistent, sizeof(StateT) == 2 ? 1 : 0, [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                persist_block_smem(d));
+  }));
+  const int stage_bytes =
+      persist_stage_bytes(static_cast<int>(sizeof(StateT)), static_cast<int>(a.T));
+  const int smem = kPersistBarrierBytes + stages * stage_bytes;
+  const int64_t items = a.N * a.HV * (kPersistK / kPersistTileV);
+  int64_t grid = static_cast<int64_t>(d.sms) * kPersistBlocksPerSM;
+  if (grid_cap > 0) grid = grid_cap;  // Tuning::decode_grid: a smaller grid (many items per block)
+  if (grid > items) grid = items;
+  KDA_CUDA_CHECK(launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kPersistThreads),
+                               static_cast<size_t>(smem), stream, a, items, stages, stage_bytes));
+  return Status::Ok();
+}
+
+}  // namespace
+
+Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices) {
+  // ---- What the GPU path runs (everything else the contract allows runs on the CPU backends)
+  if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
+    return {StatusCode::kUnsupported,
+            std::string("argument 'q': the CUDA decode expects dtype bf16 or fp16, got ") +
+                dtype_name(pr.q.dtype) + " (fp32 inputs run on the CPU backends)"};
+  if (pr.state.dtype != DType::kFloat32 && pr.state.dtype != DType::kBFloat16)
+    return {StatusCode::kUnsupported,
+            std::string("argument 'state': the CUDA decode expects dtype fp32 or bf16, got ") +
+                dtype_name(pr.state.dtype)};
+  if (pr.d.K != pr.d.V || pr.d.K % 32 != 0 || pr.d.K > 256)
+    return {StatusCode::kUnsupported,
+            "argument 'q': the CUDA decode expects K == V, a multiple of 32 up to 256, got K = " +
+                std::to_string(pr.d.K) + ", V = " + std::to_string(pr.d.V)};
+
+  DeviceGuard guard(pr.q.device_index);
+  KDA_CUDA_CHECK(guard.status());
+  cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
+  if (check_indices) KDA_RETURN_IF_ERROR(check_index_values(pr, stream));
+  if (pr.d.N == 0) return Status::Ok();
+
+  const DecodeArgs a = make_args(pr);
+  const bool k_first = pr.layout == StateLayout::kKFirst;
+  const bool bf16_state = pr.state.dtype == DType::kBFloat16;
+  DeviceAttributes* info = nullptr;
+  KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &info));
+  const detail::Tuning& tuning = detail::tuning();
+  const int stages = persist_stages(*info, bf16_state ? 2 : 4, pr.d.T);
+  const DecodeKernel kernel = choose_kernel(pr, stages, info->sms, tuning);
+  if (kernel == DecodeKernel::kBaseline) {
+    const int64_t blocks = pr.d.N * pr.d.HV;
+    if (blocks > INT32_MAX)
+      return {StatusCode::kUnsupported,
+              "argument 'q': N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
+    KDA_CUDA_CHECK(launch_kernel(decode_baseline_kernel, dim3(static_cast<unsigned>(blocks)),
+                                 dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first));
+    return Status::Ok();
+  }
+  if (kernel == DecodeKernel::kPersistent)
+    return bf16_state
+               ? launch_persistent<__nv_bfloat16>(a, *info, stages, tuning.decode_grid, stream)
+               : launch_persistent<float>(a, *info, stages, tuning.decode_grid, stream);
+  const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
+  if (blocks > INT32_MAX)
+    return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
+                                          " blocks exceed the grid limit; split the batch"};
+  if (kernel == DecodeKernel::kBulk || kernel == DecodeKernel::kBulkLatency) {
+    const bool latency = kernel == DecodeKernel::kBulkLatency;
+    return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, latency, stream)
+                      : launch_bulk<float>(a, *info, blocks, latency, stream);
+  }
+  if (kernel == DecodeKernel::kStaged || kernel == DecodeKernel::kStagedLatency) {
+    const bool latency = kernel == DecodeKernel::kStagedLatency;
+    return bf16_state ? launch_staged<__nv_bfloat16>(a, *info, blocks, latency, stream)
+                      : launch_staged<float>(a, *info, blocks, latency, stream);
+  }
+  if (bf16_state) return dispatch_tile<__nv_bfloat16>(a, k_first, blocks, stream);
+  return dispatch_tile<float>(a, k_first, blocks, stream);
+}
+
+}  // namespace kda::cuda

@@ -1,0 +1,78 @@
+// decode.h — the CUDA decode's kernel choice, as a pure host function of the problem, the device's
+// size and the tuning struct (no CUDA headers, no environment reads; tested in the CPU build,
+// tests/test_heuristics.cpp). The kernels are in src/cuda/decode/.
+#pragma once
+
+#include <cstdint>
+
+#include "core/problem.h"
+#include "core/tuning.h"
+#include "cuda/common/alignment.h"
+
+namespace kda::cuda {
+
+// K = V of the staged, bulk and persistent kernels (their headers assert it).
+inline constexpr int64_t kDecodeFastK = 128;
+
+// kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per
+// SM.
+enum class DecodeKernel {
+  kBaseline,
+  kTile,
+  kPersistent,
+  kStaged,
+  kStagedLatency,
+  kBulk,
+  kBulkLatency
+};
+
+// The one kernel heuristic. `stages`: ring stages the persistent kernel would have (0: it does not
+// fit), `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
+//   V-first, K = V = 128, pool rows 16-byte aligned (and every state tensor the bulk kernels
+//   write):
+//     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
+//     fp32 pool, >= 64 blocks per SM                                    -> kBulk
+//     other grids of <= 2 blocks per SM                                 -> kStagedLatency
+//     otherwise (any T, dense or varlen, every index / output mode)     -> kStaged
+//   everything else (K-first, K != 128, unaligned pools)                -> kTile
+// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 128 blocks (<= 264)
+// -> kBulkLatency; B = 32 is 4096 blocks -> kStaged; B = 256 is 32768 blocks (>= 64 x 132 =
+// 8448) -> kBulk; with a bf16 pool every dense T = 1 call -> kBulkLatency.
+// Measured on the H200 (docs/perf_decode.md): the bulk kernel streams faster once there are many
+// waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy
+// has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us); the bulk latency variant
+// (bulk copy in, s' stored from registers) at B = 1 in a 20-call graph 4.53 us against 5.06 for the
+// staged latency variant, bf16 state at B = 256 193 vs 233 us. The persistent kernel (V-first,
+// K = V = 128, aligned pool, dense tokens, T <= 8, >= 2 ring stages) and the baseline kernel run
+// only when Tuning::decode_kernel asks for them; any override applies where the kernel is eligible
+// (otherwise the default choice).
+inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
+                                  const detail::Tuning& tuning) {
+  using Override = detail::DecodeKernelOverride;
+  const Override want = tuning.decode_kernel;
+  if (want == Override::kBaseline) return DecodeKernel::kBaseline;
+  if (want == Override::kTile) return DecodeKernel::kTile;
+  const bool staged_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kDecodeFastK &&
+                         pr.d.V == kDecodeFastK && rows_aligned16(pr.state);
+  const bool persistent_ok = staged_ok && !pr.d.varlen && stages >= 2;
+  if (want == Override::kPersistent && persistent_ok) return DecodeKernel::kPersistent;
+  if (!staged_ok) return DecodeKernel::kTile;
+  if (want == Override::kStaged) return DecodeKernel::kStaged;
+  // The bulk kernel stores whole rows with the copy engine: every state tensor it may write needs
+  // 16-byte aligned rows (the pool was checked above).
+  const bool bulk_ok =
+      (!pr.final_state.present() || rows_aligned16(pr.final_state)) &&
+      (!pr.intermediate_states.present() || rows_aligned16(pr.intermediate_states));
+  if (want == Override::kBulk && bulk_ok) return DecodeKernel::kBulk;
+  const bool one_token = !pr.d.varlen && pr.d.T == 1;
+  if (want == Override::kBulkLatency && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
+  const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
+  const bool small_grid = blocks <= int64_t{2} * sms;
+  if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16))
+    return DecodeKernel::kBulkLatency;
+  if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32)
+    return DecodeKernel::kBulk;
+  return small_grid ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
+}
+
+}  // namespace kda::cuda

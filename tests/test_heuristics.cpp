@@ -1,0 +1,282 @@
+// test_heuristics.cpp — the CUDA launch heuristics (src/cuda/heuristics/) and the tuning struct
+// (src/core/tuning.h): pure host functions, tested in the CPU build (no GPU, no CUDA headers).
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "core/problem.h"
+#include "core/tuning.h"
+#include "cuda/heuristics/decode.h"
+#include "cuda/heuristics/prefill.h"
+
+namespace kda::test {
+namespace {
+
+// The tuning struct for an environment given as a map (unset names: absent).
+detail::Tuning tuning(const std::map<std::string, const char*>& env) {
+  return detail::parse_tuning([&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it == env.end() ? nullptr : it->second;
+  });
+}
+
+// ---------------------------------------------------------------------------------------------
+// The tuning struct
+// ---------------------------------------------------------------------------------------------
+
+TEST(Tuning, Defaults) {
+  const detail::Tuning t = tuning({});
+  EXPECT_TRUE(t.pdl);
+  EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kAuto);
+  EXPECT_EQ(t.decode_grid, 0);
+  EXPECT_EQ(t.prefill_vs, 0);
+  EXPECT_TRUE(t.prefill_ksplit);
+  EXPECT_TRUE(t.prefill_wgmma);
+  EXPECT_EQ(t.prefill_chunk, 0);
+  EXPECT_EQ(t.prefill_prefetch, 0);
+  EXPECT_EQ(t.num_threads, 0);
+}
+
+TEST(Tuning, ParsesEveryKnob) {
+  const detail::Tuning t = tuning({{"KDA_CUDA_PDL", "0"},
+                                   {"KDA_CUDA_DECODE_KERNEL", "bulklat"},
+                                   {"KDA_CUDA_DECODE_GRID", "7"},
+                                   {"KDA_CUDA_PREFILL_VS", "64"},
+                                   {"KDA_CUDA_PREFILL_KSPLIT", "0"},
+                                   {"KDA_CUDA_PREFILL_WGMMA", "0"},
+                                   {"KDA_CUDA_PREFILL_CHUNK", "16"},
+                                   {"KDA_CUDA_PREFILL_PREFETCH", "auto"},
+                                   {"KDA_NUM_THREADS", "3"}});
+  EXPECT_FALSE(t.pdl);
+  EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);
+  EXPECT_EQ(t.decode_grid, 7);
+  EXPECT_EQ(t.prefill_vs, 64);
+  EXPECT_FALSE(t.prefill_ksplit);
+  EXPECT_FALSE(t.prefill_wgmma);
+  EXPECT_EQ(t.prefill_chunk, 16);
+  EXPECT_EQ(t.prefill_prefetch, -1);
+  EXPECT_EQ(t.num_threads, 3);
+  using O = detail::DecodeKernelOverride;
+  const std::vector<std::pair<const char*, O>> kernels = {{"baseline", O::kBaseline},
+                                                          {"tile", O::kTile},
+                                                          {"staged", O::kStaged},
+                                                          {"bulk", O::kBulk},
+                                                          {"persistent", O::kPersistent}};
+  for (const auto& [name, want] : kernels)
+    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", name}}).decode_kernel, want) << name;
+}
+
+TEST(Tuning, InvalidValuesAreIgnored) {
+  EXPECT_TRUE(tuning({{"KDA_CUDA_PDL", "1"}}).pdl);  // only "0" turns PDL off
+  EXPECT_TRUE(tuning({{"KDA_CUDA_PDL", "off"}}).pdl);
+  for (const char* bad : {"", "Staged", "fast", "bulk "})
+    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", bad}}).decode_kernel,
+              detail::DecodeKernelOverride::kAuto)
+        << bad;
+  for (const char* bad : {"", "0", "-4", "x"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_GRID", bad}}).decode_grid, 0) << bad;
+  for (const char* bad : {"", "32x", "0", "17"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_CHUNK", bad}}).prefill_chunk, 0) << bad;
+  for (const char* bad : {"", "0", "-2", "many"})
+    EXPECT_EQ(tuning({{"KDA_NUM_THREADS", bad}}).num_threads, 0) << bad;
+}
+
+TEST(Tuning, ScopedOverrideNestsAndRestores) {
+  const detail::Tuning before = detail::tuning();
+  {
+    detail::Tuning t = before;
+    t.decode_grid = 5;
+    const detail::ScopedTuning outer(t);
+    EXPECT_EQ(detail::tuning().decode_grid, 5);
+    {
+      t.decode_grid = 9;
+      t.prefill_wgmma = false;
+      const detail::ScopedTuning inner(t);
+      EXPECT_EQ(detail::tuning().decode_grid, 9);
+      EXPECT_FALSE(detail::tuning().prefill_wgmma);
+    }
+    EXPECT_EQ(detail::tuning().decode_grid, 5);
+    EXPECT_EQ(detail::tuning().prefill_wgmma, before.prefill_wgmma);
+  }
+  EXPECT_EQ(detail::tuning().decode_grid, before.decode_grid);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Prefill launch heuristics
+// ---------------------------------------------------------------------------------------------
+
+TEST(PrefillHeuristics, ValueSplit) {
+  using cuda::pf::recurrence_value_split;
+  EXPECT_EQ(recurrence_value_split(96, 132), 128);   // P1
+  EXPECT_EQ(recurrence_value_split(64, 132), 64);    // P2
+  EXPECT_EQ(recurrence_value_split(32, 132), 32);    // P5, P7
+  EXPECT_EQ(recurrence_value_split(512, 132), 128);  // P6
+  EXPECT_EQ(recurrence_value_split(1, 132), 16);
+  EXPECT_EQ(recurrence_value_split(0, 132), 16);
+}
+
+TEST(PrefillHeuristics, KSplit) {
+  using cuda::pf::recurrence_k_split;
+  EXPECT_TRUE(recurrence_k_split(32, tuning({})));  // default for vs <= 32
+  EXPECT_TRUE(recurrence_k_split(16, tuning({})));
+  EXPECT_TRUE(recurrence_k_split(32, tuning({{"KDA_CUDA_PREFILL_KSPLIT", "1"}})));
+  EXPECT_TRUE(recurrence_k_split(
+      32, tuning({{"KDA_CUDA_PREFILL_KSPLIT", "10"}})));  // only "0" turns it off
+  EXPECT_FALSE(recurrence_k_split(64, tuning({})));       // would not fit one block per SM
+  EXPECT_FALSE(recurrence_k_split(128, tuning({})));
+  EXPECT_FALSE(recurrence_k_split(32, tuning({{"KDA_CUDA_PREFILL_KSPLIT", "0"}})));
+  EXPECT_FALSE(recurrence_k_split(16, tuning({{"KDA_CUDA_PREFILL_KSPLIT", "0"}})));
+}
+
+TEST(PrefillHeuristics, Chunk16) {
+  using cuda::pf::prefill_chunk16;
+  EXPECT_TRUE(prefill_chunk16(true, 128, tuning({})));  // the default at vs = 128 (P1, P3, P4, P6)
+  EXPECT_FALSE(prefill_chunk16(true, 64, tuning({})));  // chunk 64 at vs = 64 (P2)
+  EXPECT_TRUE(prefill_chunk16(true, 64, tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}})));  // forced on
+  EXPECT_FALSE(
+      prefill_chunk16(true, 128, tuning({{"KDA_CUDA_PREFILL_CHUNK", "64"}})));  // forced off
+  EXPECT_FALSE(prefill_chunk16(
+      false, 32, tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}})));  // wgmma recurrences only
+  EXPECT_FALSE(prefill_chunk16(false, 128, tuning({})));
+  EXPECT_TRUE(prefill_chunk16(
+      true, 128, tuning({{"KDA_CUDA_PREFILL_CHUNK", "016x"}})));  // not a setting: the default
+  EXPECT_FALSE(prefill_chunk16(true, 64, tuning({{"KDA_CUDA_PREFILL_CHUNK", ""}})));
+}
+
+TEST(PrefillHeuristics, WgmmaAndForcedSplit) {
+  using cuda::pf::recurrence_wgmma;
+  EXPECT_TRUE(recurrence_wgmma(128, tuning({})));  // the default for vs >= 64
+  EXPECT_TRUE(recurrence_wgmma(64, tuning({})));
+  EXPECT_TRUE(recurrence_wgmma(64, tuning({{"KDA_CUDA_PREFILL_WGMMA", "1"}})));
+  EXPECT_FALSE(recurrence_wgmma(32, tuning({})));  // a warpgroup needs 64 value rows
+  EXPECT_FALSE(recurrence_wgmma(16, tuning({})));
+  EXPECT_FALSE(recurrence_wgmma(128, tuning({{"KDA_CUDA_PREFILL_WGMMA", "0"}})));
+  EXPECT_EQ(tuning({}).prefill_vs, 0);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_VS", "16"}}).prefill_vs, 16);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_VS", "32"}}).prefill_vs, 32);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_VS", "64"}}).prefill_vs, 64);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_VS", "128"}}).prefill_vs, 128);
+  for (const char* bad : {"", "0", "8", "48", "1280", "12", "64x", "auto"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_VS", bad}}).prefill_vs, 0) << bad;
+}
+
+TEST(PrefillHeuristics, PrefetchDistance) {
+  using cuda::pf::prepare_prefetch_blocks;
+  EXPECT_EQ(prepare_prefetch_blocks(132, tuning({})), 0);  // off by default (measured slower)
+  EXPECT_EQ(prepare_prefetch_blocks(132, tuning({{"KDA_CUDA_PREFILL_PREFETCH", "0"}})), 0);
+  EXPECT_EQ(prepare_prefetch_blocks(132, tuning({{"KDA_CUDA_PREFILL_PREFETCH", "1"}})),
+            1);  // a distance
+  EXPECT_EQ(prepare_prefetch_blocks(132, tuning({{"KDA_CUDA_PREFILL_PREFETCH", "264"}})), 264);
+  EXPECT_EQ(prepare_prefetch_blocks(8, tuning({{"KDA_CUDA_PREFILL_PREFETCH", "auto"}})),
+            16);  // two blocks per SM ahead
+  for (const char* off : {"", "off", "false", "-1", "12x", "autox"})
+    EXPECT_EQ(prepare_prefetch_blocks(132, tuning({{"KDA_CUDA_PREFILL_PREFETCH", off}})), 0) << off;
+}
+
+TEST(PrefillHeuristics, ChunkSlots) {
+  using cuda::pf::prefill_chunk_slots;
+  EXPECT_EQ(prefill_chunk_slots(false, 2, 130, 2), 6);
+  EXPECT_EQ(prefill_chunk_slots(false, 1, 0, 1), 0);
+  EXPECT_EQ(prefill_chunk_slots(true, 1, 1300 + 547 + 2048 + 963 + 271 + 3063, 6), 8192 / 64 + 6);
+  EXPECT_EQ(prefill_chunk_slots(true, 1, 0, 0), 0);
+  // Every sequence's chunks fit below the bound for any split of T tokens.
+  const std::vector<int64_t> lens = {1, 63, 64, 65, 0, 127, 129, 5};
+  int64_t T = 0;
+  for (int64_t l : lens) T += l;
+  const int64_t slots = prefill_chunk_slots(true, 1, T, static_cast<int64_t>(lens.size()));
+  int64_t bos = 0, prev_end = 0;
+  for (size_t n = 0; n < lens.size(); ++n) {
+    const int64_t base = bos / 64 + static_cast<int64_t>(n), chunks = (lens[n] + 63) / 64;
+    EXPECT_GE(base, prev_end);
+    EXPECT_LE(base + chunks, slots);
+    prev_end = base + chunks;
+    bos += lens[n];
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Decode kernel choice
+// ---------------------------------------------------------------------------------------------
+
+// The decode kernel choice (host-only: runs without a GPU). H = HV = 32, K = V = 128, 132 SMs.
+detail::DecodeProblem heuristic_problem(int64_t N, int64_t T, DType state_dtype) {
+  detail::DecodeProblem pr;
+  pr.d.N = pr.d.B = N;
+  pr.d.T = T;
+  pr.d.H = pr.d.HV = 32;
+  pr.d.K = pr.d.V = 128;
+  void* aligned = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced
+  pr.state = make_view(aligned, state_dtype, {N + 1, 32, 128, 128}, Device::kCUDA);
+  return pr;
+}
+
+TEST(DecodeHeuristics, KernelChoice) {
+  using cuda::choose_kernel;
+  using K = cuda::DecodeKernel;
+  using Override = detail::DecodeKernelOverride;
+  const int sms = 132, stages = 4;
+  auto pick = [&](const detail::DecodeProblem& pr, Override want = Override::kAuto) {
+    detail::Tuning t;
+    t.decode_kernel = want;
+    return choose_kernel(pr, stages, sms, t);
+  };
+  // Dense single-token calls (the benchmark's shapes).
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);  // 128 blocks
+  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)),
+            K::kBulkLatency);                                              // 256 blocks <= 2 x SMs
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);  // 4096 blocks
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);   // >= 64 blocks per SM
+  EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
+  // Several tokens, varlen: no latency variant of the bulk kernel.
+  EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
+  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kBFloat16)), K::kStaged);
+  detail::DecodeProblem v = heuristic_problem(1, 1, DType::kFloat32);
+  v.d.varlen = true;
+  EXPECT_EQ(pick(v), K::kStagedLatency);
+  // Shapes the fast kernels do not take: the tile kernel.
+  detail::DecodeProblem kf = heuristic_problem(1, 1, DType::kFloat32);
+  kf.layout = StateLayout::kKFirst;
+  EXPECT_EQ(pick(kf), K::kTile);
+  detail::DecodeProblem un = heuristic_problem(1, 1, DType::kFloat32);
+  un.state.data = static_cast<char*>(un.state.data) + 4;  // rows not 16-byte aligned
+  EXPECT_EQ(pick(un), K::kTile);
+  detail::DecodeProblem k64 = heuristic_problem(1, 1, DType::kFloat32);
+  k64.d.K = k64.d.V = 64;
+  EXPECT_EQ(pick(k64), K::kTile);
+  // A written state tensor with unaligned rows: no bulk kernel.
+  for (int64_t n : {int64_t{1}, int64_t{256}}) {
+    detail::DecodeProblem fs = heuristic_problem(n, 1, DType::kFloat32);
+    fs.final_state = make_view(static_cast<char*>(fs.state.data) + 4, DType::kFloat32,
+                               {n, 32, 128, 128}, Device::kCUDA);
+    EXPECT_EQ(pick(fs), n == 1 ? K::kStagedLatency : K::kStaged) << n;
+  }
+  // Overrides, where eligible.
+  const detail::DecodeProblem b1 = heuristic_problem(1, 1, DType::kFloat32),
+                              b1t2 = heuristic_problem(1, 2, DType::kFloat32);
+  EXPECT_EQ(pick(b1, Override::kBaseline), K::kBaseline);
+  EXPECT_EQ(pick(b1, Override::kTile), K::kTile);
+  EXPECT_EQ(pick(b1, Override::kStaged), K::kStaged);
+  EXPECT_EQ(pick(b1, Override::kBulk), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32), Override::kBulkLatency),
+            K::kBulkLatency);
+  EXPECT_EQ(pick(b1t2, Override::kBulkLatency),
+            K::kStagedLatency);  // not eligible: the default choice
+  EXPECT_EQ(pick(b1, Override::kPersistent), K::kPersistent);
+  EXPECT_EQ(choose_kernel(b1, 1, sms,
+                          [] {
+                            detail::Tuning t;
+                            t.decode_kernel = Override::kPersistent;
+                            return t;
+                          }()),
+            K::kBulkLatency);  // < 2 ring stages
+  EXPECT_EQ(pick(kf, Override::kBulk), K::kTile);
+}
+
+}  // namespace
+}  // namespace kda::test
