@@ -52,14 +52,14 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
       sh_k[k] = load_elem(a.k.data, a.k.dtype, a.k.offset(row.b, tok, h) + k);
       const float g = load_elem(a.g.data, a.g.dtype, a.g.offset(row.b, tok, hv) + k);
       const float bias = a.dt_bias.data ? load_elem(a.dt_bias.data, a.dt_bias.dtype, hv * a.dt_bias.s0 + k) : 0.f;
-      sh_decay[k] = expf(detail::log_decay<float>(a.gate_form, g, exp_A, bias, a.lower_bound));
+      sh_decay[k] = expf(detail::log_decay<float>(a.gate, g, exp_A, bias, a.lower_bound));
     }
     __syncthreads();
     if (threadIdx.x == 0) {
       float qq = 0.f, kq = 0.f;
       for (int k = 0; k < a.K; ++k) qq += sh_q[k] * sh_q[k], kq += sh_k[k] * sh_k[k];
-      sh_norm[0] = a.l2norm ? 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps)) : 1.f;
-      sh_norm[1] = a.l2norm ? 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps)) : 1.f;
+      sh_norm[0] = a.use_qk_l2norm ? 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps)) : 1.f;
+      sh_norm[1] = a.use_qk_l2norm ? 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps)) : 1.f;
     }
     __syncthreads();
     const float qn = sh_norm[0], kn = sh_norm[1];

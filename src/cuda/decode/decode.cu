@@ -156,9 +156,9 @@ DecodeArgs make_args(const detail::DecodeProblem& pr) {
   a.K = static_cast<int>(pr.d.K);
   a.V = static_cast<int>(pr.d.V);
   a.groups = static_cast<int>(pr.d.groups());
-  a.gate_form = static_cast<int>(pr.gate.form);
-  a.scale = static_cast<float>(pr.gate.scale);
-  a.lower_bound = pr.gate.lower_bound;
+  a.gate = static_cast<int>(pr.math.gate);
+  a.scale = static_cast<float>(pr.math.scale);
+  a.lower_bound = pr.math.lower_bound;
   a.varlen = pr.d.varlen;
   a.has_indices = pr.state_indices.present();
   a.indices_2d = pr.indices_2d;
@@ -167,9 +167,9 @@ DecodeArgs make_args(const detail::DecodeProblem& pr) {
   a.has_intermediate = pr.intermediate_states.present();
   a.use_initial_state = pr.use_initial_state;
   a.store_final_state = pr.store_final_state;
-  a.l2norm = pr.gate.l2norm;
-  a.beta_logits = pr.gate.beta_form == BetaForm::kLogits;
-  a.allow_neg_eigval = pr.gate.allow_neg_eigval;
+  a.use_qk_l2norm = pr.math.use_qk_l2norm;
+  a.beta_logits = pr.math.beta_logits;
+  a.allow_neg_eigval = pr.math.allow_neg_eigval;
   a.beta_per_v = pr.beta_per_v;
   return a;
 }

@@ -40,14 +40,14 @@ struct DecodeArgs {
   int64_t P = 0;                  // pool slots
   int H = 0, HV = 0, K = 0, V = 0;
   int groups = 1;                 // HV / H: value head hv reads q/k head hv / groups
-  int gate_form = 0;              // detail::kGatePrecomputed / kGateSoftplus / kGateLowerBound
+  int gate = 0;                   // detail::kGatePrecomputed / kGateSoftplus / kGateLowerBound
   float scale = 1.f;              // q scale (after the l2 norm)
   float lower_bound = -5.f;       // kGateLowerBound
   bool varlen = false;
   bool has_indices = false, indices_2d = false, has_num_accepted = false;
   bool has_final_state = false, has_intermediate = false;
   bool use_initial_state = true, store_final_state = true;
-  bool l2norm = true, beta_logits = false, allow_neg_eigval = false, beta_per_v = false;
+  bool use_qk_l2norm = true, beta_logits = false, allow_neg_eigval = false, beta_per_v = false;
 };
 
 __device__ __forceinline__ float head_exp_A(const DecodeArgs& a, int hv) {

@@ -73,13 +73,13 @@ __device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int6
     }
 #pragma unroll
     for (int e = 0; e < kPer; ++e)
-      d[e] = expf(detail::log_decay<float>(a.gate_form, d[e], exp_A, bias[e], a.lower_bound));
+      d[e] = expf(detail::log_decay<float>(a.gate, d[e], exp_A, bias[e], a.lower_bound));
   } else {
 #pragma unroll
     for (int e = 0; e < kPer; ++e) q[e] = 0.f, k[e] = 0.f, d[e] = 1.f;
   }
   float q_norm = 1.f, k_norm = 1.f;
-  if (a.l2norm) {
+  if (a.use_qk_l2norm) {
     float qq = 0.f, kq = 0.f;
 #pragma unroll
     for (int e = 0; e < kPer; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(k[e], k[e], kq);
@@ -142,10 +142,10 @@ __device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& 
     convert4(r.g, a.g.dtype, a.g.vec, g);
     if (a.dt_bias.data != nullptr) convert4(r.bias, a.dt_bias.dtype, a.dt_bias.vec, bias);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate_form, g[e], exp_A, bias[e], a.lower_bound));
+    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate, g[e], exp_A, bias[e], a.lower_bound));
   }
   float q_norm = 1.f, k_norm = 1.f;
-  if (a.l2norm) {
+  if (a.use_qk_l2norm) {
     float qq = 0.f, kq = 0.f;
 #pragma unroll
     for (int e = 0; e < 4; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(k[e], k[e], kq);

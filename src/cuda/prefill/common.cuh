@@ -167,8 +167,8 @@ struct Params {
   int64_t chunks_per_seq = 0;       // dense: ceil(T / 64)
   int64_t num_slots = 0;            // chunk slots (see slot_base)
 
-  int gate_form = 0;                // detail::kGate*
-  bool beta_logits = false, neg_eig = false, l2norm = true;
+  int gate = 0;                     // detail::kGate*
+  bool beta_logits = false, allow_neg_eigval = false, use_qk_l2norm = true;
   float scale = 1.f, lower_bound = -5.f;
 
   uint8_t* ws = nullptr;            // records [num_slots][HV][kRecordBytes], 128-byte aligned

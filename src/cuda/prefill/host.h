@@ -101,12 +101,12 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.groups = static_cast<int>(d.groups());
   p.chunks_per_seq = (d.T + kChunk - 1) / kChunk;
   p.num_slots = slots;
-  p.gate_form = static_cast<int>(pr.gate.form);
-  p.beta_logits = pr.gate.beta_form == BetaForm::kLogits;
-  p.neg_eig = pr.gate.allow_neg_eigval;
-  p.l2norm = pr.gate.l2norm;
-  p.scale = static_cast<float>(pr.gate.scale);
-  p.lower_bound = pr.gate.lower_bound;
+  p.gate = static_cast<int>(pr.math.gate);
+  p.beta_logits = pr.math.beta_logits;
+  p.allow_neg_eigval = pr.math.allow_neg_eigval;
+  p.use_qk_l2norm = pr.math.use_qk_l2norm;
+  p.scale = static_cast<float>(pr.math.scale);
+  p.lower_bound = pr.math.lower_bound;
   if (need > 0) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
     p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));

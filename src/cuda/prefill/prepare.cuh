@@ -145,7 +145,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
           sk[pass] = kL2 ? sk[pass] + ok : fmaxf(sk[pass], ok);
         }
     };
-    if (p.l2norm) row_stats(std::true_type{});
+    if (p.use_qk_l2norm) row_stats(std::true_type{});
     else row_stats(std::false_type{});
     // q^ = q / ||q||, k^ = k / ||k|| (l2norm; factors fq = scale, fk = 1) or q / max|q|, k / max|k|
     // (factors scale max|q|, max|k|), as f16 in shared memory: |q^|, |k^| <= 1 whatever the input
@@ -159,7 +159,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       const uint32_t wq[4] = {qv[pass].x, qv[pass].y, qv[pass].z, qv[pass].w};
       const uint32_t wk[4] = {kv[pass].x, kv[pass].y, kv[pass].z, kv[pass].w};
       uint32_t oq[4], ok[4];
-      if (p.l2norm) {
+      if (p.use_qk_l2norm) {
         const float rq = rsqrtf(sq[pass] + eps), rk = rsqrtf(sk[pass] + eps);
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
@@ -186,7 +186,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
     float a[4][8];
 #pragma unroll
     for (int pass = 0; pass < 4; ++pass) gate_to_f32<kFp16>(p.g.dtype == kF32, gw[pass], a[pass]);
-    if (p.gate_form == detail::kGateLowerBound) {
+    if (p.gate == detail::kGateLowerBound) {
       const float ca = -exp_a * kLog2e, lb2 = p.lower_bound * kLog2e;
       float cb[8];
 #pragma unroll
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
 #pragma unroll
       for (int pass = 0; pass < 4; ++pass)
 #pragma unroll
-        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_other(p.gate_form, a[pass][i], exp_a, bias[i], p.lower_bound);
+        for (int i = 0; i < 8; ++i) a[pass][i] = log2_decay_other(p.gate, a[pass][i], exp_a, bias[i], p.lower_bound);
     }
     // Per-row values, computed by every thread (branch-free, so that the four passes interleave)
     // and stored by the lanes ch == 0: b_t by a fast sigmoid (relative error ~1e-7, far below the
@@ -211,7 +211,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2) prepare_kernel(const __gri
       float* gr = G + row * kGPitch + 8 * ch;
       *reinterpret_cast<float4*>(gr) = valid ? make_float4(a[pass][0], a[pass][1], a[pass][2], a[pass][3]) : make_float4(0.f, 0.f, 0.f, 0.f);
       *reinterpret_cast<float4*>(gr + 4) = valid ? make_float4(a[pass][4], a[pass][5], a[pass][6], a[pass][7]) : make_float4(0.f, 0.f, 0.f, 0.f);
-      const float bt = valid ? beta_fast(p.beta_logits, p.neg_eig, bits_to_f32(bw[pass], p.beta.dtype)) : 0.f;
+      const float bt = valid ? beta_fast(p.beta_logits, p.allow_neg_eigval, bits_to_f32(bw[pass], p.beta.dtype)) : 0.f;
       if (ch == 0) {
         fq[row] = fqr[pass];
         fk[row] = fkr[pass];
