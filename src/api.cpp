@@ -190,12 +190,11 @@ Status validate(const DecodeParams& p) {
 Status prefill(const PrefillParams& p) {
   return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
     if (p.check_indices) {
-      if (pr.device != Device::kCPU)
-        return {StatusCode::kUnsupported, "check_indices",
-                "expected CPU tensors (the cuda backend does not check prefill indices), got CUDA "
-                "tensors"};
-      Status s = detail::check_prefill_index_values(pr, pr.state_indices.data);
-      if (!s.ok()) return s;
+#ifdef KDA_WITH_CUDA
+      if (pr.device == Device::kCUDA) KDA_RETURN_IF_ERROR(cuda::check_prefill_indices(pr, p.exec));
+#endif
+      if (pr.device == Device::kCPU)
+        KDA_RETURN_IF_ERROR(detail::check_prefill_index_values(pr, pr.state_indices.data));
     }
     switch (be) {
       case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();

@@ -8,11 +8,15 @@ std::vector<DeviceInfo> devices() { DeviceInfo d; d.name = "emulated H200"; d.sm
 Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
   *bytes = 0; Status s = pf::check_supported(pr); if (!s.ok()) return s; *bytes = pf::workspace_bytes(pr); return Status::Ok();
 }
+// Emulated device memory is host memory: the indices are checked where they are.
+Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions&) {
+  return detail::check_prefill_index_values(pr, pr.state_indices.data);
+}
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   Status s = pf::check_supported(pr); if (!s.ok()) return s;
   const size_t need = pf::workspace_bytes(pr);
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
-    return {StatusCode::kInvalidArgument, "argument 'exec.workspace': too small (emulated)"};
+    return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
   if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // poison: unwritten records read as NaN
   const char* vs = std::getenv("EMU_VS");
   return emu_run::emu_problem(pr, exec.workspace, vs ? std::atoi(vs) : 0);

@@ -13,6 +13,13 @@
 #include "core/kda_math.h"
 #include "kda/kda.h"
 
+// Returns a failed Status from the enclosing function (every layer's one early return).
+#define KDA_RETURN_IF_ERROR(expr)              \
+  do {                                         \
+    const ::kda::Status kda_status_ = (expr);  \
+    if (!kda_status_.ok()) return kda_status_; \
+  } while (0)
+
 namespace kda::detail {
 
 // The device code's plain-int gate codes are GateForm's (kda_math.h needs no public header).

@@ -39,12 +39,6 @@ Status Err(const char* arg, const std::string& expected, const std::string& got)
   return {StatusCode::kInvalidArgument, arg, "expected " + expected + ", got " + got};
 }
 
-#define KDA_RETURN_IF_ERROR(expr)   \
-  do {                              \
-    Status _s = (expr);             \
-    if (!_s.ok()) return _s;        \
-  } while (0)
-
 bool is_float(DType d) {
   return d == DType::kFloat32 || d == DType::kFloat16 || d == DType::kBFloat16;
 }

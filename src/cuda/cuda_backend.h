@@ -14,8 +14,10 @@ std::vector<DeviceInfo> devices();
 // exec.stream, allocate nothing on the device and never synchronize (except check_indices).
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec);
 Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes);
+// check_indices of prefill on CUDA tensors: copies state_indices and cu_seqlens to the host,
+// synchronizes exec.stream and checks their values (detail::check_prefill_index_values).
+Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions& exec);
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
-
 
 }  // namespace kda::cuda

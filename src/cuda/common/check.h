@@ -6,7 +6,7 @@
 
 #include <string>
 
-#include "kda/kda.h"
+#include "core/problem.h"  // Status, KDA_RETURN_IF_ERROR
 
 namespace kda::cuda {
 
@@ -24,12 +24,3 @@ inline Status cuda_status(cudaError_t e, const char* expr, const char* file, int
     if (kda_cuda_err_ != cudaSuccess)                                            \
       return ::kda::cuda::cuda_status(kda_cuda_err_, #expr, __FILE__, __LINE__); \
   } while (0)
-
-// Returns a failed Status from the enclosing function.
-#ifndef KDA_RETURN_IF_ERROR
-#define KDA_RETURN_IF_ERROR(expr)              \
-  do {                                         \
-    const ::kda::Status kda_status_ = (expr);  \
-    if (!kda_status_.ok()) return kda_status_; \
-  } while (0)
-#endif

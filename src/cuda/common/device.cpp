@@ -36,7 +36,7 @@ Status device_attributes(int device, DeviceAttributes** out) {
   static std::atomic<bool> ready[kMaxDevices];
   static std::mutex mu;
   if (device < 0 || device >= kMaxDevices)
-    return {StatusCode::kUnsupported, "argument 'q': CUDA device index " + std::to_string(device) +
+    return {StatusCode::kUnsupported, "q", "CUDA device index " + std::to_string(device) +
                                           " out of range (at most " + std::to_string(kMaxDevices) +
                                           " devices)"};
   DeviceAttributes& d = cache[device];
@@ -53,6 +53,24 @@ Status device_attributes(int device, DeviceAttributes** out) {
   }
   *out = &d;
   return Status::Ok();
+}
+
+Status copy_to_host_async(const TensorView& t, cudaStream_t stream, std::vector<uint8_t>* host) {
+  host->clear();
+  if (!t.present() || t.numel() <= 0) return Status::Ok();
+  int64_t last = 0;
+  for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.strides[i];
+  host->resize(static_cast<size_t>(last + 1) * dtype_size(t.dtype));
+  KDA_CUDA_CHECK(
+      cudaMemcpyAsync(host->data(), t.data, host->size(), cudaMemcpyDeviceToHost, stream));
+  return Status::Ok();
+}
+
+TensorView host_view(const TensorView& t, std::vector<uint8_t>& host) {
+  TensorView h = t;
+  h.data = host.empty() ? nullptr : host.data();
+  h.device = Device::kCPU;
+  return h;
 }
 
 }  // namespace kda::cuda

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <vector>
 
 #include "cuda/common/check.h"
 #include "kda/kda.h"
@@ -85,5 +86,11 @@ Status configure_once(DeviceAttributes& d, KernelSlot slot, int slot_offset, Set
   d.configured.fetch_or(bit, std::memory_order_acq_rel);
   return Status::Ok();
 }
+
+// check_indices: starts copying the memory of index tensor `t` (its strided extent; nothing for
+// an absent or empty tensor) to `host` on `stream`; the caller synchronizes the stream before
+// reading it. host_view(t, host) is `t` over that copy.
+Status copy_to_host_async(const TensorView& t, cudaStream_t stream, std::vector<uint8_t>* host);
+TensorView host_view(const TensorView& t, std::vector<uint8_t>& host);
 
 }  // namespace kda::cuda

@@ -177,29 +177,13 @@ DecodeArgs make_args(const detail::DecodeProblem& pr) {
 // check_indices: copies state_indices / num_accepted_tokens / cu_seqlens to the host (same
 // strided layout), waits for them, and checks their values.
 Status check_index_values(const detail::DecodeProblem& pr, cudaStream_t stream) {
-  auto extent_bytes = [](const TensorView& t) -> size_t {
-    if (!t.present() || t.numel() == 0) return 0;
-    int64_t last = 0;
-    for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.strides[i];
-    return static_cast<size_t>(last + 1) * dtype_size(t.dtype);
-  };
-  std::vector<uint8_t> idx(extent_bytes(pr.state_indices)),
-      nat(extent_bytes(pr.num_accepted_tokens)), cu(extent_bytes(pr.cu_seqlens));
-  auto fetch = [&](const TensorView& t, std::vector<uint8_t>& h) -> cudaError_t {
-    return h.empty() ? cudaSuccess
-                     : cudaMemcpyAsync(h.data(), t.data, h.size(), cudaMemcpyDeviceToHost, stream);
-  };
-  KDA_CUDA_CHECK(fetch(pr.state_indices, idx));
-  KDA_CUDA_CHECK(fetch(pr.num_accepted_tokens, nat));
-  KDA_CUDA_CHECK(fetch(pr.cu_seqlens, cu));
+  std::vector<uint8_t> idx, nat, cu;
+  KDA_RETURN_IF_ERROR(copy_to_host_async(pr.state_indices, stream, &idx));
+  KDA_RETURN_IF_ERROR(copy_to_host_async(pr.num_accepted_tokens, stream, &nat));
+  KDA_RETURN_IF_ERROR(copy_to_host_async(pr.cu_seqlens, stream, &cu));
   KDA_CUDA_CHECK(cudaStreamSynchronize(stream));
-  if (pr.d.varlen) {
-    TensorView host_cu = pr.cu_seqlens;
-    host_cu.data = cu.data();
-    host_cu.device = Device::kCPU;
-    const Status s = detail::check_cu_seqlens_values(host_cu, pr.d.T);
-    if (!s.ok()) return s;
-  }
+  if (pr.d.varlen)
+    KDA_RETURN_IF_ERROR(detail::check_cu_seqlens_values(host_view(pr.cu_seqlens, cu), pr.d.T));
   return detail::check_decode_index_values(pr, idx.empty() ? nullptr : idx.data(),
                                            nat.empty() ? nullptr : nat.data(),
                                            cu.empty() ? nullptr : cu.data());
@@ -227,7 +211,7 @@ Status dispatch_tile(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
     return k_first ? launch_tile<256, StateT, true>(a, blocks, stream)
                    : launch_tile<256, StateT, false>(a, blocks, stream);
   return {StatusCode::kUnsupported,
-          "argument 'q': the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
+          "q", "the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
 }
 
 // Dynamic shared memory one persistent block may use: kPersistBlocksPerSM blocks per SM.
@@ -304,15 +288,15 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   // ---- What the GPU path runs (everything else the contract allows runs on the CPU backends)
   if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
     return {StatusCode::kUnsupported,
-            std::string("argument 'q': the CUDA decode expects dtype bf16 or fp16, got ") +
+            "q", std::string("the CUDA decode expects dtype bf16 or fp16, got ") +
                 dtype_name(pr.q.dtype) + " (fp32 inputs run on the CPU backends)"};
   if (pr.state.dtype != DType::kFloat32 && pr.state.dtype != DType::kBFloat16)
     return {StatusCode::kUnsupported,
-            std::string("argument 'state': the CUDA decode expects dtype fp32 or bf16, got ") +
+            "state", std::string("the CUDA decode expects dtype fp32 or bf16, got ") +
                 dtype_name(pr.state.dtype)};
   if (pr.d.K != pr.d.V || pr.d.K % 32 != 0 || pr.d.K > 256)
     return {StatusCode::kUnsupported,
-            "argument 'q': the CUDA decode expects K == V, a multiple of 32 up to 256, got K = " +
+            "q", "the CUDA decode expects K == V, a multiple of 32 up to 256, got K = " +
                 std::to_string(pr.d.K) + ", V = " + std::to_string(pr.d.V)};
 
   DeviceGuard guard(pr.q.device_index);
@@ -333,7 +317,7 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
       return {StatusCode::kUnsupported,
-              "argument 'q': N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
+              "q", "N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
     KDA_CUDA_CHECK(launch_kernel(decode_baseline_kernel, dim3(static_cast<unsigned>(blocks)),
                                  dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first));
     return Status::Ok();
@@ -344,7 +328,7 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                : launch_persistent<float>(a, *info, stages, tuning.decode_grid, stream);
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   if (blocks > INT32_MAX)
-    return {StatusCode::kUnsupported, "argument 'q': N x HV x V/32 = " + std::to_string(blocks) +
+    return {StatusCode::kUnsupported, "q", "N x HV x V/32 = " + std::to_string(blocks) +
                                           " blocks exceed the grid limit; split the batch"};
   if (kernel == DecodeKernel::kBulk || kernel == DecodeKernel::kBulkLatency) {
     const bool latency = kernel == DecodeKernel::kBulkLatency;

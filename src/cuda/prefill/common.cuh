@@ -19,6 +19,7 @@
 
 #include <cstdint>
 
+#include "core/index_rules.h"
 #include "core/kda_math.h"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/view.cuh"
@@ -206,26 +207,22 @@ __device__ __forceinline__ int64_t varlen_base_at(const Params& p, int64_t n, in
 }
 __device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu_seqlens.load(n)); }
 
-// Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T].
-__device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n, int64_t cu_n1) {
+// Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T]
+// (rules::clamp_span, the rule the CPU backends and the decode kernels share).
+__device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64_t cu_n,
+                                               int64_t cu_n1) {
+  const rules::SeqSpan r = rules::clamp_span(cu_n, cu_n1, p.T);
   SeqSpan s;
-  s.b = 0;
-  s.bos = clamp64(cu_n, 0, p.T);
-  s.len = clamp64(cu_n1, s.bos, p.T) - s.bos;
+  s.b = r.b;
+  s.bos = r.bos;
+  s.len = r.len;
   s.base = varlen_base_at(p, n, cu_n);
   return s;
 }
 __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
-  SeqSpan s;
-  if (!p.varlen) {
-    s.b = n;
-    s.bos = 0;
-    s.len = p.T;
-    s.base = n * p.chunks_per_seq;
-  } else {
-    s = varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
-  }
-  return s;
+  if (p.varlen) return varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
+  const rules::SeqSpan r = rules::dense_span(n, p.T);
+  return {r.b, r.bos, r.len, n * p.chunks_per_seq};
 }
 
 // ---------------------------------------------------------------------------------------------

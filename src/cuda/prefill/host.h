@@ -36,14 +36,14 @@ inline IndexView index_view(const TensorView& t) {
 inline Status check_supported(const detail::PrefillProblem& pr) {
   const auto& d = pr.d;
   if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
-    return {StatusCode::kUnsupported, std::string("argument 'q': the CUDA prefill takes bf16 or fp16 q/k/v, got ") +
+    return {StatusCode::kUnsupported, "q", std::string("the CUDA prefill takes bf16 or fp16 q/k/v, got ") +
                                           dtype_name(pr.q.dtype)};
   if (d.K != kHeadDim)
     return {StatusCode::kUnsupported,
-            "argument 'q': the CUDA prefill supports head dim K = 128, got K = " + std::to_string(d.K)};
+            "q", "the CUDA prefill supports head dim K = 128, got K = " + std::to_string(d.K)};
   if (d.V != kHeadDim)
     return {StatusCode::kUnsupported,
-            "argument 'v': the CUDA prefill supports head dim V = 128, got V = " + std::to_string(d.V)};
+            "v", "the CUDA prefill supports head dim V = 128, got V = " + std::to_string(d.V)};
   return Status::Ok();
 }
 
@@ -72,7 +72,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
   const int64_t pairs = d.N * d.HV;
   if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX)
-    return {StatusCode::kUnsupported, "argument 'q': problem too large for one CUDA prefill launch (" +
+    return {StatusCode::kUnsupported, "q", "problem too large for one CUDA prefill launch (" +
                                           std::to_string(prep_blocks) + " chunk blocks)"};
 
   Params& p = *out;

@@ -11,6 +11,7 @@
 
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "core/tuning.h"
 #include "cuda/common/check.h"
@@ -94,6 +95,20 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
   return Status::Ok();
 }
 
+Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions& exec) {
+  DeviceGuard guard(pr.q.device_index);
+  KDA_CUDA_CHECK(guard.status());
+  cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
+  std::vector<uint8_t> idx, cu;
+  KDA_RETURN_IF_ERROR(copy_to_host_async(pr.state_indices, stream, &idx));
+  KDA_RETURN_IF_ERROR(copy_to_host_async(pr.cu_seqlens, stream, &cu));
+  KDA_CUDA_CHECK(cudaStreamSynchronize(stream));
+  if (pr.d.varlen)
+    KDA_RETURN_IF_ERROR(detail::check_cu_seqlens_values(host_view(pr.cu_seqlens, cu), pr.d.T));
+  if (!pr.state_indices.present()) return Status::Ok();
+  return detail::check_prefill_index_values(pr, idx.empty() ? nullptr : idx.data());
+}
+
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   KDA_RETURN_IF_ERROR(pf::check_supported(pr));
 
@@ -101,7 +116,7 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   const size_t need = pf::workspace_bytes(pr);
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument,
-            "argument 'exec.workspace': expected at least " + std::to_string(need) +
+            "workspace", "expected at least " + std::to_string(need) +
                 " bytes of device memory (kda::prefill_workspace_size), got " +
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
