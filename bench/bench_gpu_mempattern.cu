@@ -58,7 +58,7 @@ __global__ void __launch_bounds__(kThreads) reg_kernel(uint4* dst, const uint4* 
   for (int i = 0; i < kPer; ++i) st_cs(dst + base + i * kThreads + threadIdx.x, bump(r[i]));
 }
 
-// cp.async 16 B into shared memory, then stores from shared memory (the v3 decode pattern).
+// cp.async 16 B into shared memory, then stores from shared memory (the staged decode kernel's pattern).
 __global__ void __launch_bounds__(128) cpasync_kernel(uint4* dst, const uint4* src, const int* idx) {
   __shared__ uint4 sh[kUnits];
   const int64_t base = tile_base(idx, blockIdx.x);

@@ -9,6 +9,9 @@
 
 set(KDA_CPU_KERNEL_SOURCES src/cpu/prefill_chunked.cpp src/cpu/decode_fast.cpp)
 set(KDA_CPU_LEVELS "")
+# The objects of every layer below the dispatcher (kda_core and the kernel copies): what the
+# emulator links besides its own api.cpp.
+set(KDA_CORE_OBJECTS $<TARGET_OBJECTS:kda_core>)
 
 # kda_add_cpu_level(<level> [compiler flags...]): one copy of the kernels, added to target kda.
 function(kda_add_cpu_level level)
@@ -20,6 +23,7 @@ function(kda_add_cpu_level level)
   target_compile_options(${lib} PRIVATE -O3 -fno-math-errno -Wall -Wextra -Wno-unused-parameter
                          -Wno-psabi ${ARGN})
   target_sources(kda PRIVATE $<TARGET_OBJECTS:${lib}>)
+  set(KDA_CORE_OBJECTS ${KDA_CORE_OBJECTS} $<TARGET_OBJECTS:${lib}> PARENT_SCOPE)
   set_property(SOURCE src/cpu/dispatch.cpp APPEND PROPERTY COMPILE_DEFINITIONS
                KDA_CPU_HAS_${level})
   set(KDA_CPU_LEVELS ${KDA_CPU_LEVELS} ${level} PARENT_SCOPE)

@@ -8,7 +8,7 @@
 # `scripts/gpu_check.sh demo tests sanitize racecheck bench` runs from the copied tree without its
 # build stage (~24 MB a tree instead of ~12). The executables link the CUDA runtime statically;
 # GoogleTest comes from .deps/gtest (dev/carry_gtest.sh) or the system. PREBUILD_CUDA_FLAGS:
-# extra nvcc flags (e.g. a development macro such as -DKDA_PREFILL_TRACE).
+# extra nvcc flags (e.g. -lineinfo).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ref=${1:?ref}
@@ -18,7 +18,8 @@ extra=()
 [ -d "$PWD/.deps/gtest" ] && extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
 keep=(bench/bench_gpu_prefill tests/kda_gpu_tests)  # executables kept; their CMake targets:
 targets=(bench_gpu_prefill kda_gpu_tests)
-[ "${PREBUILD_ALL:-0}" = 1 ] && keep+=(kda bench/bench_gpu_decode) && targets+=(kda_cli bench_gpu_decode)
+[ "${PREBUILD_ALL:-0}" = 1 ] && keep+=(kda bench/bench_gpu_decode bench/bench_host_cost) &&
+  targets+=(kda_cli bench_gpu_decode bench_host_cost)
 [ -n "${PREBUILD_CUDA_FLAGS:-}" ] && extra+=(-DCMAKE_CUDA_FLAGS="$PREBUILD_CUDA_FLAGS")
 (cd "$dir" && cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release "${extra[@]}" >/dev/null &&
   cmake --build build-gpu --parallel "$(nproc)" --target "${targets[@]}" >/dev/null)

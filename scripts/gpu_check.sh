@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On an H100/H200: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# racecheck profile srcprofile trace (default: build demo tests sanitize bench fla python).
+# hostcost racecheck profile srcprofile (default: build demo tests sanitize bench fla python hostcost).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
@@ -10,12 +10,18 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
 mkdir -p "$OUT"
-stages=${*:-build demo tests sanitize bench fla python}
+stages=${*:-build demo tests sanitize bench fla python hostcost}
 has() { [[ " $stages " == *" $1 "* ]]; }
 summary=()
 note() { summary+=("$1"); echo "== $1"; }
 export PATH="$PATH:/usr/local/cuda/bin"
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu,utilization.gpu --format=csv,noheader || true
+# Python packages carried as wheels in .whl/ (fla-core, einops, hypothesis, ...): installed once into
+# $site, which the fla, python and hostcost stages put on PYTHONPATH.
+site=""
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && site=/tmp/site
+fi
 
 if has build; then
   t0=$(date +%s)
@@ -112,8 +118,8 @@ if has mempattern && [ -x ./$B/bench/bench_gpu_mempattern ]; then
 fi
 
 if has fla; then
-  if ls .whl/*.whl >/dev/null 2>&1; then
-    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+  if [ -n "$site" ]; then
+    export PYTHONPATH=$site
     for b in ${FLA_BENCHES:-decode prefill}; do
       [ -f bench/peers/fla_${b}_bench.py ] || continue
       if [ "$b" = prefill ]; then
@@ -140,12 +146,12 @@ fi
 
 if has python; then
   if python3 -m pip install -q --no-build-isolation --no-deps --no-index . >"$OUT/python.log" 2>&1; then
-    PYTHONPATH= PYTHONFAULTHANDLER=1 timeout 240 python3 -m pytest tests/python -q -rs -p no:cacheprovider >>"$OUT/python.log" 2>&1
+    PYTHONPATH=$site PYTHONFAULTHANDLER=1 timeout 400 python3 -m pytest tests/python -q -rs -p no:cacheprovider >>"$OUT/python.log" 2>&1
     rc=$?
     grep -E "FAILED|Error|error|Fatal|File \"|passed|failed" "$OUT/python.log" | grep -v "^  " | head -25
     note "python tests rc=$rc: $(grep -E 'passed|failed' "$OUT/python.log" | tail -1)"
     if [ $rc -ge 128 ] && command -v cuda-gdb >/dev/null; then  # a crash: native backtrace
-      PYTHONPATH= timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args \
+      PYTHONPATH=$site timeout 120 cuda-gdb -q -batch -ex run -ex bt -ex "info sharedlibrary" --args \
         python3 -m pytest tests/python -x -q -p no:cacheprovider >"$OUT/python_gdb.log" 2>&1
       grep -E "^#[0-9]+|signal|SIGSEGV" "$OUT/python_gdb.log" | head -30
     fi
@@ -183,24 +189,17 @@ if has srcprofile && command -v ncu >/dev/null; then
   done
 fi
 
-if has trace; then
-  # In-kernel %globaltimer stamps of the staged decode kernel in a 20-call graph at B = 1
-  # (-DKDA_DECODE_TRACE build of the decode benchmark only; see cuda_backend.h).
-  extra=(); [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
-  cmake -S . -B build-trace -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_CUDA_FLAGS='-DKDA_DECODE_TRACE -DKDA_PREFILL_TRACE' \
-    -DCMAKE_CXX_FLAGS='-DKDA_DECODE_TRACE -DKDA_PREFILL_TRACE' "${extra[@]}" >"$OUT/trace_build.log" 2>&1 &&
-    cmake --build build-trace --target bench_gpu_decode bench_gpu_prefill --parallel >>"$OUT/trace_build.log" 2>&1 || { note "trace build FAILED"; tail -20 "$OUT/trace_build.log"; }
-  for pdl in 1 0; do
-    echo "---- trace, KDA_CUDA_PDL=$pdl"
-    KDA_CUDA_PDL=$pdl timeout 60 ./build-trace/bench/bench_gpu_decode --filter T1_B1_graph20 --iters 20 --no-check 2>&1 | tee "$OUT/trace_pdl$pdl.log" | grep -E "^  (trace|call| +[0-9]|ran)" | head -24
-  done
-  for c in ${TRACE_CASES:-P1 P6}; do
-    timeout 60 ./build-trace/bench/bench_gpu_prefill --case $c --no-check --iters 20 2>&1 | tee "$OUT/trace_$c.log" | grep -E "^P|phases"
-  done
+if has hostcost; then
+  # Host time of one call (targets.md "Host cost of one call"): the C++ API and Python with torch
+  # CUDA tensors (kda, and FLA / FlashKDA where importable: carry .whl for FLA).
+  [ -x ./$B/bench/bench_host_cost ] && timeout 120 ./$B/bench/bench_host_cost >"$OUT/host_cost_cpp.log" 2>&1
+  note "host cost, C++ rc=$?: $(grep -E 'prefill|decode' "$OUT/host_cost_cpp.log" 2>/dev/null | tr -s ' ' | tr '\n' ';')"
+  PYTHONPATH=$site timeout 180 python3 bench/host_cost.py >"$OUT/host_cost_py.log" 2>&1
+  note "host cost, Python rc=$?"
 fi
 
 echo
-for f in bench_decode bench_prefill fla_decode fla_prefill; do
+for f in bench_decode bench_prefill fla_decode fla_prefill host_cost_cpp host_cost_py; do
   [ -f "$OUT/$f.log" ] && { echo "---- $f"; tail -14 "$OUT/$f.log"; }
 done
 echo "---- summary"

@@ -134,7 +134,8 @@ double out_tolerance(DType dt) { return dt == DType::kFloat16 ? 2.5e-3 : toleran
 // 16-token step, so the state's bf16 rounding reaches every output beyond the step's 16 tokens
 // (chunk 64: beyond 64). Under weak decay, where the state carries most of each output, that adds
 // ~1.3e-3 (emulated case A at lower bound -0.05: 2.85e-3 against 2.24e-3 for chunk 64; H200 small
-// sweep cases up to 3.1e-3): its outputs are held to the project's bar (targets.md, 4.5e-3) there.
+// sweep cases up to 3.1e-3): its outputs are held to the previous bar, 4.5e-3, there (the current
+// bar, 2.5e-3, waits on the fix planned in docs/design.md, section 6).
 double out_tolerance(DType dt, bool chunk16_weak) { return chunk16_weak ? 4.5e-3 : out_tolerance(dt); }
 double state_tolerance(DType dt) { return dt == DType::kBFloat16 ? 4e-3 : 3e-3; }
 
@@ -549,9 +550,12 @@ TEST(GpuPrefill, BitwiseDeterministic) {
 }
 
 // The accuracy bar of targets.md (case A): 1 x 8192 tokens, H = 8, bf16 inputs, initial state
-// 0.05 randn (bf16-exact); output <= 4.5e-3 and final state <= 3.5e-3 rel L2 vs the fp64
-// recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), and the softplus form.
-void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") {
+// 0.05 randn (bf16-exact); output <= 2.5e-3 and final state <= 2.0e-3 rel L2 vs the fp64
+// recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), the softplus form, weak decay.
+constexpr double kOutputBar = 2.5e-3, kStateBar = 2.0e-3;
+
+void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
+                     double out_bar = kOutputBar, double state_bar = kStateBar) {
   PrefillCase c = base_case();
   c.seqlens = {8192};
   c.H = 8;
@@ -566,11 +570,11 @@ void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") 
   const PrefillData ref = run_reference(d);
   const GpuResult r = run_cuda(d);
   ASSERT_TRUE(r.status.ok()) << r.status.to_string();
-  const Compare co = compare(r.out, ref.out, 4.5e-3), cs = compare(r.ht, ref.ht, 3.5e-3);
+  const Compare co = compare(r.out, ref.out, out_bar), cs = compare(r.ht, ref.ht, state_bar);
   std::printf("  case A%s (gate %d, lb %g): output rel L2 %.3e, final state rel L2 %.3e\n", label,
               static_cast<int>(gate), lower_bound, co.rel_l2, cs.rel_l2);
-  EXPECT_TRUE(co.ok(4.5e-3)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
-  EXPECT_TRUE(cs.ok(3.5e-3)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
+  EXPECT_TRUE(co.ok(out_bar)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
+  EXPECT_TRUE(cs.ok(state_bar)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
 }
 
 TEST(GpuPrefillAccuracy, CaseALowerBound) {
@@ -587,7 +591,10 @@ TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
 }
 
 // The same bar on the chunk-16 path (forced: case A's 8 heads take the K split by default), whose
-// 16-token steps multiply the state by bf16 operands four times as often as chunk 64 does.
+// 16-token steps multiply the state by bf16 operands four times as often as chunk 64 does. Under
+// weak decay its output misses the output bar (2.85e-3 measured on the H200): that case is held
+// to the previous bar, 4.5e-3, until the output product takes S^T in two bf16 terms
+// (docs/design.md, section 6).
 TEST(GpuPrefillAccuracy, CaseAChunk16) {
   KDA_SKIP_WITHOUT_SM90();
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
@@ -596,7 +603,7 @@ TEST(GpuPrefillAccuracy, CaseAChunk16) {
   }));
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
-  accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
+  accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16", 4.5e-3, kStateBar);
 }
 
 // Error does not grow with the sequence length (the state stays fp32).
