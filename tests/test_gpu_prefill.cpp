@@ -554,8 +554,7 @@ TEST(GpuPrefill, BitwiseDeterministic) {
 // recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), the softplus form, weak decay.
 constexpr double kOutputBar = 2.5e-3, kStateBar = 2.0e-3;
 
-void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
-                     double out_bar = kOutputBar, double state_bar = kStateBar) {
+void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") {
   PrefillCase c = base_case();
   c.seqlens = {8192};
   c.H = 8;
@@ -564,6 +563,9 @@ void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
   c.lower_bound = lower_bound;
   c.beta_logits = true;
   c.seed = 2026;
+  // The 16-token path under weak decay: the known output gap (see CaseAChunk16 below).
+  const double out_bar = lower_bound > -1.0 && takes_chunk16(c) ? 4.5e-3 : kOutputBar;
+  const double state_bar = kStateBar;
   PrefillData d = make_prefill(c);
   for (int64_t i = 0; i < d.h0.numel(); ++i)
     d.h0.set(i, detail::bf16_bits_to_float(detail::float_to_bf16_bits(static_cast<float>(0.5 * d.h0.get(i)))));
@@ -603,7 +605,7 @@ TEST(GpuPrefillAccuracy, CaseAChunk16) {
   }));
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
-  accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16", 4.5e-3, kStateBar);
+  accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
 }
 
 // Error does not grow with the sequence length (the state stays fp32).
@@ -672,7 +674,7 @@ TEST(GpuPrefill, WorkspaceTooSmall) {
   dd.p.exec.workspace_bytes = bytes - 1;
   Status s = prefill(dd.p);
   EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_NE(s.message().find("exec.workspace"), std::string::npos) << s.message();
+  EXPECT_EQ(s.argument(), "workspace") << s.message();
   dd.p.exec.workspace = nullptr;
   dd.p.exec.workspace_bytes = 0;
   s = prefill(dd.p);
