@@ -33,17 +33,22 @@ KDA_HOST_DEVICE inline SeqSpan dense_span(int64_t n, int64_t T) { return {n, 0, 
 // Varlen mode: sequence n spans [cu_seqlens[n], cu_seqlens[n + 1]) of batch row 0, clamped so
 // that no value can index out of bounds: bos into [0, total], eos into [bos, total]. Values that
 // validation accepts are unchanged; a decreasing pair gives an empty sequence.
+KDA_HOST_DEVICE inline int64_t clamp_index(int64_t x, int64_t lo, int64_t hi) {
+  return x < lo ? lo : (x > hi ? hi : x);
+}
 KDA_HOST_DEVICE inline SeqSpan clamp_span(int64_t bos, int64_t eos, int64_t total) {
-  bos = bos < 0 ? 0 : (bos > total ? total : bos);
-  eos = eos < bos ? bos : (eos > total ? total : eos);
-  return {0, bos, eos - bos};
+  SeqSpan s;
+  s.b = 0;
+  s.bos = clamp_index(bos, 0, total);
+  s.len = clamp_index(eos, s.bos, total) - s.bos;
+  return s;
 }
 
 // A slot value against a pool of P slots. Used for the write slots of [N, Tmax] state_indices
 // (the state after token t goes to state_indices[n, t] only when that is a valid slot) and for
 // prefill pools (a slot outside [0, P) means "no pooled state": start from zero, write nothing).
 KDA_HOST_DEVICE inline int64_t pool_slot(int64_t value, int64_t P) {
-  return value >= 0 && value < P ? value : kNoSlot;
+  return value < 0 || value >= P ? kNoSlot : value;
 }
 
 // Why a decode row reads the slot it reads, or why it is a padding row. Every state but kLive

@@ -196,7 +196,7 @@ struct SeqSpan {
 };
 
 __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
-  return x < lo ? lo : (x > hi ? hi : x);
+  return rules::clamp_index(x, lo, hi);
 }
 
 // Chunk slots: dense, sequence n owns [n * ceil(T/64), (n+1) * ceil(T/64)); varlen, sequence n
@@ -216,13 +216,21 @@ __device__ __forceinline__ SeqSpan varlen_span(const Params& p, int64_t n, int64
   s.b = r.b;
   s.bos = r.bos;
   s.len = r.len;
-  s.base = varlen_base_at(p, n, cu_n);
+  s.base = r.bos / kChunk + n;  // varlen_base_at(p, n, cu_n)
   return s;
 }
 __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
-  if (p.varlen) return varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
-  const rules::SeqSpan r = rules::dense_span(n, p.T);
-  return {r.b, r.bos, r.len, n * p.chunks_per_seq};
+  SeqSpan s;
+  if (!p.varlen) {
+    const rules::SeqSpan r = rules::dense_span(n, p.T);
+    s.b = r.b;
+    s.bos = r.bos;
+    s.len = r.len;
+    s.base = n * p.chunks_per_seq;
+  } else {
+    s = varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
+  }
+  return s;
 }
 
 // ---------------------------------------------------------------------------------------------

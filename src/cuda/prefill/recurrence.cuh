@@ -88,8 +88,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[kNJ][4];
-  const int64_t slot = p.has_state_pool ? rules::pool_slot(p.state_indices.load(n), p.state_pool.rows)
-                                        : rules::kNoSlot;
+  int64_t slot = rules::kNoSlot;
+  if (p.has_state_pool) slot = rules::pool_slot(p.state_indices.load(n), p.state_pool.rows);
   if (slot >= 0) {
     load_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
   } else if (!p.has_state_pool && p.initial_state.data != nullptr) {
