@@ -47,9 +47,12 @@ int main(int argc, char** argv) {
   std::string csv;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--quick") quick = true;
-    else if (a == "--threads" && i + 1 < argc) threads = std::atoi(argv[++i]);
-    else if (a == "--csv" && i + 1 < argc) csv = argv[++i];
+    if (a == "--quick")
+      quick = true;
+    else if (a == "--threads" && i + 1 < argc)
+      threads = std::atoi(argv[++i]);
+    else if (a == "--csv" && i + 1 < argc)
+      csv = argv[++i];
     else {
       std::fprintf(stderr, "usage: bench_cpu [--quick] [--threads N] [--csv path]\n");
       return 2;
@@ -58,8 +61,14 @@ int main(int argc, char** argv) {
   std::vector<Row> rows;
 
   // Prefill: bf16 inputs, lower-bound gate, beta logits, fp32 initial + final state (targets.md).
-  struct PShape { std::vector<int64_t> lens; bool varlen; int64_t H; };
-  std::vector<PShape> pshapes = {{{4096}, false, 8}, {{1300, 547, 2048, 963}, true, 16}, {{2048, 2048, 2048, 2048}, false, 32}};
+  struct PShape {
+    std::vector<int64_t> lens;
+    bool varlen;
+    int64_t H;
+  };
+  std::vector<PShape> pshapes = {{{4096}, false, 8},
+                                 {{1300, 547, 2048, 963}, true, 16},
+                                 {{2048, 2048, 2048, 2048}, false, 32}};
   if (quick) pshapes = {{{1024}, false, 4}};
   for (const auto& ps : pshapes) {
     PrefillCase c;
@@ -80,7 +89,8 @@ int main(int argc, char** argv) {
     const double err = compare(d.out, ref.out, 1).rel_l2;
     const double t_fast = median_time(quick ? 3 : 5, [&] { prefill(p); });
     std::string shape = (ps.varlen ? "varlen " : "") + std::to_string(ps.lens.size()) + "x" +
-                        (ps.varlen ? std::string("mixed") : std::to_string(ps.lens[0])) + " H=" + std::to_string(ps.H);
+                        (ps.varlen ? std::string("mixed") : std::to_string(ps.lens[0])) +
+                        " H=" + std::to_string(ps.H);
     rows.push_back({"prefill", shape, d.T * d.B, t_fast, t_ref, err});
     std::fprintf(stderr, "prefill %s done\n", shape.c_str());
   }
@@ -107,21 +117,23 @@ int main(int argc, char** argv) {
       if (!decode(p).ok()) return 1;
       const double err = compare(d.out, ref.out, 1).rel_l2;
       const double t_fast = median_time(quick ? 3 : 7, [&] { decode(p); });
-      rows.push_back({"decode", "B=" + std::to_string(B) + " T=" + std::to_string(T) + " H=32", B * T, t_fast, t_ref, err});
+      rows.push_back({"decode", "B=" + std::to_string(B) + " T=" + std::to_string(T) + " H=32",
+                      B * T, t_fast, t_ref, err});
     }
   }
 
-  std::printf("\n%-8s %-28s %10s %12s %12s %9s %10s\n", "op", "shape", "fast ms", "tokens/s", "ref ms", "speed-up", "rel err");
+  std::printf("\n%-8s %-28s %10s %12s %12s %9s %10s\n", "op", "shape", "fast ms", "tokens/s",
+              "ref ms", "speed-up", "rel err");
   for (const auto& r : rows)
-    std::printf("%-8s %-28s %10.2f %12.0f %12.1f %8.1fx %10.2e\n", r.op.c_str(), r.shape.c_str(), 1e3 * r.t_fast,
-                r.tokens / r.t_fast, 1e3 * r.t_ref, r.t_ref / r.t_fast, r.err);
+    std::printf("%-8s %-28s %10.2f %12.0f %12.1f %8.1fx %10.2e\n", r.op.c_str(), r.shape.c_str(),
+                1e3 * r.t_fast, r.tokens / r.t_fast, 1e3 * r.t_ref, r.t_ref / r.t_fast, r.err);
   if (!csv.empty()) {
     FILE* f = std::fopen(csv.c_str(), "w");
     if (f) {
       std::fprintf(f, "op,shape,fast_ms,tokens_per_s,ref_ms,speedup,rel_err\n");
       for (const auto& r : rows)
-        std::fprintf(f, "%s,%s,%.4f,%.1f,%.3f,%.2f,%.3e\n", r.op.c_str(), r.shape.c_str(), 1e3 * r.t_fast,
-                     r.tokens / r.t_fast, 1e3 * r.t_ref, r.t_ref / r.t_fast, r.err);
+        std::fprintf(f, "%s,%s,%.4f,%.1f,%.3f,%.2f,%.3e\n", r.op.c_str(), r.shape.c_str(),
+                     1e3 * r.t_fast, r.tokens / r.t_fast, 1e3 * r.t_ref, r.t_ref / r.t_fast, r.err);
       std::fclose(f);
     }
   }

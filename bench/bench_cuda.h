@@ -7,12 +7,12 @@
 #include <cstdio>
 #include <cstdlib>
 
-#define BENCH_CUDA(expr)                                                                    \
-  do {                                                                                      \
-    const cudaError_t bench_err_ = (expr);                                                  \
-    if (bench_err_ != cudaSuccess) {                                                        \
+#define BENCH_CUDA(expr)                                                                     \
+  do {                                                                                       \
+    const cudaError_t bench_err_ = (expr);                                                   \
+    if (bench_err_ != cudaSuccess) {                                                         \
       std::fprintf(stderr, "%s failed: %s (%s:%d)\n", #expr, cudaGetErrorString(bench_err_), \
-                   __FILE__, __LINE__);                                                     \
-      std::exit(2);                                                                         \
-    }                                                                                       \
+                   __FILE__, __LINE__);                                                      \
+      std::exit(2);                                                                          \
+    }                                                                                        \
   } while (0)

@@ -15,7 +15,8 @@
 // (or =baseline) in the environment times the other kernels on the same cases.
 //
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
-//                         [--kernels K1,K2,..]   (also time each case with kernel K forced: Tuning::decode_kernel)
+//                         [--kernels K1,K2,..]   (also time each case with kernel K forced:
+//                         Tuning::decode_kernel)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -30,8 +31,8 @@
 #include <string>
 #include <vector>
 
-#include "core/tuning.h"  // the testing hook: kernels forced through the tuning struct
 #include "bench_cuda.h"
+#include "core/tuning.h"  // the testing hook: kernels forced through the tuning struct
 #include "kda/kda.h"
 #include "support.h"
 
@@ -46,7 +47,8 @@ struct Options {
   int warmup = 10;
   std::string filter;
   bool check = true;
-  std::vector<std::string> kernels;  // --kernels: also time each case with kernel k forced (docs/tuning.md)
+  std::vector<std::string>
+      kernels;  // --kernels: also time each case with kernel k forced (docs/tuning.md)
 };
 
 struct Case {
@@ -144,7 +146,8 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
     block.fill_normal(rng, 0.1);
     for (size_t off = 0; off < pr.pool->bytes; off += block.storage.size()) {
       const size_t n = std::min(block.storage.size(), pr.pool->bytes - off);
-      BENCH_CUDA(cudaMemcpy(static_cast<char*>(pr.pool->p) + off, block.storage.data(), n, cudaMemcpyHostToDevice));
+      BENCH_CUDA(cudaMemcpy(static_cast<char*>(pr.pool->p) + off, block.storage.data(), n,
+                            cudaMemcpyHostToDevice));
     }
   }
   pr.A_log = HostTensor(DType::kFloat32, {kHV});
@@ -190,8 +193,8 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
     for (int64_t n = 0; n < S; ++n) {
       const int64_t slot = static_cast<int64_t>(x.idx.get(n));
       BENCH_CUDA(cudaMemcpy(dst.storage.data() + n * pr.state_row_bytes,
-                            static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes, pr.state_row_bytes,
-                            cudaMemcpyDeviceToHost));
+                            static_cast<const char*>(pr.pool->p) + slot * pr.state_row_bytes,
+                            pr.state_row_bytes, cudaMemcpyDeviceToHost));
     }
   };
   HostTensor st0(c.state_dtype, {S, kHV, kV, kK});
@@ -203,7 +206,8 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   }
   BENCH_CUDA(cudaStreamSynchronize(stream));
   HostTensor out_gpu = x.out;
-  BENCH_CUDA(cudaMemcpy(out_gpu.storage.data(), x.dout->p, out_gpu.storage.size(), cudaMemcpyDeviceToHost));
+  BENCH_CUDA(cudaMemcpy(out_gpu.storage.data(), x.dout->p, out_gpu.storage.size(),
+                        cudaMemcpyDeviceToHost));
   HostTensor st_gpu(c.state_dtype, {S, kHV, kV, kK});
   read_slots(st_gpu);
   // The sample as a host problem: the first S sequences, their states as slots 0..S-1.
@@ -240,8 +244,8 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   const auto co = kda::test::compare(out_got, out_ref, tol_out);
   const auto cs = kda::test::compare(st_gpu, st0, tol_state);
   const bool ok = co.ok(tol_out) && cs.ok(tol_state);
-  std::printf("  check %-22s out rel_l2 %.2e (tol %.1e)  state rel_l2 %.2e (tol %.1e)  %s\n", c.name.c_str(),
-              co.rel_l2, tol_out, cs.rel_l2, tol_state, ok ? "ok" : "FAILED");
+  std::printf("  check %-22s out rel_l2 %.2e (tol %.1e)  state rel_l2 %.2e (tol %.1e)  %s\n",
+              c.name.c_str(), co.rel_l2, tol_out, cs.rel_l2, tol_state, ok ? "ok" : "FAILED");
   if (!ok) std::printf("    %s%s\n", co.first_mismatches.c_str(), cs.first_mismatches.c_str());
   return ok;
 }
@@ -255,7 +259,9 @@ struct Result {
 
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
-  return v.empty() ? 0 : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
+  return v.empty()
+             ? 0
+             : (v.size() % 2 ? v[v.size() / 2] : 0.5 * (v[v.size() / 2 - 1] + v[v.size() / 2]));
 }
 
 Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
@@ -288,7 +294,9 @@ Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
     const auto t0 = std::chrono::steady_clock::now();
     for (int i = 0; i < iters; ++i) call(i);
     BENCH_CUDA(cudaStreamSynchronize(stream));
-    r.us_host = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() / iters;
+    r.us_host =
+        std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count() /
+        iters;
   } else {
     // Capture graph_calls calls (rotating sets), replay, divide.
     cudaGraph_t graph;
@@ -340,11 +348,16 @@ int main(int argc, char** argv) {
       }
       return argv[++i];
     };
-    if (a == "--csv") o.csv = next();
-    else if (a == "--iters") o.iters = std::atoi(next().c_str());
-    else if (a == "--warmup") o.warmup = std::atoi(next().c_str());
-    else if (a == "--filter") o.filter = next();
-    else if (a == "--no-check") o.check = false;
+    if (a == "--csv")
+      o.csv = next();
+    else if (a == "--iters")
+      o.iters = std::atoi(next().c_str());
+    else if (a == "--warmup")
+      o.warmup = std::atoi(next().c_str());
+    else if (a == "--filter")
+      o.filter = next();
+    else if (a == "--no-check")
+      o.check = false;
     else if (a == "--kernels") {
       const std::string list = next();
       for (size_t p = 0; p <= list.size();) {
@@ -353,7 +366,9 @@ int main(int argc, char** argv) {
         p = q + 1;
       }
     } else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check] [--kernels K1,K2,..]\n",
+      std::fprintf(stderr,
+                   "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] "
+                   "[--no-check] [--kernels K1,K2,..]\n",
                    argv[0]);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
@@ -365,8 +380,10 @@ int main(int argc, char** argv) {
     return 0;
   }
   std::printf("device: %s (%d SMs)\n", devs[0].name.c_str(), devs[0].multiprocessors);
-  std::printf("setup: H = HV = %lld, K = V = %lld, bf16 inputs, lower-bound gate, beta logits, l2norm, pool in place via [B] indices\n",
-              static_cast<long long>(kH), static_cast<long long>(kK));
+  std::printf(
+      "setup: H = HV = %lld, K = V = %lld, bf16 inputs, lower-bound gate, beta logits, l2norm, "
+      "pool in place via [B] indices\n",
+      static_cast<long long>(kH), static_cast<long long>(kK));
 
   std::vector<Case> cases = {
       {"T1_B1", 1, 1, DType::kFloat32, 0, "<= 10 us per call", 0, 10},
@@ -391,24 +408,25 @@ int main(int argc, char** argv) {
     all_ok = all_ok && ok;
     Result r = time_case(pr, o, stream);
     r.ok = ok;
-    std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [%d rotation sets]\n", c.name.c_str(), r.us_median,
-                r.us_min, r.tbps, pr.sets);
+    std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [%d rotation sets]\n",
+                c.name.c_str(), r.us_median, r.us_min, r.tbps, pr.sets);
     results.push_back(r);
     // Kernel sweep: the same case with each forced kernel (where eligible; otherwise the library's
     // default choice runs), checked and timed the same way.
     for (const std::string& k : o.kernels) {
       kda::detail::Tuning t = kda::detail::tuning();
-      t.decode_kernel = kda::detail::parse_tuning([&](const char* name) {
-                          return std::strcmp(name, "KDA_CUDA_DECODE_KERNEL") == 0 ? k.c_str() : nullptr;
-                        }).decode_kernel;
+      t.decode_kernel =
+          kda::detail::parse_tuning([&](const char* name) {
+            return std::strcmp(name, "KDA_CUDA_DECODE_KERNEL") == 0 ? k.c_str() : nullptr;
+          }).decode_kernel;
       const kda::detail::ScopedTuning forced(t);
       const bool kok = !o.check || check_case(pr, stream);
       all_ok = all_ok && kok;
       Result kr = time_case(pr, o, stream);
       kr.ok = kok;
       kr.kernel = k;
-      std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [kernel %s]\n", c.name.c_str(), kr.us_median,
-                  kr.us_min, kr.tbps, k.c_str());
+      std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [kernel %s]\n", c.name.c_str(),
+                  kr.us_median, kr.us_min, kr.tbps, k.c_str());
       sweep.push_back(kr);
     }
   }
@@ -434,8 +452,9 @@ int main(int argc, char** argv) {
       if (i >= 5) us.push_back(1e3 * ms);
     }
     const double m = median(us);
-    std::printf("  ceiling: D2D copy of the B256 fp32 pool (%.0f MB): %.2f us, %.3f TB/s read + write\n", n / 1e6, m,
-                2.0 * n / (m * 1e-6) / 1e12);
+    std::printf(
+        "  ceiling: D2D copy of the B256 fp32 pool (%.0f MB): %.2f us, %.3f TB/s read + write\n",
+        n / 1e6, m, 2.0 * n / (m * 1e-6) / 1e12);
     BENCH_CUDA(cudaEventDestroy(e0));
     BENCH_CUDA(cudaEventDestroy(e1));
     BENCH_CUDA(cudaFree(a));
@@ -443,19 +462,20 @@ int main(int argc, char** argv) {
   }
   BENCH_CUDA(cudaStreamDestroy(stream));
 
-  std::printf("\n%-22s %6s %3s %6s %6s %11s %11s %9s %20s %7s %6s\n", "case", "B", "T", "state", "graph", "median_us",
-              "host_us", "TB/s", "target", "", "check");
+  std::printf("\n%-22s %6s %3s %6s %6s %11s %11s %9s %20s %7s %6s\n", "case", "B", "T", "state",
+              "graph", "median_us", "host_us", "TB/s", "target", "", "check");
   for (const Result& r : results)
     std::printf("%-22s %6lld %3lld %6s %6d %11.2f %11.2f %9.3f %20s %7s %6s\n", r.c.name.c_str(),
-                static_cast<long long>(r.c.B), static_cast<long long>(r.c.T), dtype_name(r.c.state_dtype),
-                r.c.graph_calls, r.us_median, r.us_host, r.tbps, r.c.target.c_str(), verdict(r).c_str(),
-                r.ok ? "ok" : "FAIL");
+                static_cast<long long>(r.c.B), static_cast<long long>(r.c.T),
+                dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_host, r.tbps,
+                r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
   if (!sweep.empty()) {
-    std::printf("\nkernel sweep (KDA_CUDA_DECODE_KERNEL, where eligible)\n%-22s %12s %11s %9s %6s\n", "case", "kernel",
-                "median_us", "TB/s", "check");
+    std::printf(
+        "\nkernel sweep (KDA_CUDA_DECODE_KERNEL, where eligible)\n%-22s %12s %11s %9s %6s\n",
+        "case", "kernel", "median_us", "TB/s", "check");
     for (const Result& r : sweep)
-      std::printf("%-22s %12s %11.2f %9.3f %6s\n", r.c.name.c_str(), r.kernel.c_str(), r.us_median, r.tbps,
-                  r.ok ? "ok" : "FAIL");
+      std::printf("%-22s %12s %11.2f %9.3f %6s\n", r.c.name.c_str(), r.kernel.c_str(), r.us_median,
+                  r.tbps, r.ok ? "ok" : "FAIL");
   }
   if (!o.csv.empty()) {
     FILE* f = std::fopen(o.csv.c_str(), "w");
@@ -463,13 +483,16 @@ int main(int argc, char** argv) {
       std::fprintf(stderr, "cannot write %s\n", o.csv.c_str());
       return 2;
     }
-    std::fprintf(f, "case,B,T,H,HV,K,V,state_dtype,graph_calls,median_us,min_us,host_us,effective_TBps,target,verdict,check\n");
+    std::fprintf(f,
+                 "case,B,T,H,HV,K,V,state_dtype,graph_calls,median_us,min_us,host_us,effective_"
+                 "TBps,target,verdict,check\n");
     for (const Result& r : results)
-      std::fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%d,%.3f,%.3f,%.3f,%.4f,%s,%s,%s\n", r.c.name.c_str(),
-                   static_cast<long long>(r.c.B), static_cast<long long>(r.c.T), static_cast<long long>(kH),
-                   static_cast<long long>(kHV), static_cast<long long>(kK), static_cast<long long>(kV),
-                   dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_min, r.us_host, r.tbps,
-                   r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
+      std::fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%d,%.3f,%.3f,%.3f,%.4f,%s,%s,%s\n",
+                   r.c.name.c_str(), static_cast<long long>(r.c.B), static_cast<long long>(r.c.T),
+                   static_cast<long long>(kH), static_cast<long long>(kHV),
+                   static_cast<long long>(kK), static_cast<long long>(kV),
+                   dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_min, r.us_host,
+                   r.tbps, r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
     std::fclose(f);
     std::printf("wrote %s\n", o.csv.c_str());
   }

@@ -29,7 +29,8 @@ __device__ __forceinline__ uint4 ld_nc(const uint4* p) {
   return r;
 }
 __device__ __forceinline__ void st_cs(uint4* p, uint4 v) {
-  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+  asm volatile("st.global.cs.v4.u32 [%0], {%1,%2,%3,%4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
                : "memory");
 }
 __device__ __forceinline__ uint4 bump(uint4 v) {
@@ -48,7 +49,8 @@ __device__ __forceinline__ int64_t tile_base(const int* idx, int64_t t) {
 
 // Registers: kThreads threads, each holds kPer 16-byte units of a tile of kThreads*kPer units.
 template <int kThreads, int kPer>
-__global__ void __launch_bounds__(kThreads) reg_kernel(uint4* dst, const uint4* src, const int* idx) {
+__global__ void __launch_bounds__(kThreads)
+    reg_kernel(uint4* dst, const uint4* src, const int* idx) {
   constexpr int kTileUnits = kThreads * kPer;
   const int64_t base = tile_base<kTileUnits>(idx, blockIdx.x);
   uint4 r[kPer];
@@ -58,20 +60,24 @@ __global__ void __launch_bounds__(kThreads) reg_kernel(uint4* dst, const uint4* 
   for (int i = 0; i < kPer; ++i) st_cs(dst + base + i * kThreads + threadIdx.x, bump(r[i]));
 }
 
-// cp.async 16 B into shared memory, then stores from shared memory (the staged decode kernel's pattern).
-__global__ void __launch_bounds__(128) cpasync_kernel(uint4* dst, const uint4* src, const int* idx) {
+// cp.async 16 B into shared memory, then stores from shared memory (the staged decode kernel's
+// pattern).
+__global__ void __launch_bounds__(128)
+    cpasync_kernel(uint4* dst, const uint4* src, const int* idx) {
   __shared__ uint4 sh[kUnits];
   const int64_t base = tile_base(idx, blockIdx.x);
 #pragma unroll
   for (int i = 0; i < kUnits / 128; ++i) {
     const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(&sh[i * 128 + threadIdx.x]));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(src + base + i * 128 + threadIdx.x)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s),
+                 "l"(src + base + i * 128 + threadIdx.x)
                  : "memory");
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   __syncthreads();
 #pragma unroll
-  for (int i = 0; i < kUnits / 128; ++i) st_cs(dst + base + i * 128 + threadIdx.x, bump(sh[i * 128 + threadIdx.x]));
+  for (int i = 0; i < kUnits / 128; ++i)
+    st_cs(dst + base + i * 128 + threadIdx.x, bump(sh[i * 128 + threadIdx.x]));
 }
 
 // One bulk copy in, one bulk copy out (TMA, 1-D), kBytes per block.
@@ -86,17 +92,20 @@ __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src,
   if (threadIdx.x == 0) {
     asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(bar_s) : "memory");
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(kBytes) : "memory");
-    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
-                     sm_s),
-                 "l"(src + base), "r"(kBytes), "r"(bar_s)
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(kBytes)
                  : "memory");
+    asm volatile(
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+            "r"(sm_s),
+        "l"(src + base), "r"(kBytes), "r"(bar_s)
+        : "memory");
   }
   __syncthreads();
   unsigned done = 0;
   while (!done) {
     asm volatile(
-        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, p; }"
+        "{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], 0; selp.u32 %0, 1, 0, "
+        "p; }"
         : "=r"(done)
         : "r"(bar_s)
         : "memory");
@@ -106,8 +115,8 @@ __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src,
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + base), "r"(sm_s),
-                 "r"(kBytes)
+    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + base),
+                 "r"(sm_s), "r"(kBytes)
                  : "memory");
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
@@ -235,7 +244,8 @@ int main() {
   auto report = [&](const char* name, double us) {
     std::printf("  %-44s %9.2f us  %.3f TB/s\n", name, us, 2.0 * bytes / (us * 1e-6) / 1e12);
   };
-  std::printf("pool %.0f MB, %lld tiles of 16 KB, %d SMs\n", bytes / 1e6, static_cast<long long>(tiles), sms);
+  std::printf("pool %.0f MB, %lld tiles of 16 KB, %d SMs\n", bytes / 1e6,
+              static_cast<long long>(tiles), sms);
   report("cudaMemcpy D2D (out of place)",
          time_it([&] { cudaMemcpyAsync(b, a, bytes, cudaMemcpyDeviceToDevice, s); }, s));
   report("reg 128 thr x 8 units (16 KB), in place",
@@ -256,8 +266,10 @@ int main() {
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, nullptr); }, s));
   report("cp.async 16 KB -> smem -> st, in place, index",
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, idx); }, s));
-  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
+  BENCH_CUDA(
+      cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  BENCH_CUDA(
+      cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
   report("bulk 16 KB in, bulk out, in place",
          time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
   report("bulk 32 KB in, bulk out, in place",
@@ -268,9 +280,11 @@ int main() {
     report(name, time_it([&] { persist_kernel<8><<<sms * per_sm, 128, 0, s>>>(a, a, tiles); }, s));
   }
   for (bool pdl : {false, true}) {
-    std::printf("  graph of 20, %s: empty kernel %.2f us per launch; B = 1 chain (index -> 16 KB tile -> store, 128 blocks) %.2f us\n",
-                pdl ? "PDL" : "no PDL", graph_us(empty_kernel, 128, pdl, 20, s),
-                graph_us(chain_kernel, 128, pdl, 20, s, a, static_cast<const int*>(idx)));
+    std::printf(
+        "  graph of 20, %s: empty kernel %.2f us per launch; B = 1 chain (index -> 16 KB tile -> "
+        "store, 128 blocks) %.2f us\n",
+        pdl ? "PDL" : "no PDL", graph_us(empty_kernel, 128, pdl, 20, s),
+        graph_us(chain_kernel, 128, pdl, 20, s, a, static_cast<const int*>(idx)));
   }
   BENCH_CUDA(cudaGetLastError());
   BENCH_CUDA(cudaStreamSynchronize(s));

@@ -13,11 +13,11 @@
 
 #include <algorithm>
 #include <atomic>
-#include <numeric>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <numeric>
 #include <string>
 #include <thread>
 #include <vector>
@@ -102,7 +102,8 @@ std::vector<uint16_t> randn_bf16(size_t n, uint64_t seed) {
       }
     }
   };
-  const unsigned threads = std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 32u);
+  const unsigned threads =
+      std::min<unsigned>(std::max(1u, std::thread::hardware_concurrency()), 32u);
   std::vector<std::thread> pool;
   for (unsigned t = 1; t < threads && t < blocks; ++t) pool.emplace_back(work);
   work();
@@ -126,10 +127,12 @@ struct Result {
 // Value head 0 of the GPU run against the fp64 reference run on that head alone, over the first
 // sequences whose tokens total at most `max_tokens`.
 void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<int64_t>& starts,
-                 const std::vector<uint16_t>& q, const std::vector<uint16_t>& k, const std::vector<uint16_t>& v,
-                 const std::vector<uint16_t>& g, const std::vector<uint16_t>& beta, const std::vector<float>& A_log,
-                 const std::vector<float>& dt_bias, const std::vector<float>& h0, const std::vector<uint16_t>& out_gpu,
-                 const std::vector<float>& ht_gpu, int64_t max_tokens, Result* res) {
+                 const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
+                 const std::vector<uint16_t>& v, const std::vector<uint16_t>& g,
+                 const std::vector<uint16_t>& beta, const std::vector<float>& A_log,
+                 const std::vector<float>& dt_bias, const std::vector<float>& h0,
+                 const std::vector<uint16_t>& out_gpu, const std::vector<float>& ht_gpu,
+                 int64_t max_tokens, Result* res) {
   const int64_t H = c.H, K = 128, V = 128;
   int64_t nsel = 0, tsel = 0;
   while (nsel < N && tsel + c.lens[nsel] <= max_tokens) tsel += c.lens[nsel++];
@@ -139,7 +142,8 @@ void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<in
   }
   const bool whole = tsel == std::accumulate(c.lens.begin(), c.lens.begin() + nsel, int64_t{0});
   auto bf = [](uint16_t b) { return bf16_bits_value(b); };
-  std::vector<float> rq(tsel * K), rk(tsel * K), rv(tsel * V), rg(tsel * K), rb(tsel), rout(tsel * V);
+  std::vector<float> rq(tsel * K), rk(tsel * K), rv(tsel * V), rg(tsel * K), rb(tsel),
+      rout(tsel * V);
   std::vector<float> rh0(nsel * V * K), rht(nsel * V * K);
   std::vector<int64_t> cu = {0};
   int64_t t = 0;
@@ -156,7 +160,8 @@ void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<in
       rb[t] = bf(beta[row * H + 0]);
     }
     cu.push_back(t);
-    std::copy(h0.begin() + (n * H + 0) * V * K, h0.begin() + (n * H + 1) * V * K, rh0.begin() + n * V * K);
+    std::copy(h0.begin() + (n * H + 0) * V * K, h0.begin() + (n * H + 1) * V * K,
+              rh0.begin() + n * V * K);
   }
   (void)T_total;
   PrefillParams p;
@@ -245,7 +250,8 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
   cu.push_back(static_cast<int32_t>(T_total));
 
   // Device copies.
-  uint16_t *dq = to_device(q), *dk = to_device(k), *dv = to_device(v), *dg = to_device(g), *db = to_device(beta);
+  uint16_t *dq = to_device(q), *dk = to_device(k), *dv = to_device(v), *dg = to_device(g),
+           *db = to_device(beta);
   float *dA = to_device(A_log), *ddt = to_device(dt_bias), *dh0 = to_device(h0);
   int32_t* dcu = c.varlen ? to_device(cu) : nullptr;
   uint16_t* dout = nullptr;
@@ -299,7 +305,8 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
     std::vector<float> ht_h(N * HV * V * K);
     BENCH_CUDA(cudaMemcpy(out_h.data(), dout, out_h.size() * 2, cudaMemcpyDeviceToHost));
     BENCH_CUDA(cudaMemcpy(ht_h.data(), dht, ht_h.size() * 4, cudaMemcpyDeviceToHost));
-    check_head0(c, N, T_total, starts, q, k, v, g, beta, A_log, dt_bias, h0, out_h, ht_h, 8192, &res);
+    check_head0(c, N, T_total, starts, q, k, v, g, beta, A_log, dt_bias, h0, out_h, ht_h, 8192,
+                &res);
   }
 
   // Warm-up, then timed calls.
@@ -325,16 +332,18 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
   std::sort(ms.begin(), ms.end());
   res.median_ms = ms[ms.size() / 2];
   res.min_ms = ms.front();
-  const double bytes = static_cast<double>(ntok) * (2.0 * H * K + 2.0 * HV * V + 2.0 * HV * K + 2.0 * HV * V + 2.0 * HV) +
+  const double bytes = static_cast<double>(ntok) *
+                           (2.0 * H * K + 2.0 * HV * V + 2.0 * HV * K + 2.0 * HV * V + 2.0 * HV) +
                        2.0 * N * HV * V * K * 4;
   res.gbps = bytes / (res.median_ms * 1e-3) / 1e9;
 
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
-  for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(dk), static_cast<void*>(dv), static_cast<void*>(dg),
-                    static_cast<void*>(db), static_cast<void*>(dA), static_cast<void*>(ddt), static_cast<void*>(dh0),
-                    static_cast<void*>(dcu), static_cast<void*>(dout), static_cast<void*>(dht), ws})
+  for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(dk), static_cast<void*>(dv),
+                    static_cast<void*>(dg), static_cast<void*>(db), static_cast<void*>(dA),
+                    static_cast<void*>(ddt), static_cast<void*>(dh0), static_cast<void*>(dcu),
+                    static_cast<void*>(dout), static_cast<void*>(dht), ws})
     if (ptr) cudaFree(ptr);
   return res;
 }
@@ -347,12 +356,17 @@ int main(int argc, char** argv) {
   bool check = true;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
-    if (a == "--csv" && i + 1 < argc) csv = argv[++i];
-    else if (a == "--iters" && i + 1 < argc) iters = std::max(20, std::atoi(argv[++i]));
-    else if (a == "--case" && i + 1 < argc) only = argv[++i];
-    else if (a == "--no-check") check = false;
+    if (a == "--csv" && i + 1 < argc)
+      csv = argv[++i];
+    else if (a == "--iters" && i + 1 < argc)
+      iters = std::max(20, std::atoi(argv[++i]));
+    else if (a == "--case" && i + 1 < argc)
+      only = argv[++i];
+    else if (a == "--no-check")
+      check = false;
     else {
-      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N>=20] [--case P1..P7] [--no-check]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--csv PATH] [--iters N>=20] [--case P1..P7] [--no-check]\n",
+                   argv[0]);
       return 2;
     }
   }
@@ -363,23 +377,29 @@ int main(int argc, char** argv) {
   }
   cudaDeviceProp prop{};
   BENCH_CUDA(cudaGetDeviceProperties(&prop, 0));
-  std::printf("device: %s, %d SMs, sm_%d%d; %d timed calls per case (median), L2 flushed before each\n", prop.name,
-              prop.multiProcessorCount, prop.major, prop.minor, iters);
+  std::printf(
+      "device: %s, %d SMs, sm_%d%d; %d timed calls per case (median), L2 flushed before each\n",
+      prop.name, prop.multiProcessorCount, prop.major, prop.minor, iters);
   const size_t flush_bytes = 256u << 20;
   void* flush = nullptr;
   BENCH_CUDA(cudaMalloc(&flush, flush_bytes));
 
   FILE* f = csv.empty() ? nullptr : std::fopen(csv.c_str(), "w");
-  if (f) std::fprintf(f, "case,sequences,H,median_ms,min_ms,gbps,err_out,err_state,flashkda_ms,fla_ms,speedup_vs_flashkda\n");
-  std::printf("%-4s %-34s %4s %9s %9s %8s %9s %9s %10s %10s %8s %s\n", "case", "sequences", "H", "ms", "min ms", "GB/s",
-              "err out", "err state", "FlashKDA", "FLA(tgt)", "speedup", "");
+  if (f)
+    std::fprintf(f,
+                 "case,sequences,H,median_ms,min_ms,gbps,err_out,err_state,flashkda_ms,fla_ms,"
+                 "speedup_vs_flashkda\n");
+  std::printf("%-4s %-34s %4s %9s %9s %8s %9s %9s %10s %10s %8s %s\n", "case", "sequences", "H",
+              "ms", "min ms", "GB/s", "err out", "err state", "FlashKDA", "FLA(tgt)", "speedup",
+              "");
   bool all_ok = true;
   for (const Case& c : cases()) {
     if (!only.empty() && only != c.name) continue;
     std::string seqs;
     if (c.varlen) {
       seqs = "varlen";
-      for (size_t i = 0; i < c.lens.size() && i < 6; ++i) seqs += (i ? "," : " ") + std::to_string(c.lens[i]);
+      for (size_t i = 0; i < c.lens.size() && i < 6; ++i)
+        seqs += (i ? "," : " ") + std::to_string(c.lens[i]);
       if (c.lens.size() > 6) seqs += ",...";
     } else {
       seqs = std::to_string(c.lens.size()) + " x " + std::to_string(c.lens[0]);
@@ -388,18 +408,22 @@ int main(int argc, char** argv) {
     const double speedup = c.flashkda_ms / r.median_ms;
     const bool beat = r.median_ms < c.flashkda_ms && r.median_ms < c.fla_ms;
     all_ok = all_ok && r.ok;
-    std::printf("%-4s %-34s %4lld %9.3f %9.3f %8.0f %9.2e %9.2e %10.3f %10.3f %7.2fx %s%s\n", c.name, seqs.c_str(),
-                static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps, r.err_out, r.err_state, c.flashkda_ms,
-                c.fla_ms, speedup, beat ? "" : "SLOWER ", r.ok ? "" : "INACCURATE");
+    std::printf("%-4s %-34s %4lld %9.3f %9.3f %8.0f %9.2e %9.2e %10.3f %10.3f %7.2fx %s%s\n",
+                c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
+                r.err_out, r.err_state, c.flashkda_ms, c.fla_ms, speedup, beat ? "" : "SLOWER ",
+                r.ok ? "" : "INACCURATE");
     std::fflush(stdout);
     if (f)
-      std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f\n", c.name, seqs.c_str(),
-                   static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps, r.err_out, r.err_state, c.flashkda_ms,
-                   c.fla_ms, speedup);
+      std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f\n", c.name,
+                   seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
+                   r.err_out, r.err_state, c.flashkda_ms, c.fla_ms, speedup);
   }
   if (f) std::fclose(f);
   cudaFree(flush);
-  std::printf("speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time (bench/peers/fla_prefill_bench.py\n"
-              "measures FLA on the same inputs on the same GPU). err: rel L2 of value head 0 vs the fp64 reference.\n");
+  std::printf(
+      "speedup = FlashKDA ms (targets.md) / ours; FLA(tgt) is targets.md's FLA time "
+      "(bench/peers/fla_prefill_bench.py\n"
+      "measures FLA on the same inputs on the same GPU). err: rel L2 of value head 0 vs the fp64 "
+      "reference.\n");
   return all_ok ? 0 : 1;
 }

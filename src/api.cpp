@@ -63,27 +63,36 @@ Backend resolve_backend(Backend requested, Device tensors_device) {
 
 const char* backend_name(Backend backend) {
   switch (backend) {
-    case Backend::kAuto: return "auto";
-    case Backend::kCpu: return "cpu";
-    case Backend::kCuda: return "cuda";
-    case Backend::kCpuReference: return "reference";
+    case Backend::kAuto:
+      return "auto";
+    case Backend::kCpu:
+      return "cpu";
+    case Backend::kCuda:
+      return "cuda";
+    case Backend::kCpuReference:
+      return "reference";
   }
   return "unknown";
 }
 
 const char* gate_name(GateForm gate) {
   switch (gate) {
-    case GateForm::kPrecomputed: return "precomputed";
-    case GateForm::kSoftplus: return "softplus";
-    case GateForm::kLowerBound: return "lower_bound";
+    case GateForm::kPrecomputed:
+      return "precomputed";
+    case GateForm::kSoftplus:
+      return "softplus";
+    case GateForm::kLowerBound:
+      return "lower_bound";
   }
   return "unknown";
 }
 
 const char* state_layout_name(StateLayout layout) {
   switch (layout) {
-    case StateLayout::kVFirst: return "v_first";
-    case StateLayout::kKFirst: return "k_first";
+    case StateLayout::kVFirst:
+      return "v_first";
+    case StateLayout::kKFirst:
+      return "k_first";
   }
   return "unknown";
 }
@@ -113,9 +122,10 @@ Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
                    "expected 'auto', 'cpu', 'cuda' or 'reference', got code " + std::to_string(b));
   const Backend be = resolve_backend(exec.backend, device);
   if ((be == Backend::kCpu || be == Backend::kCpuReference) && device != Device::kCPU)
-    return invalid("backend",
-                   std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
-                       backend_name(be) + "'");
+    return invalid(
+        "backend",
+        std::string("expected a backend that reads CUDA tensors ('auto' or 'cuda'), got '") +
+            backend_name(be) + "'");
   if (be == Backend::kCuda && device != Device::kCUDA)
     return invalid("backend",
                    "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
@@ -188,45 +198,57 @@ Status validate(const DecodeParams& p) {
 }
 
 Status prefill(const PrefillParams& p) {
-  return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
-    if (p.check_indices) {
+  return run_op<PrefillParams, detail::PrefillProblem>(
+      p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
+        if (p.check_indices) {
 #ifdef KDA_WITH_CUDA
-      if (pr.device == Device::kCUDA) KDA_RETURN_IF_ERROR(cuda::check_prefill_indices(pr, p.exec));
+          if (pr.device == Device::kCUDA)
+            KDA_RETURN_IF_ERROR(cuda::check_prefill_indices(pr, p.exec));
 #endif
-      if (pr.device == Device::kCPU)
-        KDA_RETURN_IF_ERROR(detail::check_prefill_index_values(pr, pr.state_indices.data));
-    }
-    switch (be) {
-      case Backend::kCpuReference: cpu::reference_prefill(pr); return Status::Ok();
-      case Backend::kCpu: return cpu::fast_prefill(pr, p.exec.num_threads);
+          if (pr.device == Device::kCPU)
+            KDA_RETURN_IF_ERROR(detail::check_prefill_index_values(pr, pr.state_indices.data));
+        }
+        switch (be) {
+          case Backend::kCpuReference:
+            cpu::reference_prefill(pr);
+            return Status::Ok();
+          case Backend::kCpu:
+            return cpu::fast_prefill(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
-      case Backend::kCuda: {
-        ExecOptions exec = p.exec;
-        Status s = cuda_workspace(pr, &exec);
-        return s.ok() ? cuda::prefill(pr, exec) : s;
-      }
+          case Backend::kCuda: {
+            ExecOptions exec = p.exec;
+            Status s = cuda_workspace(pr, &exec);
+            return s.ok() ? cuda::prefill(pr, exec) : s;
+          }
 #endif
-      default: return not_available();
-    }
-  });
+          default:
+            return not_available();
+        }
+      });
 }
 
 Status decode(const DecodeParams& p) {
-  return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode, [&](const auto& pr, Backend be) -> Status {
-    if (p.check_indices && pr.device == Device::kCPU) {
-      Status s = detail::check_decode_index_values(pr, pr.state_indices.data, pr.num_accepted_tokens.data,
-                                                   pr.cu_seqlens.data);
-      if (!s.ok()) return s;
-    }
-    switch (be) {
-      case Backend::kCpuReference: cpu::reference_decode(pr); return Status::Ok();
-      case Backend::kCpu: return cpu::fast_decode(pr, p.exec.num_threads);
+  return run_op<DecodeParams, detail::DecodeProblem>(
+      p, detail::validate_decode, [&](const auto& pr, Backend be) -> Status {
+        if (p.check_indices && pr.device == Device::kCPU) {
+          Status s = detail::check_decode_index_values(
+              pr, pr.state_indices.data, pr.num_accepted_tokens.data, pr.cu_seqlens.data);
+          if (!s.ok()) return s;
+        }
+        switch (be) {
+          case Backend::kCpuReference:
+            cpu::reference_decode(pr);
+            return Status::Ok();
+          case Backend::kCpu:
+            return cpu::fast_decode(pr, p.exec.num_threads);
 #ifdef KDA_WITH_CUDA
-      case Backend::kCuda: return cuda::decode(pr, p.exec, p.check_indices);
+          case Backend::kCuda:
+            return cuda::decode(pr, p.exec, p.check_indices);
 #endif
-      default: return not_available();
-    }
-  });
+          default:
+            return not_available();
+        }
+      });
 }
 
 Status validate(const PrefillBackwardParams& p) {
@@ -258,19 +280,20 @@ Status prefill_backward(const PrefillBackwardParams& p) {
 Status prefill_workspace_size(const PrefillParams& p, size_t* bytes) {
   if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;
-  return run_op<PrefillParams, detail::PrefillProblem>(p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
+  return run_op<PrefillParams, detail::PrefillProblem>(
+      p, detail::validate_prefill, [&](const auto& pr, Backend be) -> Status {
 #ifdef KDA_WITH_CUDA
-    if (be == Backend::kCuda) return cuda::prefill_workspace_size(pr, bytes);
+        if (be == Backend::kCuda) return cuda::prefill_workspace_size(pr, bytes);
 #endif
-    return Status::Ok();
-  });
+        return Status::Ok();
+      });
 }
 
 Status decode_workspace_size(const DecodeParams& p, size_t* bytes) {
   if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
   *bytes = 0;  // decode needs no workspace on any backend
-  return run_op<DecodeParams, detail::DecodeProblem>(p, detail::validate_decode,
-                                                     [](const auto&, Backend) { return Status::Ok(); });
+  return run_op<DecodeParams, detail::DecodeProblem>(
+      p, detail::validate_decode, [](const auto&, Backend) { return Status::Ok(); });
 }
 
 }  // namespace kda

@@ -23,12 +23,12 @@ detail::Tuning tuned(Edit&& edit) {
   return t;
 }
 
-#define KDA_TEST_CUDA(expr)                                                                   \
-  do {                                                                                        \
-    cudaError_t _e = (expr);                                                                  \
-    if (_e != cudaSuccess)                                                                    \
-      throw std::runtime_error(std::string(#expr) + " failed: " + cudaGetErrorString(_e) +    \
-                               " at " + __FILE__ + ":" + std::to_string(__LINE__));           \
+#define KDA_TEST_CUDA(expr)                                                                \
+  do {                                                                                     \
+    cudaError_t _e = (expr);                                                               \
+    if (_e != cudaSuccess)                                                                 \
+      throw std::runtime_error(std::string(#expr) + " failed: " + cudaGetErrorString(_e) + \
+                               " at " + __FILE__ + ":" + std::to_string(__LINE__));        \
   } while (0)
 
 // True when device 0 is an sm_90 GPU the CUDA kernels run on.
@@ -43,8 +43,8 @@ inline bool have_sm90() {
   return p.major == 9 && p.minor == 0;
 }
 
-#define KDA_SKIP_WITHOUT_SM90() \
-  do {                          \
+#define KDA_SKIP_WITHOUT_SM90()                                    \
+  do {                                                             \
     if (!::kda::test::have_sm90()) GTEST_SKIP() << "no sm_90 GPU"; \
   } while (0)
 

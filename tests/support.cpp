@@ -16,7 +16,8 @@ namespace {
 const char* short_dtype(DType d) { return dtype_name(d); }
 }  // namespace
 
-HostTensor::HostTensor(DType dt, std::vector<int64_t> shp, bool padded) : dtype(dt), shape(std::move(shp)) {
+HostTensor::HostTensor(DType dt, std::vector<int64_t> shp, bool padded)
+    : dtype(dt), shape(std::move(shp)) {
   strides.assign(shape.size(), 1);
   int64_t inner = 1;
   for (int i = static_cast<int>(shape.size()) - 1; i >= 0; --i) {
@@ -54,11 +55,31 @@ double HostTensor::get(int64_t flat) const {
   const int64_t off = offset(flat);
   const uint8_t* p = storage.data();
   switch (dtype) {
-    case DType::kFloat32: { float x; std::memcpy(&x, p + off * 4, 4); return x; }
-    case DType::kFloat16: { uint16_t x; std::memcpy(&x, p + off * 2, 2); return detail::fp16_bits_to_float(x); }
-    case DType::kBFloat16: { uint16_t x; std::memcpy(&x, p + off * 2, 2); return detail::bf16_bits_to_float(x); }
-    case DType::kInt32: { int32_t x; std::memcpy(&x, p + off * 4, 4); return x; }
-    case DType::kInt64: { int64_t x; std::memcpy(&x, p + off * 8, 8); return static_cast<double>(x); }
+    case DType::kFloat32: {
+      float x;
+      std::memcpy(&x, p + off * 4, 4);
+      return x;
+    }
+    case DType::kFloat16: {
+      uint16_t x;
+      std::memcpy(&x, p + off * 2, 2);
+      return detail::fp16_bits_to_float(x);
+    }
+    case DType::kBFloat16: {
+      uint16_t x;
+      std::memcpy(&x, p + off * 2, 2);
+      return detail::bf16_bits_to_float(x);
+    }
+    case DType::kInt32: {
+      int32_t x;
+      std::memcpy(&x, p + off * 4, 4);
+      return x;
+    }
+    case DType::kInt64: {
+      int64_t x;
+      std::memcpy(&x, p + off * 8, 8);
+      return static_cast<double>(x);
+    }
   }
   return 0;
 }
@@ -67,11 +88,31 @@ void HostTensor::set(int64_t flat, double v) {
   const int64_t off = offset(flat);
   uint8_t* p = storage.data();
   switch (dtype) {
-    case DType::kFloat32: { float x = static_cast<float>(v); std::memcpy(p + off * 4, &x, 4); break; }
-    case DType::kFloat16: { uint16_t x = detail::float_to_fp16_bits(static_cast<float>(v)); std::memcpy(p + off * 2, &x, 2); break; }
-    case DType::kBFloat16: { uint16_t x = detail::float_to_bf16_bits(static_cast<float>(v)); std::memcpy(p + off * 2, &x, 2); break; }
-    case DType::kInt32: { int32_t x = static_cast<int32_t>(v); std::memcpy(p + off * 4, &x, 4); break; }
-    case DType::kInt64: { int64_t x = static_cast<int64_t>(v); std::memcpy(p + off * 8, &x, 8); break; }
+    case DType::kFloat32: {
+      float x = static_cast<float>(v);
+      std::memcpy(p + off * 4, &x, 4);
+      break;
+    }
+    case DType::kFloat16: {
+      uint16_t x = detail::float_to_fp16_bits(static_cast<float>(v));
+      std::memcpy(p + off * 2, &x, 2);
+      break;
+    }
+    case DType::kBFloat16: {
+      uint16_t x = detail::float_to_bf16_bits(static_cast<float>(v));
+      std::memcpy(p + off * 2, &x, 2);
+      break;
+    }
+    case DType::kInt32: {
+      int32_t x = static_cast<int32_t>(v);
+      std::memcpy(p + off * 4, &x, 4);
+      break;
+    }
+    case DType::kInt64: {
+      int64_t x = static_cast<int64_t>(v);
+      std::memcpy(p + off * 8, &x, 8);
+      break;
+    }
   }
 }
 
@@ -104,7 +145,9 @@ bool bitwise_equal(const HostTensor& a, const HostTensor& b) {
   if (a.shape != b.shape || a.dtype != b.dtype) return false;
   const size_t es = dtype_size(a.dtype);
   for (int64_t i = 0; i < a.numel(); ++i)
-    if (std::memcmp(a.storage.data() + a.offset(i) * es, b.storage.data() + b.offset(i) * es, es) != 0) return false;
+    if (std::memcmp(a.storage.data() + a.offset(i) * es, b.storage.data() + b.offset(i) * es, es) !=
+        0)
+      return false;
   return true;
 }
 
@@ -147,9 +190,12 @@ double tolerance_for(DType dtype) {
   // The fp32 backends add ~1e-6 relative error; what remains is the rounding of the stored
   // result: bf16 (8-bit significand) ~1.7e-3 rel L2 on these distributions, fp16 ~2.2e-4.
   switch (dtype) {
-    case DType::kBFloat16: return 3.0e-3;
-    case DType::kFloat16: return 5.0e-4;
-    default: return 5.0e-5;
+    case DType::kBFloat16:
+      return 3.0e-3;
+    case DType::kFloat16:
+      return 5.0e-4;
+    default:
+      return 5.0e-5;
   }
 }
 
@@ -177,8 +223,10 @@ std::string PrefillCase::name() const {
   return s.str();
 }
 
-static std::vector<int64_t> state_shape(int64_t rows, int64_t HV, int64_t K, int64_t V, StateLayout l) {
-  return l == StateLayout::kVFirst ? std::vector<int64_t>{rows, HV, V, K} : std::vector<int64_t>{rows, HV, K, V};
+static std::vector<int64_t> state_shape(int64_t rows, int64_t HV, int64_t K, int64_t V,
+                                        StateLayout l) {
+  return l == StateLayout::kVFirst ? std::vector<int64_t>{rows, HV, V, K}
+                                   : std::vector<int64_t>{rows, HV, K, V};
 }
 
 PrefillData make_prefill(const PrefillCase& c) {
@@ -222,8 +270,10 @@ PrefillData make_prefill(const PrefillCase& c) {
     d.dt_bias = HostTensor(DType::kFloat32, {c.HV, c.K});
     d.dt_bias.fill_uniform(rng, 0.0, 1.0);
   }
-  if (c.beta_logits) d.beta.fill_normal(rng, 1.0);
-  else d.beta.fill_uniform(rng, 0.0, 1.0);
+  if (c.beta_logits)
+    d.beta.fill_normal(rng, 1.0);
+  else
+    d.beta.fill_uniform(rng, 0.0, 1.0);
   if (c.gate_beta_fp32) {  // the same values, widened
     d.g = d.g.to(DType::kFloat32, s);
     d.beta = d.beta.to(DType::kFloat32, s);
@@ -231,8 +281,10 @@ PrefillData make_prefill(const PrefillCase& c) {
   d.out = HostTensor(c.dtype, {d.B, d.T, c.HV, c.V});
   d.out.fill_bytes(0xff);  // poison: every element must be written
   auto init_state = [&](HostTensor& t) {
-    if (c.init == InitState::kRandom) t.fill_normal(rng, 0.1);
-    else t.fill(0.0);
+    if (c.init == InitState::kRandom)
+      t.fill_normal(rng, 0.1);
+    else
+      t.fill(0.0);
   };
   if (c.pool) {
     const int64_t P = d.N + 3;
@@ -262,7 +314,8 @@ PrefillData make_prefill(const PrefillCase& c) {
     const auto off = checkpoint_offsets(d.cu_host, c.checkpoint_every);
     d.ckpt_off = HostTensor(DType::kInt64, {d.N + 1});
     for (int64_t i = 0; i <= d.N; ++i) d.ckpt_off.set(i, off[i]);
-    d.ckpt = HostTensor(c.state_dtype, state_shape(std::max<int64_t>(off.back(), 1), c.HV, c.K, c.V, c.layout));
+    d.ckpt = HostTensor(c.state_dtype,
+                        state_shape(std::max<int64_t>(off.back(), 1), c.HV, c.K, c.V, c.layout));
     d.ckpt.fill(0.0);
   }
   return d;
@@ -271,7 +324,8 @@ PrefillData make_prefill(const PrefillCase& c) {
 DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t) {
   auto token = [t](const TensorView& v) {
     TensorView r = v;
-    r.data = static_cast<char*>(v.data) + t * v.strides[1] * static_cast<int64_t>(dtype_size(v.dtype));
+    r.data =
+        static_cast<char*>(v.data) + t * v.strides[1] * static_cast<int64_t>(dtype_size(v.dtype));
     r.shape[1] = 1;
     return r;
   };
@@ -290,9 +344,11 @@ DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t) {
 PrefillData widen(const PrefillData& src) {
   PrefillData d = src;
   auto w = [](HostTensor& t) {
-    if (!t.empty() && t.dtype != DType::kInt32 && t.dtype != DType::kInt64) t = t.to(DType::kFloat32);
+    if (!t.empty() && t.dtype != DType::kInt32 && t.dtype != DType::kInt64)
+      t = t.to(DType::kFloat32);
   };
-  for (HostTensor* t : {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.out, &d.h0, &d.ht, &d.pool, &d.ckpt}) w(*t);
+  for (HostTensor* t : {&d.q, &d.k, &d.v, &d.g, &d.beta, &d.out, &d.h0, &d.ht, &d.pool, &d.ckpt})
+    w(*t);
   d.c.dtype = DType::kFloat32;
   d.c.state_dtype = DType::kFloat32;
   return d;
@@ -335,18 +391,21 @@ PrefillParams PrefillData::params() const {
 
 std::string DecodeCase::name() const {
   std::ostringstream s;
-  if (seqlens.empty()) s << "dense_N" << N << "_T" << T;
+  if (seqlens.empty())
+    s << "dense_N" << N << "_T" << T;
   else {
     s << "varlen";
     for (int64_t l : seqlens) s << "_" << l;
   }
-  s << "_H" << H << "_HV" << HV << "_K" << K << "_" << short_dtype(dtype) << "_out" << short_dtype(out_dtype)
-    << "_st" << short_dtype(state_dtype) << (layout == StateLayout::kKFirst ? "_kfirst" : "")
-    << "_g" << static_cast<int>(gate) << (beta_logits ? "_blogit" : "_bact")
-    << (allow_neg_eigval ? "_neg" : "") << (beta_per_v ? "_betav" : "") << "_idx" << indices
-    << (index_dtype == DType::kInt64 ? "i64" : "") << (num_accepted ? "_nat" : "") << (padding ? "_pad" : "")
-    << (final_state_separate ? "_sepfinal" : "") << (intermediate ? "_inter" : "")
-    << (use_initial_state ? "" : "_noinit") << (store_final_state ? "" : "_nostore");
+  s << "_H" << H << "_HV" << HV << "_K" << K << "_" << short_dtype(dtype) << "_out"
+    << short_dtype(out_dtype) << "_st" << short_dtype(state_dtype)
+    << (layout == StateLayout::kKFirst ? "_kfirst" : "") << "_g" << static_cast<int>(gate)
+    << (beta_logits ? "_blogit" : "_bact") << (allow_neg_eigval ? "_neg" : "")
+    << (beta_per_v ? "_betav" : "") << "_idx" << indices
+    << (index_dtype == DType::kInt64 ? "i64" : "") << (num_accepted ? "_nat" : "")
+    << (padding ? "_pad" : "") << (final_state_separate ? "_sepfinal" : "")
+    << (intermediate ? "_inter" : "") << (use_initial_state ? "" : "_noinit")
+    << (store_final_state ? "" : "_nostore");
   return s.str();
 }
 
@@ -367,13 +426,15 @@ DecodeData make_decode(const DecodeCase& c) {
     lens.assign(d.N, c.T);
   }
   d.total = d.B * d.T;
-  const int64_t Tmax = varlen ? std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end())) : c.T;
+  const int64_t Tmax =
+      varlen ? std::max<int64_t>(1, *std::max_element(lens.begin(), lens.end())) : c.T;
   const int64_t K = c.K, V = c.K;
   d.q = HostTensor(c.dtype, {d.B, d.T, c.H, K});
   d.k = HostTensor(c.dtype, {d.B, d.T, c.H, K});
   d.v = HostTensor(c.dtype, {d.B, d.T, c.HV, V});
   d.g = HostTensor(c.dtype, {d.B, d.T, c.HV, K});
-  d.beta = c.beta_per_v ? HostTensor(c.dtype, {d.B, d.T, c.HV, V}) : HostTensor(c.dtype, {d.B, d.T, c.HV});
+  d.beta = c.beta_per_v ? HostTensor(c.dtype, {d.B, d.T, c.HV, V})
+                        : HostTensor(c.dtype, {d.B, d.T, c.HV});
   d.q.fill_normal(rng, 1.0);
   d.k.fill_normal(rng, 1.0);
   d.v.fill_normal(rng, 1.0);
@@ -387,8 +448,10 @@ DecodeData make_decode(const DecodeCase& c) {
     d.dt_bias = HostTensor(DType::kFloat32, {c.HV, K});
     d.dt_bias.fill_uniform(rng, 0.0, 1.0);
   }
-  if (c.beta_logits) d.beta.fill_normal(rng, 1.0);
-  else d.beta.fill_uniform(rng, 0.0, 1.0);
+  if (c.beta_logits)
+    d.beta.fill_normal(rng, 1.0);
+  else
+    d.beta.fill_uniform(rng, 0.0, 1.0);
   d.out = HostTensor(c.out_dtype, {d.B, d.T, c.HV, V});
   d.out.fill_bytes(0xff);
   // Pool: slots used by the rows are a shuffled subset; extra slots stay untouched.
@@ -411,7 +474,8 @@ DecodeData make_decode(const DecodeCase& c) {
   }
   if (c.num_accepted) {
     d.nat = HostTensor(c.index_dtype, {d.N});
-    for (int64_t n = 0; n < d.N; ++n) d.nat.set(n, lens[n] > 0 ? 1 + static_cast<int64_t>(rng() % lens[n]) : 1);
+    for (int64_t n = 0; n < d.N; ++n)
+      d.nat.set(n, lens[n] > 0 ? 1 + static_cast<int64_t>(rng() % lens[n]) : 1);
   }
   if (c.padding && d.N >= 2) {
     // row 0: negative slot; last row: slot >= P (or, with num_accepted, an out-of-range count)
@@ -420,8 +484,10 @@ DecodeData make_decode(const DecodeCase& c) {
       d.idx.set(d.N - 1, d.P + 3);
     } else if (c.indices == 2) {
       for (int64_t t = 0; t < Tmax; ++t) d.idx.set(t, -1);
-      if (c.num_accepted) d.nat.set(d.N - 1, lens[d.N - 1] + 1);
-      else d.idx.set((d.N - 1) * Tmax, d.P + 3);
+      if (c.num_accepted)
+        d.nat.set(d.N - 1, lens[d.N - 1] + 1);
+      else
+        d.idx.set((d.N - 1) * Tmax, d.P + 3);
     }
   }
   if (varlen) {

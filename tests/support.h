@@ -54,12 +54,12 @@ struct PrefillCase {
   StateLayout layout = StateLayout::kVFirst;
   DType state_dtype = DType::kFloat32;
   bool strided = false;
-  bool gate_beta_fp32 = false;    // g and beta in fp32 (the spec allows it with 16-bit q, k, v)
-  bool pool = false;              // state pool with shuffled indices (and one padding slot)
+  bool gate_beta_fp32 = false;  // g and beta in fp32 (the spec allows it with 16-bit q, k, v)
+  bool pool = false;            // state pool with shuffled indices (and one padding slot)
   int64_t checkpoint_every = 0;
   double lower_bound = -5.0;
-  double gate_extreme = 0.0;      // if != 0, 1 in 7 precomputed gate entries set to this value
-  double weak_decay = false;      // precomputed gate near 0 (weak decay)
+  double gate_extreme = 0.0;  // if != 0, 1 in 7 precomputed gate entries set to this value
+  double weak_decay = false;  // precomputed gate near 0 (weak decay)
   uint64_t seed = 1;
   std::string name() const;
 };
@@ -84,7 +84,7 @@ DecodeParams decode_inputs_of_token(const PrefillParams& p, int64_t t);
 
 // Decode configuration.
 struct DecodeCase {
-  int64_t N = 4, T = 1;         // dense: N x T tokens
+  int64_t N = 4, T = 1;          // dense: N x T tokens
   std::vector<int64_t> seqlens;  // varlen when non-empty
   int64_t H = 2, HV = 4, K = 32;
   DType dtype = DType::kBFloat16;
@@ -95,15 +95,15 @@ struct DecodeCase {
   bool beta_logits = true;
   bool allow_neg_eigval = false;
   bool beta_per_v = false;
-  int indices = 1;                // 0: none, 1: [N], 2: [N, T] (speculative)
+  int indices = 1;  // 0: none, 1: [N], 2: [N, T] (speculative)
   DType index_dtype = DType::kInt32;
-  bool num_accepted = false;      // with indices == 2
-  bool padding = false;           // some rows get a negative / out-of-range slot
+  bool num_accepted = false;  // with indices == 2
+  bool padding = false;       // some rows get a negative / out-of-range slot
   bool final_state_separate = false;
   bool intermediate = false;
   bool use_initial_state = true;
   bool store_final_state = true;
-  int64_t pool_extra = 5;         // P = slots used + pool_extra (unused slots stay untouched)
+  int64_t pool_extra = 5;  // P = slots used + pool_extra (unused slots stay untouched)
   uint64_t seed = 1;
   std::string name() const;
 };
@@ -119,9 +119,9 @@ DecodeData make_decode(const DecodeCase& c);
 
 // Comparison result of `got` against `ref`, over the logical elements.
 struct Compare {
-  double rel_l2 = 0;       // ||got - ref|| / ||ref||
+  double rel_l2 = 0;  // ||got - ref|| / ||ref||
   double max_abs = 0;
-  int64_t nonfinite = 0;   // NaN/inf in got
+  int64_t nonfinite = 0;         // NaN/inf in got
   std::string first_mismatches;  // up to 5 "i: got vs ref" entries with |diff| > tol * rms(ref)
   bool ok(double tol) const { return nonfinite == 0 && rel_l2 <= tol; }
 };

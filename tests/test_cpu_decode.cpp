@@ -62,10 +62,11 @@ TEST_P(DecodeSweep, FastMatchesReference) {
   for (int64_t slot = 0; slot < d.P; ++slot) {
     if (touched.count(slot)) continue;
     for (int64_t i = slot * per_slot; i < (slot + 1) * per_slot; ++i)
-      ASSERT_EQ(std::memcmp(&d.state.storage[d.state.offset(i) * dtype_size(d.state.dtype)],
-                            &state_before.storage[state_before.offset(i) * dtype_size(d.state.dtype)],
-                            dtype_size(d.state.dtype)),
-                0)
+      ASSERT_EQ(
+          std::memcmp(&d.state.storage[d.state.offset(i) * dtype_size(d.state.dtype)],
+                      &state_before.storage[state_before.offset(i) * dtype_size(d.state.dtype)],
+                      dtype_size(d.state.dtype)),
+          0)
           << "untouched slot " << slot << " changed";
   }
 }
@@ -79,33 +80,105 @@ std::vector<DecodeCase> decode_cases() {
   };
   add([](DecodeCase&) {});
   add([](DecodeCase& c) { c.indices = 0; });
-  add([](DecodeCase& c) { c.indices = 0; c.final_state_separate = true; });
-  add([](DecodeCase& c) { c.index_dtype = DType::kInt64; c.padding = true; });
+  add([](DecodeCase& c) {
+    c.indices = 0;
+    c.final_state_separate = true;
+  });
+  add([](DecodeCase& c) {
+    c.index_dtype = DType::kInt64;
+    c.padding = true;
+  });
   add([](DecodeCase& c) { c.T = 3; });
-  add([](DecodeCase& c) { c.T = 4; c.indices = 2; });
-  add([](DecodeCase& c) { c.T = 4; c.indices = 2; c.num_accepted = true; });
-  add([](DecodeCase& c) { c.T = 4; c.indices = 2; c.num_accepted = true; c.padding = true; });
-  add([](DecodeCase& c) { c.T = 3; c.indices = 2; c.padding = true; });
-  add([](DecodeCase& c) { c.T = 2; c.intermediate = true; });
-  add([](DecodeCase& c) { c.T = 2; c.indices = 2; c.intermediate = true; c.num_accepted = true; });
+  add([](DecodeCase& c) {
+    c.T = 4;
+    c.indices = 2;
+  });
+  add([](DecodeCase& c) {
+    c.T = 4;
+    c.indices = 2;
+    c.num_accepted = true;
+  });
+  add([](DecodeCase& c) {
+    c.T = 4;
+    c.indices = 2;
+    c.num_accepted = true;
+    c.padding = true;
+  });
+  add([](DecodeCase& c) {
+    c.T = 3;
+    c.indices = 2;
+    c.padding = true;
+  });
+  add([](DecodeCase& c) {
+    c.T = 2;
+    c.intermediate = true;
+  });
+  add([](DecodeCase& c) {
+    c.T = 2;
+    c.indices = 2;
+    c.intermediate = true;
+    c.num_accepted = true;
+  });
   add([](DecodeCase& c) { c.seqlens = {1, 3, 0, 2}; });
-  add([](DecodeCase& c) { c.seqlens = {2, 4, 1}; c.indices = 2; c.num_accepted = true; c.index_dtype = DType::kInt64; });
-  add([](DecodeCase& c) { c.state_dtype = DType::kBFloat16; c.T = 4; });
-  add([](DecodeCase& c) { c.state_dtype = DType::kBFloat16; c.layout = StateLayout::kKFirst; c.T = 2; c.indices = 2; });
+  add([](DecodeCase& c) {
+    c.seqlens = {2, 4, 1};
+    c.indices = 2;
+    c.num_accepted = true;
+    c.index_dtype = DType::kInt64;
+  });
+  add([](DecodeCase& c) {
+    c.state_dtype = DType::kBFloat16;
+    c.T = 4;
+  });
+  add([](DecodeCase& c) {
+    c.state_dtype = DType::kBFloat16;
+    c.layout = StateLayout::kKFirst;
+    c.T = 2;
+    c.indices = 2;
+  });
   add([](DecodeCase& c) { c.layout = StateLayout::kKFirst; });
-  add([](DecodeCase& c) { c.K = 64; c.H = 1; c.HV = 1; });
-  add([](DecodeCase& c) { c.K = 256; c.N = 2; c.HV = 2; c.H = 1; });
-  add([](DecodeCase& c) { c.K = 96; c.T = 2; });
+  add([](DecodeCase& c) {
+    c.K = 64;
+    c.H = 1;
+    c.HV = 1;
+  });
+  add([](DecodeCase& c) {
+    c.K = 256;
+    c.N = 2;
+    c.HV = 2;
+    c.H = 1;
+  });
+  add([](DecodeCase& c) {
+    c.K = 96;
+    c.T = 2;
+  });
   for (GateForm g : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
     for (bool b : {false, true})
-      add([&](DecodeCase& c) { c.gate = g; c.beta_logits = b; c.T = 2; });
+      add([&](DecodeCase& c) {
+        c.gate = g;
+        c.beta_logits = b;
+        c.T = 2;
+      });
   add([](DecodeCase& c) { c.allow_neg_eigval = true; });
-  add([](DecodeCase& c) { c.beta_per_v = true; c.T = 2; });
+  add([](DecodeCase& c) {
+    c.beta_per_v = true;
+    c.T = 2;
+  });
   add([](DecodeCase& c) { c.out_dtype = DType::kFloat32; });
-  add([](DecodeCase& c) { c.dtype = DType::kFloat16; c.out_dtype = DType::kFloat16; });
-  add([](DecodeCase& c) { c.dtype = DType::kFloat32; c.out_dtype = DType::kFloat32; });
+  add([](DecodeCase& c) {
+    c.dtype = DType::kFloat16;
+    c.out_dtype = DType::kFloat16;
+  });
+  add([](DecodeCase& c) {
+    c.dtype = DType::kFloat32;
+    c.out_dtype = DType::kFloat32;
+  });
   add([](DecodeCase& c) { c.use_initial_state = false; });
-  add([](DecodeCase& c) { c.store_final_state = false; c.T = 2; c.indices = 2; });
+  add([](DecodeCase& c) {
+    c.store_final_state = false;
+    c.T = 2;
+    c.indices = 2;
+  });
   return cs;
 }
 
@@ -166,16 +239,17 @@ TEST(DecodeChecking, ReportsOutOfRangeRowsAndWritesNothing) {
     c.indices = variant == 0 ? 1 : 2;
     c.num_accepted = variant == 2;
     DecodeData d = make_decode(c);
-    if (variant == 0) d.idx.set(1, d.P);                // slot >= P
+    if (variant == 0) d.idx.set(1, d.P);               // slot >= P
     if (variant == 1) d.idx.set(1 * 2 + 0, d.P + 10);  // read slot of row 1 out of range
-    if (variant == 2) d.nat.set(2, 3);                   // num_accepted_tokens > T
+    if (variant == 2) d.nat.set(2, 3);                 // num_accepted_tokens > T
     const HostTensor out_before = d.out, state_before = d.state;
     DecodeParams p = d.params();
     p.check_indices = true;
     p.exec.backend = Backend::kCpu;
     const Status s = decode(p);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << variant;
-    EXPECT_NE(s.message().find(variant == 2 ? "num_accepted_tokens" : "state_indices"), std::string::npos)
+    EXPECT_NE(s.message().find(variant == 2 ? "num_accepted_tokens" : "state_indices"),
+              std::string::npos)
         << s.message();
     EXPECT_TRUE(bitwise_equal(d.out, out_before));
     EXPECT_TRUE(bitwise_equal(d.state, state_before));

@@ -64,41 +64,135 @@ std::vector<PrefillCase> sweep_cases() {
     cs.push_back(c);
   };
   // Lengths around the chunk (64) and sub-chunk (16) sizes, dense and varlen.
-  for (int64_t T : {1, 15, 16, 17, 63, 64, 65, 200}) add([&](PrefillCase& c) { c.seqlens = {T, T}; });
-  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {0, 1, 130, 0, 64, 7, 300}; });
-  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {2500, 3}; c.H = 1; c.HV = 1; });  // long
-  add([](PrefillCase& c) { c.varlen = true; c.seqlens = {0}; });
+  for (int64_t T : {1, 15, 16, 17, 63, 64, 65, 200})
+    add([&](PrefillCase& c) { c.seqlens = {T, T}; });
+  add([](PrefillCase& c) {
+    c.varlen = true;
+    c.seqlens = {0, 1, 130, 0, 64, 7, 300};
+  });
+  add([](PrefillCase& c) {
+    c.varlen = true;
+    c.seqlens = {2500, 3};
+    c.H = 1;
+    c.HV = 1;
+  });  // long
+  add([](PrefillCase& c) {
+    c.varlen = true;
+    c.seqlens = {0};
+  });
   // Heads: H = 1, GVA.
-  add([](PrefillCase& c) { c.H = 1; c.HV = 1; c.seqlens = {70}; });
-  add([](PrefillCase& c) { c.H = 2; c.HV = 6; c.seqlens = {90, 90}; });
+  add([](PrefillCase& c) {
+    c.H = 1;
+    c.HV = 1;
+    c.seqlens = {70};
+  });
+  add([](PrefillCase& c) {
+    c.H = 2;
+    c.HV = 6;
+    c.seqlens = {90, 90};
+  });
   // Gate and beta forms.
   for (GateForm g : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
     for (bool b : {false, true})
-      add([&](PrefillCase& c) { c.gate = g; c.beta_logits = b; c.seqlens = {150}; });
-  add([](PrefillCase& c) { c.allow_neg_eigval = true; c.seqlens = {150}; });
-  add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.gate_extreme = -1000; c.seqlens = {300}; });
-  add([](PrefillCase& c) { c.gate = GateForm::kPrecomputed; c.weak_decay = true; c.seqlens = {300}; });
-  add([](PrefillCase& c) { c.gate = GateForm::kLowerBound; c.lower_bound = -0.05; c.seqlens = {300}; });
-  add([](PrefillCase& c) { c.l2norm = false; c.seqlens = {100}; });
+      add([&](PrefillCase& c) {
+        c.gate = g;
+        c.beta_logits = b;
+        c.seqlens = {150};
+      });
+  add([](PrefillCase& c) {
+    c.allow_neg_eigval = true;
+    c.seqlens = {150};
+  });
+  add([](PrefillCase& c) {
+    c.gate = GateForm::kPrecomputed;
+    c.gate_extreme = -1000;
+    c.seqlens = {300};
+  });
+  add([](PrefillCase& c) {
+    c.gate = GateForm::kPrecomputed;
+    c.weak_decay = true;
+    c.seqlens = {300};
+  });
+  add([](PrefillCase& c) {
+    c.gate = GateForm::kLowerBound;
+    c.lower_bound = -0.05;
+    c.seqlens = {300};
+  });
+  add([](PrefillCase& c) {
+    c.l2norm = false;
+    c.seqlens = {100};
+  });
   // States.
   add([](PrefillCase& c) { c.init = InitState::kNone; });
   add([](PrefillCase& c) { c.init = InitState::kZero; });
   add([](PrefillCase& c) { c.final_state = false; });
-  add([](PrefillCase& c) { c.layout = StateLayout::kKFirst; c.seqlens = {100, 3}; });
+  add([](PrefillCase& c) {
+    c.layout = StateLayout::kKFirst;
+    c.seqlens = {100, 3};
+  });
   add([](PrefillCase& c) { c.state_dtype = DType::kBFloat16; });
-  add([](PrefillCase& c) { c.state_dtype = DType::kFloat16; c.layout = StateLayout::kKFirst; });
-  add([](PrefillCase& c) { c.pool = true; c.varlen = true; c.seqlens = {50, 0, 129, 64}; });
-  add([](PrefillCase& c) { c.pool = true; c.seqlens = {70, 70, 70}; c.state_dtype = DType::kBFloat16; });
-  add([](PrefillCase& c) { c.checkpoint_every = 64; c.varlen = true; c.seqlens = {200, 64, 10, 129}; });
-  add([](PrefillCase& c) { c.checkpoint_every = 128; c.seqlens = {300, 300}; c.layout = StateLayout::kKFirst; });
+  add([](PrefillCase& c) {
+    c.state_dtype = DType::kFloat16;
+    c.layout = StateLayout::kKFirst;
+  });
+  add([](PrefillCase& c) {
+    c.pool = true;
+    c.varlen = true;
+    c.seqlens = {50, 0, 129, 64};
+  });
+  add([](PrefillCase& c) {
+    c.pool = true;
+    c.seqlens = {70, 70, 70};
+    c.state_dtype = DType::kBFloat16;
+  });
+  add([](PrefillCase& c) {
+    c.checkpoint_every = 64;
+    c.varlen = true;
+    c.seqlens = {200, 64, 10, 129};
+  });
+  add([](PrefillCase& c) {
+    c.checkpoint_every = 128;
+    c.seqlens = {300, 300};
+    c.layout = StateLayout::kKFirst;
+  });
   // Input dtypes, strides, other head dims.
-  add([](PrefillCase& c) { c.dtype = DType::kBFloat16; c.seqlens = {200}; });
-  add([](PrefillCase& c) { c.dtype = DType::kFloat16; c.seqlens = {200}; });
-  add([](PrefillCase& c) { c.strided = true; c.varlen = true; c.seqlens = {33, 100}; });
-  add([](PrefillCase& c) { c.strided = true; c.dtype = DType::kBFloat16; c.seqlens = {80, 80}; });
-  add([](PrefillCase& c) { c.K = 128; c.V = 128; c.seqlens = {130}; c.H = 1; c.HV = 2; });
-  add([](PrefillCase& c) { c.K = 20; c.V = 12; c.seqlens = {70}; });  // not multiples of 8
-  add([](PrefillCase& c) { c.K = 64; c.V = 256; c.seqlens = {65}; c.H = 1; c.HV = 1; });
+  add([](PrefillCase& c) {
+    c.dtype = DType::kBFloat16;
+    c.seqlens = {200};
+  });
+  add([](PrefillCase& c) {
+    c.dtype = DType::kFloat16;
+    c.seqlens = {200};
+  });
+  add([](PrefillCase& c) {
+    c.strided = true;
+    c.varlen = true;
+    c.seqlens = {33, 100};
+  });
+  add([](PrefillCase& c) {
+    c.strided = true;
+    c.dtype = DType::kBFloat16;
+    c.seqlens = {80, 80};
+  });
+  add([](PrefillCase& c) {
+    c.K = 128;
+    c.V = 128;
+    c.seqlens = {130};
+    c.H = 1;
+    c.HV = 2;
+  });
+  add([](PrefillCase& c) {
+    c.K = 20;
+    c.V = 12;
+    c.seqlens = {70};
+  });  // not multiples of 8
+  add([](PrefillCase& c) {
+    c.K = 64;
+    c.V = 256;
+    c.seqlens = {65};
+    c.H = 1;
+    c.HV = 1;
+  });
   return cs;
 }
 

@@ -58,24 +58,61 @@ std::vector<BadPrefill> bad_prefill_inputs() {
       {"cu_last_not_T", [](P& p, D& d) { d.cu.set(2, 29); }, "'cu_seqlens'"},
       {"varlen_batch_not_1", [](P& p, D&) { p.q.shape[0] = 2; }, "'q'"},
       {"initial_state_rows", [](P& p, D&) { p.initial_state.shape[0] = 3; }, "'initial_state'"},
-      {"initial_state_layout", [](P& p, D&) { p.state_layout = StateLayout::kKFirst; p.initial_state.shape[2] = 7; }, "'initial_state'"},
-      {"initial_state_dtype", [](P& p, D&) { p.initial_state.dtype = DType::kInt64; }, "'initial_state'"},
+      {"initial_state_layout",
+       [](P& p, D&) {
+         p.state_layout = StateLayout::kKFirst;
+         p.initial_state.shape[2] = 7;
+       },
+       "'initial_state'"},
+      {"initial_state_dtype", [](P& p, D&) { p.initial_state.dtype = DType::kInt64; },
+       "'initial_state'"},
       {"final_state_shape", [](P& p, D&) { p.final_state.shape[1] = 1; }, "'final_state'"},
-      {"pool_without_indices", [](P& p, D&) { p.state_pool = p.final_state; p.initial_state = p.final_state = TensorView{}; }, "'state_indices'"},
+      {"pool_without_indices",
+       [](P& p, D&) {
+         p.state_pool = p.final_state;
+         p.initial_state = p.final_state = TensorView{};
+       },
+       "'state_indices'"},
       {"indices_without_pool", [](P& p, D& d) { p.state_indices = d.cu.view(); }, "'state_pool'"},
-      {"pool_with_initial_state", [](P& p, D& d) { p.state_pool = p.final_state; p.state_indices = d.cu.view(); p.state_indices.shape[0] = 2; p.final_state = TensorView{}; }, "'initial_state'"},
-      {"checkpoint_every_not_multiple", [](P& p, D&) { p.checkpoint_every = 65; }, "'checkpoint_every'"},
+      {"pool_with_initial_state",
+       [](P& p, D& d) {
+         p.state_pool = p.final_state;
+         p.state_indices = d.cu.view();
+         p.state_indices.shape[0] = 2;
+         p.final_state = TensorView{};
+       },
+       "'initial_state'"},
+      {"checkpoint_every_not_multiple", [](P& p, D&) { p.checkpoint_every = 65; },
+       "'checkpoint_every'"},
       {"checkpoints_without_every", [](P& p, D&) { p.checkpoint_every = 0; }, "'checkpoint_every'"},
-      {"checkpoint_offsets_absent", [](P& p, D&) { p.checkpoint_offsets = TensorView{}; }, "'checkpoint_offsets'"},
-      {"checkpoint_offsets_values", [](P& p, D& d) { d.ckpt_off.set(1, 5); }, "'checkpoint_offsets'"},
-      {"lower_bound_range", [](P& p, D&) { p.math.gate = GateForm::kLowerBound; p.math.lower_bound = -6; }, "'lower_bound'"},
-      {"lower_bound_zero", [](P& p, D&) { p.math.gate = GateForm::kLowerBound; p.math.lower_bound = 0; }, "'lower_bound'"},
+      {"checkpoint_offsets_absent", [](P& p, D&) { p.checkpoint_offsets = TensorView{}; },
+       "'checkpoint_offsets'"},
+      {"checkpoint_offsets_values", [](P& p, D& d) { d.ckpt_off.set(1, 5); },
+       "'checkpoint_offsets'"},
+      {"lower_bound_range",
+       [](P& p, D&) {
+         p.math.gate = GateForm::kLowerBound;
+         p.math.lower_bound = -6;
+       },
+       "'lower_bound'"},
+      {"lower_bound_zero",
+       [](P& p, D&) {
+         p.math.gate = GateForm::kLowerBound;
+         p.math.lower_bound = 0;
+       },
+       "'lower_bound'"},
       {"gate_code", [](P& p, D&) { p.math.gate = static_cast<GateForm>(9); }, "'gate'"},
-      {"neg_eigval_needs_logits", [](P& p, D&) { p.math.beta_logits = false; p.math.allow_neg_eigval = true; }, "'allow_neg_eigval'"},
+      {"neg_eigval_needs_logits",
+       [](P& p, D&) {
+         p.math.beta_logits = false;
+         p.math.allow_neg_eigval = true;
+       },
+       "'allow_neg_eigval'"},
       {"scale_nan", [](P& p, D&) { p.math.scale = std::nan(""); }, "'scale'"},
-      {"layout_code", [](P& p, D&) { p.state_layout = static_cast<StateLayout>(5); }, "'state_layout'"},
-      {"backend_cuda_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; }, "'backend'",
-       StatusCode::kInvalidArgument},
+      {"layout_code", [](P& p, D&) { p.state_layout = static_cast<StateLayout>(5); },
+       "'state_layout'"},
+      {"backend_cuda_on_cpu_tensors", [](P& p, D&) { p.exec.backend = Backend::kCuda; },
+       "'backend'", StatusCode::kInvalidArgument},
       {"num_threads_negative", [](P& p, D&) { p.exec.num_threads = -2; }, "'num_threads'"},
   };
 }
@@ -96,7 +133,8 @@ TEST_P(PrefillBadInput, ReturnsErrorNamingArgumentAndWritesNothing) {
   EXPECT_TRUE(bitwise_equal(d.out, out));
   EXPECT_TRUE(bitwise_equal(d.ht, ht));
   EXPECT_TRUE(bitwise_equal(d.ckpt, ck));
-  EXPECT_EQ(validate(p).code(), s.code() == StatusCode::kInvalidArgument && GetParam().argument != "'backend'" &&
+  EXPECT_EQ(validate(p).code(), s.code() == StatusCode::kInvalidArgument &&
+                                        GetParam().argument != "'backend'" &&
                                         GetParam().argument != "'num_threads'"
                                     ? StatusCode::kInvalidArgument
                                     : StatusCode::kOk);
@@ -115,18 +153,31 @@ std::vector<BadDecode> bad_decode_inputs() {
   using P = DecodeParams;
   using D = DecodeData;
   return {
-      {"K_not_multiple_of_32", [](P& p, D&) { p.q.shape[3] = p.k.shape[3] = p.g.shape[3] = 16; }, "'v'"},
+      {"K_not_multiple_of_32", [](P& p, D&) { p.q.shape[3] = p.k.shape[3] = p.g.shape[3] = 16; },
+       "'v'"},
       {"beta_shape", [](P& p, D&) { p.beta.shape[2] = 1; }, "'beta'"},
       {"out_dtype", [](P& p, D&) { p.out.dtype = DType::kFloat16; }, "'out'"},
       {"dt_bias_dtype", [](P& p, D&) { p.dt_bias.dtype = DType::kFloat16; }, "'dt_bias'"},
       {"state_absent", [](P& p, D&) { p.state = TensorView{}; }, "'state'"},
       {"state_fp16", [](P& p, D&) { p.state.dtype = DType::kFloat16; }, "'state'"},
       {"state_heads", [](P& p, D&) { p.state.shape[1] = 1; }, "'state'"},
-      {"indices_dtype", [](P& p, D&) { p.state_indices.dtype = DType::kFloat32; }, "'state_indices'"},
+      {"indices_dtype", [](P& p, D&) { p.state_indices.dtype = DType::kFloat32; },
+       "'state_indices'"},
       {"indices_shape", [](P& p, D&) { p.state_indices.shape[0] = 1; }, "'state_indices'"},
-      {"nat_without_2d_indices", [](P& p, D& d) { p.num_accepted_tokens = d.idx.view(); }, "'num_accepted_tokens'"},
-      {"final_state_dtype", [](P& p, D& d) { d.final_state = HostTensor(DType::kBFloat16, {d.N, d.c.HV, d.c.K, d.c.K}); p.final_state = d.final_state.view(); }, "'final_state'"},
-      {"intermediate_rows", [](P& p, D& d) { d.inter = HostTensor(DType::kFloat32, {1, d.c.HV, d.c.K, d.c.K}); p.intermediate_states = d.inter.view(); }, "'intermediate_states'"},
+      {"nat_without_2d_indices", [](P& p, D& d) { p.num_accepted_tokens = d.idx.view(); },
+       "'num_accepted_tokens'"},
+      {"final_state_dtype",
+       [](P& p, D& d) {
+         d.final_state = HostTensor(DType::kBFloat16, {d.N, d.c.HV, d.c.K, d.c.K});
+         p.final_state = d.final_state.view();
+       },
+       "'final_state'"},
+      {"intermediate_rows",
+       [](P& p, D& d) {
+         d.inter = HostTensor(DType::kFloat32, {1, d.c.HV, d.c.K, d.c.K});
+         p.intermediate_states = d.inter.view();
+       },
+       "'intermediate_states'"},
   };
 }
 
@@ -169,8 +220,9 @@ TEST(DecodeBadInputExact, NarrowedStridedBetaViewIsRejectedWithBothShapes) {
     p.exec.backend = be;
     const Status s = decode(p);
     EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
-    EXPECT_EQ(s.message(), "argument 'beta': expected shape [B, T, HV] or [B, T, HV, V] = "
-                           "[3, 1, 4, 32], got shape [3, 1, 2]");
+    EXPECT_EQ(s.message(),
+              "argument 'beta': expected shape [B, T, HV] or [B, T, HV, V] = "
+              "[3, 1, 4, 32], got shape [3, 1, 2]");
     EXPECT_EQ(validate(p).message(), s.message());
   }
   EXPECT_TRUE(bitwise_equal(d.out, out));
@@ -233,10 +285,12 @@ TEST(ValidationSmoke, ValidInputsPass) {
 TEST(Conversions, HalfRoundTripsAndRounding) {
   using namespace kda::detail;
   for (float x : {0.0f, 1.0f, -2.5f, 65504.0f, 6.1035156e-05f, 5.9604645e-08f, 1e-3f, 3.14159f}) {
-    EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(x)), x == 3.14159f ? 3.140625f : (x == 1e-3f ? 0.0010004044f : x)) << x;
+    EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(x)),
+              x == 3.14159f ? 3.140625f : (x == 1e-3f ? 0.0010004044f : x))
+        << x;
   }
   EXPECT_TRUE(std::isinf(fp16_bits_to_float(float_to_fp16_bits(70000.0f))));
-  EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(2.9802322e-08f)), 0.0f);  // ties to even: 0
+  EXPECT_EQ(fp16_bits_to_float(float_to_fp16_bits(2.9802322e-08f)), 0.0f);     // ties to even: 0
   EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(1.0f + 1.0f / 256)), 1.0f);  // tie to even
   EXPECT_EQ(bf16_bits_to_float(float_to_bf16_bits(1.0f + 3.0f / 256)), 1.0f + 4.0f / 256);
   EXPECT_TRUE(std::isnan(bf16_bits_to_float(float_to_bf16_bits(std::nanf("")))));

@@ -18,9 +18,9 @@
 #include <vector>
 
 #include "core/problem.h"
+#include "core/tuning.h"
 #include "cpu/access.h"
 #include "cpu/backends.h"
-#include "core/tuning.h"
 #include "gpu_support.h"
 #include "support.h"
 
@@ -40,17 +40,18 @@ struct GpuDecodeCase {
   float lower_bound = -5.0f;
   bool g_fp32 = false, beta_fp32 = false, dt_bias_bf16 = false;
   bool no_gate_params = false;  // softplus / lower-bound gate without A_log and dt_bias
-  int strided = 0;              // 1: padded (unaligned) input strides; 2: padded 16-byte-aligned strides
-  bool state_strided = false;   // pool with padded (unaligned) strides: no 16-byte vectors
-  bool drop_token_slot = false; // [N, T] indices: one row's last write slot is -1 (skipped)
-  bool baseline = false;        // run the baseline kernel (Tuning::decode_kernel)
-  bool tile = false;            // run the tile kernel where the staged one would run (=tile)
-  bool staged = false;          // force the staged tile kernel (=staged; where eligible)
-  bool bulk = false;            // force the bulk kernel (=bulk; where eligible)
-  bool bulklat = false;         // force the bulk kernel's latency variant (=bulklat; dense T = 1)
-  int grid = 0;                 // > 0: persistent kernel grid (Tuning::decode_grid), many items per block
-  bool state_aligned_pad = false;  // pool rows padded by 8 elements: 16-byte aligned, not contiguous
-  int pad_every = 0;            // [N] indices: every pad_every-th row (from row 1) is a padding row
+  int strided = 0;  // 1: padded (unaligned) input strides; 2: padded 16-byte-aligned strides
+  bool state_strided = false;    // pool with padded (unaligned) strides: no 16-byte vectors
+  bool drop_token_slot = false;  // [N, T] indices: one row's last write slot is -1 (skipped)
+  bool baseline = false;         // run the baseline kernel (Tuning::decode_kernel)
+  bool tile = false;             // run the tile kernel where the staged one would run (=tile)
+  bool staged = false;           // force the staged tile kernel (=staged; where eligible)
+  bool bulk = false;             // force the bulk kernel (=bulk; where eligible)
+  bool bulklat = false;          // force the bulk kernel's latency variant (=bulklat; dense T = 1)
+  int grid = 0;  // > 0: persistent kernel grid (Tuning::decode_grid), many items per block
+  bool state_aligned_pad =
+      false;          // pool rows padded by 8 elements: 16-byte aligned, not contiguous
+  int pad_every = 0;  // [N] indices: every pad_every-th row (from row 1) is a padding row
 
   std::string name() const {
     std::string s = c.name();
@@ -165,7 +166,8 @@ class KernelChoice {
 
 // Device copies of every tensor of a DecodeData, and the DecodeParams that point at them.
 struct DeviceDecode {
-  std::unique_ptr<DeviceTensor> q, k, v, g, beta, A_log, dt_bias, cu, out, state, idx, nat, final_state, inter;
+  std::unique_ptr<DeviceTensor> q, k, v, g, beta, A_log, dt_bias, cu, out, state, idx, nat,
+      final_state, inter;
   DecodeParams p;
 
   DeviceDecode(const DecodeData& d, const GpuDecodeCase& gc) {
@@ -213,8 +215,10 @@ DecodeData run_gpu(const DecodeData& d, const GpuDecodeCase& gc, Status* status 
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   DecodeData r = d;
   dev.download(r);
-  if (status) *status = s;
-  else EXPECT_TRUE(s.ok()) << s.to_string();
+  if (status)
+    *status = s;
+  else
+    EXPECT_TRUE(s.ok()) << s.to_string();
   return r;
 }
 
@@ -292,7 +296,8 @@ void expect_close(const char* what, const HostTensor& got, const HostTensor& ref
   if (got.numel() == 0 && ref.numel() == 0) return;
   const Compare cmp = compare(got, ref, tol);
   EXPECT_TRUE(cmp.ok(tol)) << what << ": rel_l2 " << cmp.rel_l2 << " (tol " << tol << "), max_abs "
-                           << cmp.max_abs << ", nonfinite " << cmp.nonfinite << cmp.first_mismatches;
+                           << cmp.max_abs << ", nonfinite " << cmp.nonfinite
+                           << cmp.first_mismatches;
 }
 
 // The full check of one prepared problem.
@@ -302,27 +307,35 @@ void check_against_reference(const DecodeData& d, const GpuDecodeCase& gc) {
   const Touched tc = touched_rows(d, gc);
   const bool bf16_state = d.state.dtype == DType::kBFloat16;
   const double tol_state = tolerance_for(d.state.dtype);
-  const double tol_out = std::max(tolerance_for(d.out.dtype), bf16_state ? tolerance_for(DType::kBFloat16) : 0.0);
+  const double tol_out =
+      std::max(tolerance_for(d.out.dtype), bf16_state ? tolerance_for(DType::kBFloat16) : 0.0);
 
   expect_close("out", got.out, ref.out, tol_out);
-  expect_close("state (touched slots)", gather_rows(got.state, tc.slots), gather_rows(ref.state, tc.slots), tol_state);
+  expect_close("state (touched slots)", gather_rows(got.state, tc.slots),
+               gather_rows(ref.state, tc.slots), tol_state);
   for (int64_t x : tc.untouched) {
-    EXPECT_TRUE(row_bitwise_equal(got.state, d.state, x)) << "untouched pool slot " << x << " changed";
-    EXPECT_TRUE(row_bitwise_equal(ref.state, d.state, x)) << "(reference) untouched pool slot " << x << " changed";
+    EXPECT_TRUE(row_bitwise_equal(got.state, d.state, x))
+        << "untouched pool slot " << x << " changed";
+    EXPECT_TRUE(row_bitwise_equal(ref.state, d.state, x))
+        << "(reference) untouched pool slot " << x << " changed";
   }
   if (!d.final_state.empty()) {
-    expect_close("final_state", gather_rows(got.final_state, tc.live_rows), gather_rows(ref.final_state, tc.live_rows), tol_state);
+    expect_close("final_state", gather_rows(got.final_state, tc.live_rows),
+                 gather_rows(ref.final_state, tc.live_rows), tol_state);
     std::set<int64_t> live(tc.live_rows.begin(), tc.live_rows.end());
     for (int64_t n = 0; n < d.final_state.shape[0]; ++n)
       if (!live.count(n) || !d.c.store_final_state)
-        EXPECT_TRUE(row_bitwise_equal(got.final_state, d.final_state, n)) << "final_state row " << n << " of a padding row written";
+        EXPECT_TRUE(row_bitwise_equal(got.final_state, d.final_state, n))
+            << "final_state row " << n << " of a padding row written";
   }
   if (!d.inter.empty()) {
-    expect_close("intermediate_states", gather_rows(got.inter, tc.live_tokens), gather_rows(ref.inter, tc.live_tokens), tol_state);
+    expect_close("intermediate_states", gather_rows(got.inter, tc.live_tokens),
+                 gather_rows(ref.inter, tc.live_tokens), tol_state);
     std::set<int64_t> live(tc.live_tokens.begin(), tc.live_tokens.end());
     for (int64_t r = 0; r < d.inter.shape[0]; ++r)
       if (!live.count(r) || !d.c.store_final_state)
-        EXPECT_TRUE(row_bitwise_equal(got.inter, d.inter, r)) << "intermediate row " << r << " of a padding row written";
+        EXPECT_TRUE(row_bitwise_equal(got.inter, d.inter, r))
+            << "intermediate row " << r << " of a padding row written";
   }
 
   // Bitwise determinism: a second run on fresh copies of the same inputs.
@@ -353,7 +366,8 @@ GpuDecodeCase base(int64_t K = 128) {
 
 std::vector<GpuDecodeCase> smoke_cases() {
   std::vector<GpuDecodeCase> v;
-  v.push_back(base(128));  // bf16 in/out, fp32 V-first pool, softplus gate, beta logits, [N] indices
+  v.push_back(
+      base(128));  // bf16 in/out, fp32 V-first pool, softplus gate, beta logits, [N] indices
   {
     GpuDecodeCase g = base(64);
     g.c.layout = StateLayout::kKFirst;
@@ -782,8 +796,11 @@ TEST(GpuDecodeSmokeErrors, CheckIndicesRejectsSlotOutOfRange) {
   KDA_TEST_CUDA(cudaDeviceSynchronize());
   DecodeData got = d;
   dev.download(got);
-  EXPECT_TRUE(std::memcmp(got.out.storage.data(), d.out.storage.data(), d.out.storage.size()) == 0) << "out written";
-  EXPECT_TRUE(std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0) << "state written";
+  EXPECT_TRUE(std::memcmp(got.out.storage.data(), d.out.storage.data(), d.out.storage.size()) == 0)
+      << "out written";
+  EXPECT_TRUE(
+      std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0)
+      << "state written";
 
   // Without the check the row is a padding row: zero output, the rest as the reference.
   dev.p.check_indices = false;
@@ -807,7 +824,8 @@ TEST(GpuDecodeErrors, CheckIndicesRejectsNumAcceptedOutOfRange) {
   DecodeData got = d;
   dev.download(got);
   EXPECT_TRUE(std::memcmp(got.out.storage.data(), d.out.storage.data(), d.out.storage.size()) == 0);
-  EXPECT_TRUE(std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0);
+  EXPECT_TRUE(
+      std::memcmp(got.state.storage.data(), d.state.storage.data(), d.state.storage.size()) == 0);
 }
 
 TEST(GpuDecodeErrors, CheckIndicesRejectsBadCuSeqlens) {
@@ -891,7 +909,8 @@ TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
 }
 
 // Bitwise equal, or within tol.
-void expect_same_or_close(const char* what, const HostTensor& got, const HostTensor& ref, double tol) {
+void expect_same_or_close(const char* what, const HostTensor& got, const HostTensor& ref,
+                          double tol) {
   if (bitwise_equal(got, ref)) return;
   expect_close(what, got, ref, tol);
 }
@@ -944,8 +963,10 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
           const DecodeData lat = run_gpu(d, k);
           k.bulklat = false;
           EXPECT_TRUE(bitwise_equal(lat.out, staged.out)) << "out (bulk latency variant vs staged)";
-          EXPECT_TRUE(bitwise_equal(lat.state, staged.state)) << "state (bulk latency variant vs staged)";
-          EXPECT_TRUE(bitwise_equal(lat.inter, staged.inter)) << "inter (bulk latency variant vs staged)";
+          EXPECT_TRUE(bitwise_equal(lat.state, staged.state))
+              << "state (bulk latency variant vs staged)";
+          EXPECT_TRUE(bitwise_equal(lat.inter, staged.inter))
+              << "inter (bulk latency variant vs staged)";
         }
       }
     }

@@ -18,7 +18,10 @@ struct Err {  // relative L2 error of one quantity over all sub-chunks
   double se = 0, sr = 0, max_abs = 0;
   int64_t nonfinite = 0;
   void add(double got, double ref) {
-    if (!std::isfinite(got)) { ++nonfinite; return; }
+    if (!std::isfinite(got)) {
+      ++nonfinite;
+      return;
+    }
     se += (got - ref) * (got - ref);
     sr += ref * ref;
     max_abs = std::max(max_abs, std::fabs(got - ref));
@@ -46,15 +49,25 @@ void run(const PrefillCase& c) {
   detail::PrefillProblem pr;
   Status s = detail::validate_prefill(prm, &pr);
   if (s.ok()) s = check_supported(pr);
-  if (!s.ok()) { std::printf("  setup failed: %s\n", s.to_string().c_str()); ++failures; return; }
+  if (!s.ok()) {
+    std::printf("  setup failed: %s\n", s.to_string().c_str());
+    ++failures;
+    return;
+  }
   const size_t need = workspace_bytes(pr);
   std::vector<uint8_t> ws(need + 256, 0xff);  // poisoned: a record part not written reads as NaN
   Params p;
   int64_t pb = 0, rb = 0;
   s = make_params(pr, ws.data(), 132, detail::tuning(), &p, &pb, &rb);
-  if (!s.ok()) { std::printf("  params failed: %s\n", s.to_string().c_str()); ++failures; return; }
-  if (c.dtype == DType::kFloat16) emu_run::launch(prepare_kernel<true, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-  else emu_run::launch(prepare_kernel<false, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+  if (!s.ok()) {
+    std::printf("  params failed: %s\n", s.to_string().c_str());
+    ++failures;
+    return;
+  }
+  if (c.dtype == DType::kFloat16)
+    emu_run::launch(prepare_kernel<true, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
+  else
+    emu_run::launch(prepare_kernel<false, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
 
   const int64_t B = d.B, T = d.T, H = c.H, HV = c.HV, K = 128;
   const double scale = 1.0 / std::sqrt(static_cast<double>(K));
@@ -66,7 +79,8 @@ void run(const PrefillCase& c) {
       for (int64_t hv = 0; hv < HV; ++hv) {
         const uint8_t* rec = p.ws + ((n * cps + j) * HV + hv) * static_cast<int64_t>(kRecordBytes);
         const int64_t h = hv / (HV / H);
-        const double exp_a = d.A_log.empty() ? 1.0 : std::exp(d.A_log.get(hv));  // absent: exp(A_log) = 1
+        const double exp_a =
+            d.A_log.empty() ? 1.0 : std::exp(d.A_log.get(hv));  // absent: exp(A_log) = 1
         for (int u = 0; u < 4; ++u) {
           const int64_t t0 = j * kChunk + 16 * u;
           if (t0 >= T) continue;  // a sub-chunk without tokens: never read
@@ -86,16 +100,18 @@ void run(const PrefillCase& c) {
               sq += q[r][cc] * q[r][cc];
               sk += k[r][cc] * k[r][cc];
             }
-            const double iq = scale / std::sqrt(sq + detail::kL2NormEps), ik = 1.0 / std::sqrt(sk + detail::kL2NormEps);
+            const double iq = scale / std::sqrt(sq + detail::kL2NormEps),
+                         ik = 1.0 / std::sqrt(sk + detail::kL2NormEps);
             for (int cc = 0; cc < K; ++cc) {
               q[r][cc] *= iq;
               k[r][cc] *= ik;
-              const double a = detail::log_decay<double>(static_cast<int>(c.gate), d.g.get(((n * T + t) * HV + hv) * K + cc),
-                                                         exp_a, d.dt_bias.empty() ? 0.0 : d.dt_bias.get(hv * K + cc),
-                                                         c.lower_bound);
+              const double a = detail::log_decay<double>(
+                  static_cast<int>(c.gate), d.g.get(((n * T + t) * HV + hv) * K + cc), exp_a,
+                  d.dt_bias.empty() ? 0.0 : d.dt_bias.get(hv * K + cc), c.lower_bound);
               G[r][cc] = (r ? G[r - 1][cc] : 0.0) + a;
             }
-            b[r] = detail::activate_beta<double>(c.beta_logits, c.allow_neg_eigval, d.beta.get((n * T + t) * HV + hv));
+            b[r] = detail::activate_beta<double>(c.beta_logits, c.allow_neg_eigval,
+                                                 d.beta.get((n * T + t) * HV + hv));
           }
           // Akk, Aqk, Tm = (I + diag(b) Akk)^-1 diag(b), W, qg, kbT, gL.
           double Aqk[16][16] = {}, M[16][16] = {}, X[16][16] = {}, Tm[16][16] = {};
@@ -124,10 +140,12 @@ void run(const PrefillCase& c) {
               for (int s2 = 0; s2 <= r; ++s2) w += Tm[r][s2] * std::exp(G[s2][cc]) * k[s2][cc];
               eW.add(bf16_at(r16 + kR16OffW, rec16_b16(r, cc)), w);
               eQg.add(bf16_at(r16 + kR16OffQg, rec16_b16(r, cc)), std::exp(G[r][cc]) * q[r][cc]);
-              eKb.add(bf16_at(r16 + kR16OffKbT, rec16_kbt(cc, r)), std::exp(G[15][cc] - G[r][cc]) * k[r][cc]);
+              eKb.add(bf16_at(r16 + kR16OffKbT, rec16_kbt(cc, r)),
+                      std::exp(G[15][cc] - G[r][cc]) * k[r][cc]);
             }
             for (int s2 = 0; s2 < 16; ++s2) {
-              const float ga = f32_at(r16 + kR16OffAqk, rec16_f32(r, s2)), gt = f32_at(r16 + kR16OffTm, rec16_f32(r, s2));
+              const float ga = f32_at(r16 + kR16OffAqk, rec16_f32(r, s2)),
+                          gt = f32_at(r16 + kR16OffTm, rec16_f32(r, s2));
               if (s2 > r) {
                 zero_viol += (ga != 0.f) + (gt != 0.f);
               } else {
@@ -141,16 +159,20 @@ void run(const PrefillCase& c) {
       }
   // Tolerances: bf16 storage (2^-9 relative) of W, qg, kbT; tf32 rounding of Aqk, Tm (2^-11) with
   // the operands' f16 / tf32 roundings; gL: exp2f of a float cumulative sum.
-  struct Row { const char* what; const Err& e; double tol; } rows[] = {
-      {"W", eW, 4e-3}, {"qg", eQg, 3e-3}, {"kbT", eKb, 3e-3}, {"Aqk", eAqk, 2e-3}, {"Tm", eTm, 2e-3}, {"gL", eGl, 1e-5}};
+  struct Row {
+    const char* what;
+    const Err& e;
+    double tol;
+  } rows[] = {{"W", eW, 4e-3},     {"qg", eQg, 3e-3}, {"kbT", eKb, 3e-3},
+              {"Aqk", eAqk, 2e-3}, {"Tm", eTm, 2e-3}, {"gL", eGl, 1e-5}};
   for (const Row& r : rows) {
     const bool ok = r.e.nonfinite == 0 && r.e.rel() <= r.tol;
     failures += !ok;
-    std::printf("  %-4s rel_l2 %.3e (tol %.0e) max_abs %.3e nonfinite %lld %s\n", r.what, r.e.rel(), r.tol, r.e.max_abs,
-                static_cast<long long>(r.e.nonfinite), ok ? "ok" : "FAIL");
+    std::printf("  %-4s rel_l2 %.3e (tol %.0e) max_abs %.3e nonfinite %lld %s\n", r.what, r.e.rel(),
+                r.tol, r.e.max_abs, static_cast<long long>(r.e.nonfinite), ok ? "ok" : "FAIL");
   }
-  std::printf("  above-diagonal entries of Aqk / Tm not zero: %lld %s\n", static_cast<long long>(zero_viol),
-              zero_viol ? "FAIL" : "ok");
+  std::printf("  above-diagonal entries of Aqk / Tm not zero: %lld %s\n",
+              static_cast<long long>(zero_viol), zero_viol ? "FAIL" : "ok");
   failures += zero_viol != 0;
 }
 
@@ -159,15 +181,48 @@ void run(const PrefillCase& c) {
 int main() {
   auto base = [] {
     PrefillCase c;
-    c.K = 128; c.V = 128; c.H = 1; c.HV = 2; c.dtype = DType::kBFloat16;
-    c.gate = GateForm::kLowerBound; c.seqlens = {100, 100}; c.seed = 7;
+    c.K = 128;
+    c.V = 128;
+    c.H = 1;
+    c.HV = 2;
+    c.dtype = DType::kBFloat16;
+    c.gate = GateForm::kLowerBound;
+    c.seqlens = {100, 100};
+    c.seed = 7;
     return c;
   };
-  { PrefillCase c = base(); run(c); }                                                  // lower bound -5
-  { PrefillCase c = base(); c.gate = GateForm::kSoftplus; c.seqlens = {70}; c.H = 2; c.HV = 4; run(c); }  // GVA
-  { PrefillCase c = base(); c.allow_neg_eigval = true; c.lower_bound = -0.05; c.seqlens = {64}; run(c); }  // weak decay
-  { PrefillCase c = base(); c.gate = GateForm::kPrecomputed; c.gate_extreme = -1000; c.seqlens = {80}; run(c); }  // pairwise
-  { PrefillCase c = base(); c.dtype = DType::kFloat16; c.seqlens = {33}; run(c); }                // fp16 inputs
+  {
+    PrefillCase c = base();
+    run(c);
+  }  // lower bound -5
+  {
+    PrefillCase c = base();
+    c.gate = GateForm::kSoftplus;
+    c.seqlens = {70};
+    c.H = 2;
+    c.HV = 4;
+    run(c);
+  }  // GVA
+  {
+    PrefillCase c = base();
+    c.allow_neg_eigval = true;
+    c.lower_bound = -0.05;
+    c.seqlens = {64};
+    run(c);
+  }  // weak decay
+  {
+    PrefillCase c = base();
+    c.gate = GateForm::kPrecomputed;
+    c.gate_extreme = -1000;
+    c.seqlens = {80};
+    run(c);
+  }  // pairwise
+  {
+    PrefillCase c = base();
+    c.dtype = DType::kFloat16;
+    c.seqlens = {33};
+    run(c);
+  }  // fp16 inputs
   std::printf("%d failures\n", failures);
   return failures != 0;
 }

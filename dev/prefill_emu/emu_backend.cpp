@@ -1,27 +1,44 @@
 // emu_backend.cpp — emulated CUDA backend: kda::cuda::prefill runs the real kernel source on the
 // CPU (engine.h). Linked instead of the CUDA objects when building the GPU tests for emulation.
-#include "engine.h"
-#include "cuda/cuda_backend.h"
 #include "cpu/backends.h"
+#include "cuda/cuda_backend.h"
+#include "engine.h"
 namespace kda::cuda {
-std::vector<DeviceInfo> devices() { DeviceInfo d; d.name = "emulated H200"; d.sm_major = 9; d.multiprocessors = 132; d.supported = true; return {d}; }
+std::vector<DeviceInfo> devices() {
+  DeviceInfo d;
+  d.name = "emulated H200";
+  d.sm_major = 9;
+  d.multiprocessors = 132;
+  d.supported = true;
+  return {d};
+}
 Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
-  *bytes = 0; Status s = pf::check_supported(pr); if (!s.ok()) return s; *bytes = pf::workspace_bytes(pr); return Status::Ok();
+  *bytes = 0;
+  Status s = pf::check_supported(pr);
+  if (!s.ok()) return s;
+  *bytes = pf::workspace_bytes(pr);
+  return Status::Ok();
 }
 // Emulated device memory is host memory: the indices are checked where they are.
 Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions&) {
   return detail::check_prefill_index_values(pr, pr.state_indices.data);
 }
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
-  Status s = pf::check_supported(pr); if (!s.ok()) return s;
+  Status s = pf::check_supported(pr);
+  if (!s.ok()) return s;
   const size_t need = pf::workspace_bytes(pr);
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
-  if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // poison: unwritten records read as NaN
+  if (need)
+    std::memset(exec.workspace, 0xff,
+                exec.workspace_bytes);  // poison: unwritten records read as NaN
   const char* vs = std::getenv("EMU_VS");
   return emu_run::emu_problem(pr, exec.workspace, vs ? std::atoi(vs) : 0);
 }
 // Decode is not emulated: the CPU fast backend stands in (the same fp32 recurrence), so that tests
 // that chain prefill and decode check their own logic here.
-Status decode(const detail::DecodeProblem& pr, const ExecOptions&, bool) { cpu::fast_decode(pr, 1); return Status::Ok(); }
+Status decode(const detail::DecodeProblem& pr, const ExecOptions&, bool) {
+  cpu::fast_decode(pr, 1);
+  return Status::Ok();
+}
 }  // namespace kda::cuda

@@ -14,18 +14,23 @@
 // shim/ replaces <cuda_runtime.h>, <cuda_runtime_api.h>, <cuda_bf16.h>, <cuda_fp16.h> and
 // "cuda/common/ptx.cuh"; it must come first on the include path. Built by CMake with
 // -DKDA_BUILD_EMULATOR=ON (dev/prefill_emu/CMakeLists.txt; no CUDA toolkit needed):
-//   cmake -S . -B build-emu -DKDA_ENABLE_CUDA=OFF -DKDA_BUILD_EMULATOR=ON && cmake --build build-emu
-//   ctest --test-dir build-emu -L emu      # wgmma and 16-token record self-tests, quick cases,
-//                                          # tests/test_gpu_prefill.cpp without the long accuracy cases
-//   build-emu/dev/prefill_emu/kda_emu_tests --gtest_filter='*CaseA*'   # the accuracy cases (~10 min)
+//   cmake -S . -B build-emu -DKDA_ENABLE_CUDA=OFF -DKDA_BUILD_EMULATOR=ON && cmake --build
+//   build-emu ctest --test-dir build-emu -L emu      # wgmma and 16-token record self-tests, quick
+//   cases,
+//                                          # tests/test_gpu_prefill.cpp without the long accuracy
+//                                          cases
+//   build-emu/dev/prefill_emu/kda_emu_tests --gtest_filter='*CaseA*'   # the accuracy cases (~10
+//   min)
 // EMU_VS (16, 32, 64, 128) forces the value split of the emulated backend (kda_emu_tests).
 #pragma once
 #include <ucontext.h>
+
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
-#include <vector>
 #include <string>
+#include <vector>
+
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
@@ -34,15 +39,20 @@
 namespace kda::cuda::pf {
 alignas(1024) uint8_t emu_smem_alias[240000];
 extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
-}
+}  // namespace kda::cuda::pf
 
 namespace emu_run {
-using namespace kda; using namespace kda::cuda::pf;
+using namespace kda;
+using namespace kda::cuda::pf;
 
 template <typename K>
 static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const Params& p) {
-  emu::smem_base = emu_smem_alias; emu::smem_size = smem_bytes;
-  if (smem_bytes > (int)sizeof(emu_smem_alias)) { std::fprintf(stderr, "smem too big\n"); std::abort(); }
+  emu::smem_base = emu_smem_alias;
+  emu::smem_size = smem_bytes;
+  if (smem_bytes > (int)sizeof(emu_smem_alias)) {
+    std::fprintf(stderr, "smem too big\n");
+    std::abort();
+  }
   for (int64_t b = 0; b < blocks; ++b) {
     std::memset(emu_smem_alias, 0xff, smem_bytes);  // uninitialized shared memory reads as NaN
     emu::run_block(threads, (unsigned)b, (unsigned)blocks, [&] { kernel(p); });
@@ -51,12 +61,16 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
 
 // The value split forced to vs_override (0: the heuristic's), then both kernels as the host
 // launches them (K split included).
-static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr, int vs_override,
-                        bool fp16) {
+static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr,
+                        int vs_override, bool fp16) {
   if (vs_override) {
     const RecurrenceChoice rc = recurrence_choice_for_split(vs_override, detail::tuning());
-    p.vs = rc.vs; p.nslices = 128 / p.vs; rb = pr.d.N * pr.d.HV * p.nslices;
-    p.ksplit = rc.ksplit; p.wgmma = rc.wgmma; p.chunk16 = rc.chunk16;
+    p.vs = rc.vs;
+    p.nslices = 128 / p.vs;
+    rb = pr.d.N * pr.d.HV * p.nslices;
+    p.ksplit = rc.ksplit;
+    p.wgmma = rc.wgmma;
+    p.chunk16 = rc.chunk16;
   }
   if (p.chunk16) {  // the chunk-16 path
     const int t16 = 32 * recurrence_warps(p.vs, false), s16 = recurrence_smem_bytes16(p.vs);
@@ -69,23 +83,31 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     }
     return;
   }
-  const int threads = 32 * recurrence_warps(p.vs, p.ksplit), smem = recurrence_smem_bytes(p.vs, p.ksplit);
+  const int threads = 32 * recurrence_warps(p.vs, p.ksplit),
+            smem = recurrence_smem_bytes(p.vs, p.ksplit);
   if (fp16) {
     launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<true, true, false>, rb, threads, smem, p);
-    else if (p.wgmma) launch(recurrence_kernel<true, false, true>, rb, threads, smem, p);
-    else launch(recurrence_kernel<true, false, false>, rb, threads, smem, p);
+    if (p.ksplit)
+      launch(recurrence_kernel<true, true, false>, rb, threads, smem, p);
+    else if (p.wgmma)
+      launch(recurrence_kernel<true, false, true>, rb, threads, smem, p);
+    else
+      launch(recurrence_kernel<true, false, false>, rb, threads, smem, p);
   } else {
     launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit) launch(recurrence_kernel<false, true, false>, rb, threads, smem, p);
-    else if (p.wgmma) launch(recurrence_kernel<false, false, true>, rb, threads, smem, p);
-    else launch(recurrence_kernel<false, false, false>, rb, threads, smem, p);
+    if (p.ksplit)
+      launch(recurrence_kernel<false, true, false>, rb, threads, smem, p);
+    else if (p.wgmma)
+      launch(recurrence_kernel<false, false, true>, rb, threads, smem, p);
+    else
+      launch(recurrence_kernel<false, false, false>, rb, threads, smem, p);
   }
 }
 
 // Runs the emulated CUDA prefill on host tensors (params: CPU views). vs_override: 0 = heuristic.
 static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
-  Params p; int64_t pb = 0, rb = 0;
+  Params p;
+  int64_t pb = 0, rb = 0;
   Status s = make_params(pr, wsp, 132, detail::tuning(), &p, &pb, &rb);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, pr.q.dtype == DType::kFloat16);
@@ -99,7 +121,8 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   if (!s.ok()) return s;
   const size_t need = workspace_bytes(pr);
   std::vector<uint8_t> ws(need + 256, 0xff);
-  Params p; int64_t pb = 0, rb = 0;
+  Params p;
+  int64_t pb = 0, rb = 0;
   s = make_params(pr, need ? ws.data() : nullptr, 132, detail::tuning(), &p, &pb, &rb);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, fp16);

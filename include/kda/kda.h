@@ -55,8 +55,8 @@ struct TensorView {
 };
 
 // Builds a view of contiguous (row-major) memory of the given shape.
-TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape, Device device = Device::kCPU,
-                     int32_t device_index = 0);
+TensorView make_view(void* data, DType dtype, std::vector<int64_t> shape,
+                     Device device = Device::kCPU, int32_t device_index = 0);
 // Builds a view with explicit element strides.
 TensorView make_strided_view(void* data, DType dtype, std::vector<int64_t> shape,
                              std::vector<int64_t> strides, Device device = Device::kCPU,
@@ -148,12 +148,12 @@ inline constexpr int kChunkSize = 64;
 // The math of a call: preprocessing of q, k, the gate and beta (spec sections 2 and 3), shared by
 // prefill and decode. Field names are the Python API's argument names.
 struct MathOptions {
-  bool use_qk_l2norm = true;          // q, k <- x / sqrt(sum(x^2) + 1e-6)
-  std::optional<double> scale;        // q scale; default K^-0.5
+  bool use_qk_l2norm = true;               // q, k <- x / sqrt(sum(x^2) + 1e-6)
+  std::optional<double> scale;             // q scale; default K^-0.5
   GateForm gate = GateForm::kPrecomputed;  // how g becomes the log decay (see GateForm)
-  float lower_bound = -5.0f;          // GateForm::kLowerBound only; in [-5, 0)
-  bool beta_logits = false;           // b = sigmoid(beta); false: b = beta (already activated)
-  bool allow_neg_eigval = false;      // with beta_logits: b = 2 * sigmoid(beta)
+  float lower_bound = -5.0f;               // GateForm::kLowerBound only; in [-5, 0)
+  bool beta_logits = false;                // b = sigmoid(beta); false: b = beta (already activated)
+  bool allow_neg_eigval = false;           // with beta_logits: b = 2 * sigmoid(beta)
 };
 
 // Allocates `bytes` of workspace on the tensors' device for one call (see ExecOptions). The memory
@@ -165,15 +165,15 @@ using WorkspaceAllocator = void* (*)(size_t bytes, void* context);
 // Where and how a call runs.
 struct ExecOptions {
   Backend backend = Backend::kAuto;
-  void* stream = nullptr;        // cudaStream_t for the CUDA backend (nullptr = legacy default)
-  void* workspace = nullptr;     // caller memory on the tensors' device, >= *_workspace_size()
-  size_t workspace_bytes = 0;    // CPU backends allocate their own when this is too small
+  void* stream = nullptr;      // cudaStream_t for the CUDA backend (nullptr = legacy default)
+  void* workspace = nullptr;   // caller memory on the tensors' device, >= *_workspace_size()
+  size_t workspace_bytes = 0;  // CPU backends allocate their own when this is too small
   // Called once, after validation, when the chosen backend needs more workspace than
   // workspace_bytes (then workspace/workspace_bytes are ignored); nullptr = not used.
   WorkspaceAllocator allocate_workspace = nullptr;
   void* allocate_context = nullptr;  // passed to allocate_workspace
-  int num_threads = 0;           // CPU backends: 0 = all hardware threads (or $KDA_NUM_THREADS);
-                                 // else 1..kMaxNumThreads (other values: kInvalidArgument)
+  int num_threads = 0;  // CPU backends: 0 = all hardware threads (or $KDA_NUM_THREADS);
+                        // else 1..kMaxNumThreads (other values: kInvalidArgument)
 };
 
 // Largest ExecOptions::num_threads. A CPU call runs on at most this many threads; when the
@@ -216,9 +216,9 @@ struct PrefillParams {
   // sequence (j-th checkpoint of sequence n = state after (j+1)*checkpoint_every tokens), written
   // to row checkpoint_offsets[n] + j while that row is < checkpoint_offsets[n+1] and < rows.
   // checkpoint_offsets can be built with kda::checkpoint_offsets().
-  int64_t checkpoint_every = 0;    // 0 = off; else a positive multiple of kChunkSize
-  TensorView checkpoints;          // [num_checkpoints, HV, V, K]
-  TensorView checkpoint_offsets;   // [N + 1] int32/int64
+  int64_t checkpoint_every = 0;   // 0 = off; else a positive multiple of kChunkSize
+  TensorView checkpoints;         // [num_checkpoints, HV, V, K]
+  TensorView checkpoint_offsets;  // [N + 1] int32/int64
 
   // Host-side check of the pool slots: a slot >= P, or two sequences with the same slot in
   // [0, P), is kInvalidArgument naming both sequences (negative slots stay "no pooled state").
@@ -266,12 +266,12 @@ struct PrefillBackwardParams {
   TensorView d_out;          // [B, T, HV, V], optional
   TensorView d_final_state;  // [N, HV, V, K] / [N, HV, K, V], optional
 
-  TensorView dq, dk;         // [B, T, H, K]
-  TensorView dv;             // [B, T, HV, V]
-  TensorView dg;             // [B, T, HV, K]
-  TensorView dbeta;          // [B, T, HV]
-  TensorView dA_log;         // [HV] fp32
-  TensorView ddt_bias;       // [HV, K] fp32
+  TensorView dq, dk;           // [B, T, H, K]
+  TensorView dv;               // [B, T, HV, V]
+  TensorView dg;               // [B, T, HV, K]
+  TensorView dbeta;            // [B, T, HV]
+  TensorView dA_log;           // [HV] fp32
+  TensorView ddt_bias;         // [HV, K] fp32
   TensorView d_initial_state;  // [N, HV, V, K] / [N, HV, K, V]
 
   ExecOptions exec;
@@ -307,15 +307,15 @@ Status validate(const PrefillBackwardParams& params);
 //   * else in place: to the read slot (state_indices[n], or slot n without indices).
 // Slots that no row reads or writes are never touched.
 struct DecodeParams {
-  TensorView q;              // [B, T, H, K]      bf16/fp16 (fp32 on CPU)
-  TensorView k;              // [B, T, H, K]
-  TensorView v;              // [B, T, HV, V]
-  TensorView g;              // [B, T, HV, K]     q's dtype or fp32
-  TensorView beta;           // [B, T, HV] or [B, T, HV, V] (one beta per value row)
-  TensorView A_log;          // [HV] fp32, optional
-  TensorView dt_bias;        // [HV, K] fp32 or bf16, optional
-  TensorView cu_seqlens;     // [N + 1] int32/int64, optional: varlen mode
-  TensorView out;            // [B, T, HV, V]     q's dtype or fp32
+  TensorView q;           // [B, T, H, K]      bf16/fp16 (fp32 on CPU)
+  TensorView k;           // [B, T, H, K]
+  TensorView v;           // [B, T, HV, V]
+  TensorView g;           // [B, T, HV, K]     q's dtype or fp32
+  TensorView beta;        // [B, T, HV] or [B, T, HV, V] (one beta per value row)
+  TensorView A_log;       // [HV] fp32, optional
+  TensorView dt_bias;     // [HV, K] fp32 or bf16, optional
+  TensorView cu_seqlens;  // [N + 1] int32/int64, optional: varlen mode
+  TensorView out;         // [B, T, HV, V]     q's dtype or fp32
 
   TensorView state;                // [P, HV, V, K] or [P, HV, K, V], fp32/bf16: the pool
   TensorView state_indices;        // [N] or [N, Tmax] int32/int64, optional
@@ -363,8 +363,8 @@ struct DeviceInfo {
   bool supported = false;  // the CUDA kernels of this build run on it (sm_90)
 };
 
-bool cuda_compiled();                          // this build contains the CUDA backend
-std::vector<DeviceInfo> cuda_devices();        // empty without a driver or devices
+bool cuda_compiled();                    // this build contains the CUDA backend
+std::vector<DeviceInfo> cuda_devices();  // empty without a driver or devices
 Backend resolve_backend(Backend requested, Device tensors_device);
 const char* version();
 

@@ -25,15 +25,14 @@ namespace kda::detail {
 // The device code's plain-int gate codes are GateForm's (kda_math.h needs no public header).
 static_assert(kGatePrecomputed == static_cast<int>(GateForm::kPrecomputed) &&
                   kGateSoftplus == static_cast<int>(GateForm::kSoftplus) &&
-                  kGateLowerBound == static_cast<int>(GateForm::kLowerBound) &&
-                  kNumGateForms == 3,
+                  kGateLowerBound == static_cast<int>(GateForm::kLowerBound) && kNumGateForms == 3,
               "kda_math.h's gate codes must match GateForm");
 
 // Resolved sizes and flags shared by prefill and decode.
 struct Dims {
-  int64_t B = 0;       // leading dimension of the per-token tensors (1 in varlen mode)
-  int64_t T = 0;       // tokens dimension (total tokens in varlen mode)
-  int64_t N = 0;       // sequences
+  int64_t B = 0;  // leading dimension of the per-token tensors (1 in varlen mode)
+  int64_t T = 0;  // tokens dimension (total tokens in varlen mode)
+  int64_t N = 0;  // sequences
   int64_t H = 0, HV = 0, K = 0, V = 0;
   bool varlen = false;
   int64_t groups() const { return HV / H; }  // value heads per q/k head
@@ -52,8 +51,8 @@ struct MathConsts {
 struct PrefillProblem {
   Dims d;
   MathConsts math;
-  TensorView q, k, v, g, beta, out;      // rank 4 (beta: [B, T, HV, 1])
-  TensorView A_log, dt_bias, cu_seqlens;  // as given (optional)
+  TensorView q, k, v, g, beta, out;                                  // rank 4 (beta: [B, T, HV, 1])
+  TensorView A_log, dt_bias, cu_seqlens;                             // as given (optional)
   TensorView initial_state, final_state, state_pool, state_indices;  // rank 4 / as given
   TensorView checkpoints, checkpoint_offsets;
   int64_t checkpoint_every = 0;
@@ -109,8 +108,8 @@ inline DecodeIndexData own_index_data(const DecodeProblem& pr) {
 }
 
 // The read slot of decode row n of T_n = len tokens (rules::decode_read_slot).
-inline rules::ReadSlot decode_row_slot(const DecodeProblem& pr, const DecodeIndexData& x,
-                                       int64_t n, int64_t len) {
+inline rules::ReadSlot decode_row_slot(const DecodeProblem& pr, const DecodeIndexData& x, int64_t n,
+                                       int64_t len) {
   rules::DecodeIndexing ix;
   ix.P = pr.state.shape[0];
   ix.Tmax = pr.Tmax;

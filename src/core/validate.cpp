@@ -70,8 +70,8 @@ Status check_view(const char* arg, const TensorView& t, const TensorView& ref_de
   for (int i = 0; i < t.ndim; ++i) {
     if (t.shape[i] < 0) return Err(arg, "non-negative sizes", "shape " + shape_str(t));
     if (t.strides[i] < 0)
-      return Err(arg, "non-negative strides", "stride " + std::to_string(t.strides[i]) +
-                                                   " in dimension " + std::to_string(i));
+      return Err(arg, "non-negative strides",
+                 "stride " + std::to_string(t.strides[i]) + " in dimension " + std::to_string(i));
   }
   if (t.numel() < 0)
     return Err(arg, "an element count that fits in int64", "shape " + shape_str(t));
@@ -170,7 +170,8 @@ Status parse_q(const TensorView& q, const TensorView& cu, Dims* d) {
     if (cu.ndim != 1 || cu.shape[0] < 1)
       return Err("cu_seqlens", "shape [N + 1] with N >= 0", "shape " + shape_str(cu));
     if (!is_index(cu.dtype))
-      return Err("cu_seqlens", "dtype int32 or int64", std::string("dtype ") + dtype_name(cu.dtype));
+      return Err("cu_seqlens", "dtype int32 or int64",
+                 std::string("dtype ") + dtype_name(cu.dtype));
     if (q.ndim == 3) {
       d->B = 1;
       d->T = q.shape[0];
@@ -196,7 +197,8 @@ Status parse_q(const TensorView& q, const TensorView& cu, Dims* d) {
     d->N = d->B;
   }
   if (d->H < 1) return Err("q", "at least one head (H >= 1)", "shape " + shape_str(q));
-  if (d->K < 1 || d->K > 256) return Err("q", "head dim K in [1, 256]", "K = " + std::to_string(d->K));
+  if (d->K < 1 || d->K > 256)
+    return Err("q", "head dim K in [1, 256]", "K = " + std::to_string(d->K));
   return Status::Ok();
 }
 
@@ -204,29 +206,35 @@ Status parse_q(const TensorView& q, const TensorView& cu, Dims* d) {
 Status parse_v(const TensorView& v, const TensorView& q, Dims* d) {
   if (!v.present()) return Err("v", "a tensor [B, T, HV, V]", "absent");
   KDA_RETURN_IF_ERROR(check_view("v", v, q));
-  if (v.ndim != q.ndim) return Err("v", "rank " + std::to_string(q.ndim) + " (as q)", "shape " + shape_str(v));
+  if (v.ndim != q.ndim)
+    return Err("v", "rank " + std::to_string(q.ndim) + " (as q)", "shape " + shape_str(v));
   const int o = v.ndim - 4;  // -1 for rank 3 (varlen [T, HV, V])
   if (!std::equal(v.shape, v.shape + v.ndim - 2, q.shape))
     return Err("v", "the same leading dimensions as q " + shape_str(q), "shape " + shape_str(v));
   d->HV = v.shape[2 + o];
   d->V = v.shape[3 + o];
   if (d->HV < 1 || d->HV % d->H != 0)
-    return Err("v", "HV a positive multiple of H = " + std::to_string(d->H), "HV = " + std::to_string(d->HV));
-  if (d->V < 1 || d->V > 256) return Err("v", "value dim V in [1, 256]", "V = " + std::to_string(d->V));
+    return Err("v", "HV a positive multiple of H = " + std::to_string(d->H),
+               "HV = " + std::to_string(d->HV));
+  if (d->V < 1 || d->V > 256)
+    return Err("v", "value dim V in [1, 256]", "V = " + std::to_string(d->V));
   if (v.dtype != q.dtype)
-    return Err("v", std::string("dtype ") + dtype_name(q.dtype) + " (as q)", std::string("dtype ") + dtype_name(v.dtype));
+    return Err("v", std::string("dtype ") + dtype_name(q.dtype) + " (as q)",
+               std::string("dtype ") + dtype_name(v.dtype));
   return Status::Ok();
 }
 
 // q, k, v (and cu_seqlens) into Dims.
-Status parse_qkv(const TensorView& q, const TensorView& k, const TensorView& v, const TensorView& cu, Dims* d) {
+Status parse_qkv(const TensorView& q, const TensorView& k, const TensorView& v,
+                 const TensorView& cu, Dims* d) {
   KDA_RETURN_IF_ERROR(parse_q(q, cu, d));
   if (!k.present()) return Err("k", "a tensor [B, T, H, K]", "absent");
   KDA_RETURN_IF_ERROR(check_view("k", k, q));
   if (k.ndim != q.ndim || !std::equal(k.shape, k.shape + k.ndim, q.shape))
     return Err("k", "shape " + shape_str(q) + " (as q)", "shape " + shape_str(k));
   if (k.dtype != q.dtype)
-    return Err("k", std::string("dtype ") + dtype_name(q.dtype) + " (as q)", std::string("dtype ") + dtype_name(k.dtype));
+    return Err("k", std::string("dtype ") + dtype_name(q.dtype) + " (as q)",
+               std::string("dtype ") + dtype_name(k.dtype));
   return parse_v(v, q, d);
 }
 
@@ -294,7 +302,12 @@ Status check_state(const char* arg, const TensorView& s, int64_t rows, const Dim
   const char* lname = layout == StateLayout::kVFirst ? " (V-first)" : " (K-first)";
   if (s.ndim != 4 || (rows >= 0 && s.shape[0] != rows) || s.shape[1] != d.HV || s.shape[2] != a ||
       s.shape[3] != b)
-    return Err(arg, "shape " + (rows >= 0 ? dims_str({rows, d.HV, a, b}) : "[P, " + std::to_string(d.HV) + ", " + std::to_string(a) + ", " + std::to_string(b) + "]") + lname,
+    return Err(arg,
+               "shape " +
+                   (rows >= 0 ? dims_str({rows, d.HV, a, b})
+                              : "[P, " + std::to_string(d.HV) + ", " + std::to_string(a) + ", " +
+                                    std::to_string(b) + "]") +
+                   lname,
                "shape " + shape_str(s));
   const bool ok = s.dtype == DType::kFloat32 || s.dtype == DType::kBFloat16 ||
                   (allow_fp16 && s.dtype == DType::kFloat16);
@@ -372,12 +385,14 @@ Overlap internal_overlap(const TensorView& t) {
 Status check_cu_seqlens_values(const TensorView& cu, int64_t total_tokens) {
   const int64_t n1 = cu.shape[0];
   if (load_index(cu, 0) != 0)
-    return Err("cu_seqlens", "cu_seqlens[0] == 0", "cu_seqlens[0] = " + std::to_string(load_index(cu, 0)));
+    return Err("cu_seqlens", "cu_seqlens[0] == 0",
+               "cu_seqlens[0] = " + std::to_string(load_index(cu, 0)));
   for (int64_t i = 1; i < n1; ++i) {
     if (load_index(cu, i) < load_index(cu, i - 1))
       return Err("cu_seqlens", "non-decreasing values",
                  "cu_seqlens[" + std::to_string(i) + "] = " + std::to_string(load_index(cu, i)) +
-                     " < cu_seqlens[" + std::to_string(i - 1) + "] = " + std::to_string(load_index(cu, i - 1)));
+                     " < cu_seqlens[" + std::to_string(i - 1) +
+                     "] = " + std::to_string(load_index(cu, i - 1)));
   }
   if (load_index(cu, n1 - 1) != total_tokens)
     return Err("cu_seqlens", "last value == total tokens " + std::to_string(total_tokens),
@@ -402,20 +417,26 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
 
   // States: either initial/final rows per sequence, or a pool with indices.
   if (p.state_pool.present() || p.state_indices.present()) {
-    if (!p.state_pool.present()) return Err("state_pool", "a pool [P, HV, ...] with state_indices", "absent");
-    if (!p.state_indices.present()) return Err("state_indices", "a tensor [N] with state_pool", "absent");
+    if (!p.state_pool.present())
+      return Err("state_pool", "a pool [P, HV, ...] with state_indices", "absent");
+    if (!p.state_indices.present())
+      return Err("state_indices", "a tensor [N] with state_pool", "absent");
     if (p.initial_state.present())
-      return Err("initial_state", "absent in pool mode (the pool is read through state_indices)", shape_str(p.initial_state));
+      return Err("initial_state", "absent in pool mode (the pool is read through state_indices)",
+                 shape_str(p.initial_state));
     if (p.final_state.present())
-      return Err("final_state", "absent in pool mode (the pool is written in place)", shape_str(p.final_state));
+      return Err("final_state", "absent in pool mode (the pool is written in place)",
+                 shape_str(p.final_state));
     KDA_RETURN_IF_ERROR(check_state("state_pool", p.state_pool, -1, d, p.state_layout, p.q, true));
     KDA_RETURN_IF_ERROR(check_output_strides("state_pool", p.state_pool));
     KDA_RETURN_IF_ERROR(check_index_vector("state_indices", p.state_indices, d.N, p.q));
   }
   if (p.initial_state.present())
-    KDA_RETURN_IF_ERROR(check_state("initial_state", p.initial_state, d.N, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(
+        check_state("initial_state", p.initial_state, d.N, d, p.state_layout, p.q, true));
   if (p.final_state.present()) {
-    KDA_RETURN_IF_ERROR(check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, true));
+    KDA_RETURN_IF_ERROR(
+        check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, true));
     KDA_RETURN_IF_ERROR(check_output_strides("final_state", p.final_state));
   }
 
@@ -423,13 +444,21 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
     return Err("checkpoint_every", "0 or a positive multiple of " + std::to_string(kChunkSize),
                std::to_string(p.checkpoint_every));
   if (p.checkpoint_every > 0) {
-    if (!p.checkpoints.present()) return Err("checkpoints", "a tensor [num_checkpoints, HV, ...] when checkpoint_every > 0", "absent");
-    KDA_RETURN_IF_ERROR(check_state("checkpoints", p.checkpoints, -1, d, p.state_layout, p.q, true));
+    if (!p.checkpoints.present())
+      return Err("checkpoints", "a tensor [num_checkpoints, HV, ...] when checkpoint_every > 0",
+                 "absent");
+    KDA_RETURN_IF_ERROR(
+        check_state("checkpoints", p.checkpoints, -1, d, p.state_layout, p.q, true));
     KDA_RETURN_IF_ERROR(check_output_strides("checkpoints", p.checkpoints));
-    if (!p.checkpoint_offsets.present()) return Err("checkpoint_offsets", "a tensor [N + 1] when checkpoint_every > 0", "absent");
-    KDA_RETURN_IF_ERROR(check_index_vector("checkpoint_offsets", p.checkpoint_offsets, d.N + 1, p.q));
+    if (!p.checkpoint_offsets.present())
+      return Err("checkpoint_offsets", "a tensor [N + 1] when checkpoint_every > 0", "absent");
+    KDA_RETURN_IF_ERROR(
+        check_index_vector("checkpoint_offsets", p.checkpoint_offsets, d.N + 1, p.q));
   } else if (p.checkpoints.present() || p.checkpoint_offsets.present()) {
-    return Err("checkpoint_every", "a positive multiple of " + std::to_string(kChunkSize) + " when checkpoints are given", "0");
+    return Err(
+        "checkpoint_every",
+        "a positive multiple of " + std::to_string(kChunkSize) + " when checkpoints are given",
+        "0");
   }
 
   // Host-visible index values.
@@ -441,7 +470,8 @@ Status validate_prefill(const PrefillParams& p, PrefillProblem* pr) {
       for (int64_t i = 0; i <= d.N; ++i) {
         const int64_t x = load_index(o, i);
         if (x < 0 || x > rows || (i > 0 && x < load_index(o, i - 1)))
-          return Err("checkpoint_offsets", "non-decreasing values in [0, " + std::to_string(rows) + "]",
+          return Err("checkpoint_offsets",
+                     "non-decreasing values in [0, " + std::to_string(rows) + "]",
                      "checkpoint_offsets[" + std::to_string(i) + "] = " + std::to_string(x));
       }
     }
@@ -509,34 +539,47 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
     const TensorView& si = p.state_indices;
     KDA_RETURN_IF_ERROR(check_view("state_indices", si, p.q));
     if (!is_index(si.dtype))
-      return Err("state_indices", "dtype int32 or int64", std::string("dtype ") + dtype_name(si.dtype));
+      return Err("state_indices", "dtype int32 or int64",
+                 std::string("dtype ") + dtype_name(si.dtype));
     if (si.ndim == 1) {
       KDA_RETURN_IF_ERROR(check_shape("state_indices", si, {d.N}));
-    } else if (si.ndim == 2 && si.shape[0] == d.N && (d.varlen ? si.shape[1] >= 1 : si.shape[1] == d.T)) {
+    } else if (si.ndim == 2 && si.shape[0] == d.N &&
+               (d.varlen ? si.shape[1] >= 1 : si.shape[1] == d.T)) {
       indices_2d = true;
       Tmax = si.shape[1];
     } else {
-      return Err("state_indices", "shape [N] or [N, T] with N = " + std::to_string(d.N) +
-                                      (d.varlen ? ", T >= 1" : ", T = " + std::to_string(d.T)),
+      return Err("state_indices",
+                 "shape [N] or [N, T] with N = " + std::to_string(d.N) +
+                     (d.varlen ? ", T >= 1" : ", T = " + std::to_string(d.T)),
                  "shape " + shape_str(si));
     }
   }
   if (p.num_accepted_tokens.present()) {
     if (!indices_2d)
-      return Err("num_accepted_tokens", "absent unless state_indices is [N, T] (speculative decode)", shape_str(p.num_accepted_tokens));
+      return Err("num_accepted_tokens",
+                 "absent unless state_indices is [N, T] (speculative decode)",
+                 shape_str(p.num_accepted_tokens));
     KDA_RETURN_IF_ERROR(check_index_vector("num_accepted_tokens", p.num_accepted_tokens, d.N, p.q));
   }
   if (p.final_state.present()) {
     if (indices_2d)
-      return Err("final_state", "absent with [N, T] state_indices (states go to the slots or to intermediate_states)", shape_str(p.final_state));
-    KDA_RETURN_IF_ERROR(check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, false));
+      return Err(
+          "final_state",
+          "absent with [N, T] state_indices (states go to the slots or to intermediate_states)",
+          shape_str(p.final_state));
+    KDA_RETURN_IF_ERROR(
+        check_state("final_state", p.final_state, d.N, d, p.state_layout, p.q, false));
     if (p.final_state.dtype != p.state.dtype)
-      return Err("final_state", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)", std::string("dtype ") + dtype_name(p.final_state.dtype));
+      return Err("final_state", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)",
+                 std::string("dtype ") + dtype_name(p.final_state.dtype));
   }
   if (p.intermediate_states.present()) {
-    KDA_RETURN_IF_ERROR(check_state("intermediate_states", p.intermediate_states, total_tokens, d, p.state_layout, p.q, false));
+    KDA_RETURN_IF_ERROR(check_state("intermediate_states", p.intermediate_states, total_tokens, d,
+                                    p.state_layout, p.q, false));
     if (p.intermediate_states.dtype != p.state.dtype)
-      return Err("intermediate_states", std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)", std::string("dtype ") + dtype_name(p.intermediate_states.dtype));
+      return Err("intermediate_states",
+                 std::string("dtype ") + dtype_name(p.state.dtype) + " (as state)",
+                 std::string("dtype ") + dtype_name(p.intermediate_states.dtype));
   }
   // The outputs the call writes: the pool only in place (neither separate output present).
   if (p.store_final_state) {
@@ -547,7 +590,8 @@ Status validate_decode(const DecodeParams& p, DecodeProblem* pr) {
     if (!p.final_state.present() && !p.intermediate_states.present())
       KDA_RETURN_IF_ERROR(check_output_strides("state", p.state));
   }
-  if (p.q.device == Device::kCPU && d.varlen) KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
+  if (p.q.device == Device::kCPU && d.varlen)
+    KDA_RETURN_IF_ERROR(check_cu_seqlens_values(p.cu_seqlens, d.T));
 
   pr->d = d;
   pr->math = mc;
@@ -626,8 +670,10 @@ Status check_decode_index_values(const DecodeProblem& pr, const void* indices_ho
     const rules::ReadSlot r = decode_row_slot(pr, host, n, len);
     const std::string seq = "sequence " + std::to_string(n);
     switch (r.state) {
-      case rules::RowState::kLive: break;
-      case rules::RowState::kNegativeSlot: continue;  // padding by intent
+      case rules::RowState::kLive:
+        break;
+      case rules::RowState::kNegativeSlot:
+        continue;  // padding by intent
       case rules::RowState::kAcceptedOutOfRange:
         return Err("num_accepted_tokens", "values in [1, T_n] = [1, " + std::to_string(len) + "]",
                    "num_accepted_tokens[" + std::to_string(n) + "] = " + std::to_string(r.value));
@@ -635,7 +681,8 @@ Status check_decode_index_values(const DecodeProblem& pr, const void* indices_ho
         return Err("state_indices", "at least T_n = " + std::to_string(len) + " columns for " + seq,
                    std::to_string(pr.Tmax) + " columns");
       case rules::RowState::kSlotOutOfRange:
-        return Err("state_indices", "slots < P = " + std::to_string(P) + " (or negative for padding)",
+        return Err("state_indices",
+                   "slots < P = " + std::to_string(P) + " (or negative for padding)",
                    "slot " + std::to_string(r.value) + " for " + seq);
       case rules::RowState::kNoSlotForRow:
         return Err("state",
@@ -687,8 +734,8 @@ Status check_grad_dtype(const char* arg, const TensorView& t, DType dtype, const
              std::string("dtype ") + dtype_name(t.dtype));
 }
 
-Status check_grad_token(const char* arg, const TensorView& t, const Dims& d, int64_t d2,
-                        int64_t d3, const TensorView& q, DType dtype, const char* of) {
+Status check_grad_token(const char* arg, const TensorView& t, const Dims& d, int64_t d2, int64_t d3,
+                        const TensorView& q, DType dtype, const char* of) {
   if (!t.present()) return Status::Ok();
   KDA_RETURN_IF_ERROR(check_token_tensor(arg, t, d, d2, d3, q));
   return check_grad_dtype(arg, t, dtype, of);

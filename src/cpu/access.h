@@ -7,39 +7,52 @@
 #include "core/problem.h"
 #include "cpu/isa.h"
 
-namespace kda::cpu::inline KDA_CPU_ISA {
+namespace kda::cpu {
+inline namespace KDA_CPU_ISA {
 
 inline double load_scalar(const void* base, DType dt, int64_t off) {
   switch (dt) {
-    case DType::kFloat32: return static_cast<const float*>(base)[off];
-    case DType::kFloat16: return detail::fp16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
-    case DType::kBFloat16: return detail::bf16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
-    case DType::kInt32: return static_cast<const int32_t*>(base)[off];
-    case DType::kInt64: return static_cast<double>(static_cast<const int64_t*>(base)[off]);
+    case DType::kFloat32:
+      return static_cast<const float*>(base)[off];
+    case DType::kFloat16:
+      return detail::fp16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
+    case DType::kBFloat16:
+      return detail::bf16_bits_to_float(static_cast<const uint16_t*>(base)[off]);
+    case DType::kInt32:
+      return static_cast<const int32_t*>(base)[off];
+    case DType::kInt64:
+      return static_cast<double>(static_cast<const int64_t*>(base)[off]);
   }
   return 0.0;
 }
 
 inline void store_scalar(void* base, DType dt, int64_t off, double x) {
   switch (dt) {
-    case DType::kFloat32: static_cast<float*>(base)[off] = static_cast<float>(x); break;
+    case DType::kFloat32:
+      static_cast<float*>(base)[off] = static_cast<float>(x);
+      break;
     case DType::kFloat16:
       static_cast<uint16_t*>(base)[off] = detail::float_to_fp16_bits(static_cast<float>(x));
       break;
     case DType::kBFloat16:
       static_cast<uint16_t*>(base)[off] = detail::float_to_bf16_bits(static_cast<float>(x));
       break;
-    default: break;
+    default:
+      break;
   }
 }
 
 // Rounds x to what storing it in dt and loading it back gives.
 inline double round_to(DType dt, double x) {
   switch (dt) {
-    case DType::kFloat32: return static_cast<float>(x);
-    case DType::kFloat16: return detail::fp16_bits_to_float(detail::float_to_fp16_bits(static_cast<float>(x)));
-    case DType::kBFloat16: return detail::bf16_bits_to_float(detail::float_to_bf16_bits(static_cast<float>(x)));
-    default: return x;
+    case DType::kFloat32:
+      return static_cast<float>(x);
+    case DType::kFloat16:
+      return detail::fp16_bits_to_float(detail::float_to_fp16_bits(static_cast<float>(x)));
+    case DType::kBFloat16:
+      return detail::bf16_bits_to_float(detail::float_to_bf16_bits(static_cast<float>(x)));
+    default:
+      return x;
   }
 }
 
@@ -68,7 +81,8 @@ inline void load_row(const TensorView& t, int64_t off, int64_t n, F* dst) {
       break;
     }
     default:
-      for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<F>(load_scalar(t.data, t.dtype, off + i));
+      for (int64_t i = 0; i < n; ++i)
+        dst[i] = static_cast<F>(load_scalar(t.data, t.dtype, off + i));
   }
 }
 
@@ -90,7 +104,8 @@ inline void store_row(const TensorView& t, int64_t off, int64_t n, const F* src)
       for (int64_t i = 0; i < n; ++i) p[i] = detail::float_to_fp16_bits(static_cast<float>(src[i]));
       break;
     }
-    default: break;
+    default:
+      break;
   }
 }
 
@@ -118,8 +133,8 @@ inline void load_state(const TensorView& st, StateLayout layout, int64_t row, in
 }
 
 template <typename F>
-inline void store_state(const TensorView& st, StateLayout layout, int64_t row, int64_t hv, int64_t K,
-                        int64_t V, const F* S) {
+inline void store_state(const TensorView& st, StateLayout layout, int64_t row, int64_t hv,
+                        int64_t K, int64_t V, const F* S) {
   if (layout == StateLayout::kKFirst) {
     for (int64_t kk = 0; kk < K; ++kk) store_row(st, offset4(st, row, hv, kk, 0), V, S + kk * V);
   } else {
@@ -131,4 +146,5 @@ inline void store_state(const TensorView& st, StateLayout layout, int64_t row, i
   }
 }
 
-}  // namespace kda::cpu::inline KDA_CPU_ISA
+}  // namespace KDA_CPU_ISA
+}  // namespace kda::cpu

@@ -10,7 +10,8 @@
 #include "cpu/backends.h"
 #include "cpu/token.h"
 
-namespace kda::cpu::inline KDA_CPU_ISA {
+namespace kda::cpu {
+inline namespace KDA_CPU_ISA {
 namespace {
 
 constexpr int kMaxD = 256;
@@ -72,8 +73,10 @@ void decode_task(const detail::DecodeProblem& pr, int64_t n, int64_t hv, DecodeS
     }
   }
   if (pr.store_final_state && !pr.intermediate_states.present() && !pr.indices_2d) {
-    if (pr.final_state.present()) store_state(pr.final_state, pr.layout, n, hv, K, V, w.S);
-    else store_state(pr.state, pr.layout, slot, hv, K, V, w.S);
+    if (pr.final_state.present())
+      store_state(pr.final_state, pr.layout, n, hv, K, V, w.S);
+    else
+      store_state(pr.state, pr.layout, slot, hv, K, V, w.S);
   }
 }
 
@@ -90,4 +93,5 @@ Status fast_decode(const detail::DecodeProblem& pr, int num_threads) {
   });
 }
 
-}  // namespace kda::cpu::inline KDA_CPU_ISA
+}  // namespace KDA_CPU_ISA
+}  // namespace kda::cpu

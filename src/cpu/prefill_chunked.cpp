@@ -26,7 +26,8 @@
 #include "cpu/token.h"
 #include "cpu/vec_math.h"
 
-namespace kda::cpu::inline KDA_CPU_ISA {
+namespace kda::cpu {
+inline namespace KDA_CPU_ISA {
 namespace {
 
 constexpr int kC = kChunkSize;  // tokens per chunk
@@ -46,8 +47,8 @@ inline v8f load8(const float* p) {
 inline void store8(float* p, v8f x) { std::memcpy(p, &x, sizeof(x)); }
 
 // With lower = true, A is lower triangular (A[i][kk] = 0 for kk > i) and those terms are skipped.
-inline void gemm_acc(int M, int N, int Kd, const float* A, int lda, const float* B, int ldb, float* C,
-                     int ldc, bool lower = false) {
+inline void gemm_acc(int M, int N, int Kd, const float* A, int lda, const float* B, int ldb,
+                     float* C, int ldc, bool lower = false) {
   const int N16 = N & ~15;
   int r = 0;
   for (; r + 4 <= M; r += 4) {
@@ -94,19 +95,19 @@ inline void transpose(const float* src, int rows, int cols, float* dst, int ldd)
 // Per-task scratch, row-major [token][channel] unless named *T (transposed, [channel][token]).
 struct Scratch {
   float q[kC * kMaxD], k[kC * kMaxD], v[kC * kMaxD];
-  float P[kC * kMaxD];    // exp(G_t) = prod_{j <= t} d_j
-  float qg[kC * kMaxD];   // exp(G_t) q_t
-  float w[kC * kMaxD];    // W
-  float ut[kC * kMaxD];   // Ut, then U
+  float P[kC * kMaxD];   // exp(G_t) = prod_{j <= t} d_j
+  float qg[kC * kMaxD];  // exp(G_t) q_t
+  float w[kC * kMaxD];   // W
+  float ut[kC * kMaxD];  // Ut, then U
   float o[kC * kMaxD];
-  float kbT[kMaxD * kC];  // exp(G_L - G_s) k_s, transposed
+  float kbT[kMaxD * kC];                     // exp(G_L - G_s) k_s, transposed
   float rq[kSub * kMaxD], rk[kSub * kMaxD];  // row-block operands q_t exp(G_t - G_r), k_t exp(..)
-  float kcT[kMaxD * kC];  // column operand k_s exp(G_r - G_s), transposed
-  float d[kC * kMaxD];    // exp(a_t), per-token decays
-  float e[kMaxD];         // running decay product
+  float kcT[kMaxD * kC];                     // column operand k_s exp(G_r - G_s), transposed
+  float d[kC * kMaxD];                       // exp(a_t), per-token decays
+  float e[kMaxD];                            // running decay product
   float Akk[kC * kC], Aqk[kC * kC];
-  float Tm[kC * kC];      // (I + diag(b) Akk)^-1 diag(b), lower triangular
-  float kg[kC * kMaxD];   // exp(G_t) k_t
+  float Tm[kC * kC];     // (I + diag(b) Akk)^-1 diag(b), lower triangular
+  float kg[kC * kMaxD];  // exp(G_t) k_t
   float b[kC];
   float S[kMaxD * kMaxD], tmp[kMaxD * kMaxD];
 };
@@ -247,7 +248,7 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
     // Load and preprocess the chunk; G = cumulative log decay.
     for (int t = 0; t < L; ++t) {
       load_token</*kRawGate=*/true>(pr, hg, span.b, span.bos + c0 + t, hv, w.q + t * K, w.k + t * K,
-                                     w.v + t * V, a, &w.b[t]);
+                                    w.v + t * V, a, &w.b[t]);
       log_decay_row(gate, a, K, hg.exp_A, hg.bias, lower_bound);
       for (int c = 0; c < K; ++c) w.d[t * K + c] = exp_f32(a[c]);
       const float* prev = t > 0 ? w.P + (t - 1) * K : nullptr;
@@ -260,7 +261,8 @@ void prefill_task(const detail::PrefillProblem& pr, int64_t n, int64_t hv, Scrat
     // Checkpoint at chunk boundaries that are multiples of checkpoint_every.
     const int64_t done = c0 + L;
     if (pr.checkpoint_every > 0 && done % pr.checkpoint_every == 0) {
-      const int64_t row = detail::load_index(pr.checkpoint_offsets, n) + done / pr.checkpoint_every - 1;
+      const int64_t row =
+          detail::load_index(pr.checkpoint_offsets, n) + done / pr.checkpoint_every - 1;
       if (row < detail::load_index(pr.checkpoint_offsets, n + 1) && row < pr.checkpoints.shape[0])
         store_state(pr.checkpoints, pr.layout, row, hv, K, V, w.S);
     }
@@ -282,4 +284,5 @@ Status fast_prefill(const detail::PrefillProblem& pr, int num_threads) {
   });
 }
 
-}  // namespace kda::cpu::inline KDA_CPU_ISA
+}  // namespace KDA_CPU_ISA
+}  // namespace kda::cpu

@@ -51,7 +51,8 @@ void reference_prefill(const detail::PrefillProblem& pr) {
     for (int64_t hv = 0; hv < d.HV; ++hv) {
       load_head_gate(pr, hv, &hg);
       std::fill(S.begin(), S.end(), 0.0);
-      if (pr.initial_state.present()) load_state(pr.initial_state, pr.layout, n, hv, d.K, d.V, S.data());
+      if (pr.initial_state.present())
+        load_state(pr.initial_state, pr.layout, n, hv, d.K, d.V, S.data());
       if (slot >= 0) load_state(pr.state_pool, pr.layout, slot, hv, d.K, d.V, S.data());
       for (int64_t t = 0; t < span.len; ++t) {
         load_token(pr, hg, span.b, span.bos + t, hv, buf.q.data(), buf.k.data(), buf.v.data(),
@@ -60,12 +61,15 @@ void reference_prefill(const detail::PrefillProblem& pr) {
                         buf.beta.data(), false, buf.o.data(), d.K, d.V);
         store_row(pr.out, offset4(pr.out, span.b, span.bos + t, hv, 0), d.V, buf.o.data());
         if (pr.checkpoint_every > 0 && (t + 1) % pr.checkpoint_every == 0) {
-          const int64_t row = detail::load_index(pr.checkpoint_offsets, n) + (t + 1) / pr.checkpoint_every - 1;
-          if (row < detail::load_index(pr.checkpoint_offsets, n + 1) && row < pr.checkpoints.shape[0])
+          const int64_t row =
+              detail::load_index(pr.checkpoint_offsets, n) + (t + 1) / pr.checkpoint_every - 1;
+          if (row < detail::load_index(pr.checkpoint_offsets, n + 1) &&
+              row < pr.checkpoints.shape[0])
             store_state(pr.checkpoints, pr.layout, row, hv, d.K, d.V, S.data());
         }
       }
-      if (pr.final_state.present()) store_state(pr.final_state, pr.layout, n, hv, d.K, d.V, S.data());
+      if (pr.final_state.present())
+        store_state(pr.final_state, pr.layout, n, hv, d.K, d.V, S.data());
       if (slot >= 0) store_state(pr.state_pool, pr.layout, slot, hv, d.K, d.V, S.data());
     }
   }
@@ -108,15 +112,18 @@ void reference_decode(const detail::DecodeProblem& pr) {
         store_row(pr.out, offset4(pr.out, span.b, span.bos + t, hv, 0), d.V, buf.o.data());
         if (!pr.store_final_state) continue;
         if (pr.intermediate_states.present()) {
-          store_state(pr.intermediate_states, pr.layout, span.b * d.T + span.bos + t, hv, d.K, d.V, S.data());
+          store_state(pr.intermediate_states, pr.layout, span.b * d.T + span.bos + t, hv, d.K, d.V,
+                      S.data());
         } else if (pr.indices_2d) {
           const int64_t ws = decode_token_slot(pr, n, t);
           if (ws >= 0) store_state(pr.state, pr.layout, ws, hv, d.K, d.V, S.data());
         }
       }
       if (pr.store_final_state && !pr.intermediate_states.present() && !pr.indices_2d) {
-        if (pr.final_state.present()) store_state(pr.final_state, pr.layout, n, hv, d.K, d.V, S.data());
-        else store_state(pr.state, pr.layout, slot, hv, d.K, d.V, S.data());
+        if (pr.final_state.present())
+          store_state(pr.final_state, pr.layout, n, hv, d.K, d.V, S.data());
+        else
+          store_state(pr.state, pr.layout, slot, hv, d.K, d.V, S.data());
       }
     }
   }

@@ -6,7 +6,8 @@
 
 #include "cpu/access.h"
 
-namespace kda::cpu::inline KDA_CPU_ISA {
+namespace kda::cpu {
+inline namespace KDA_CPU_ISA {
 
 // Per-value-head gate constants: exp(A_log[hv]) and dt_bias[hv, :].
 template <typename F>
@@ -17,9 +18,9 @@ struct HeadGate {
 
 template <typename F, typename Problem>
 void load_head_gate(const Problem& pr, int64_t hv, HeadGate<F>* hg) {
-  hg->exp_A = pr.A_log.present()
-                  ? static_cast<F>(std::exp(load_scalar(pr.A_log.data, pr.A_log.dtype, hv * pr.A_log.strides[0])))
-                  : F(1);
+  hg->exp_A = pr.A_log.present() ? static_cast<F>(std::exp(load_scalar(
+                                       pr.A_log.data, pr.A_log.dtype, hv * pr.A_log.strides[0])))
+                                 : F(1);
   for (int64_t kk = 0; kk < pr.d.K; ++kk) hg->bias[kk] = F(0);
   if (pr.dt_bias.present()) load_row(pr.dt_bias, hv * pr.dt_bias.strides[0], pr.d.K, hg->bias);
 }
@@ -53,12 +54,15 @@ void load_token(const Problem& pr, const HeadGate<F>& hg, int64_t b, int64_t t, 
   if (!kRawGate) {
     const int form = static_cast<int>(pr.math.gate);
     const F lb = static_cast<F>(pr.math.lower_bound);
-    for (int64_t i = 0; i < d.K; ++i) a[i] = detail::log_decay<F>(form, a[i], hg.exp_A, hg.bias[i], lb);
+    for (int64_t i = 0; i < d.K; ++i)
+      a[i] = detail::log_decay<F>(form, a[i], hg.exp_A, hg.bias[i], lb);
   }
   const int64_t nb = pr.beta.shape[3];  // 1, or V for per-value-row beta
   load_row(pr.beta, offset4(pr.beta, b, t, hv, 0), nb, beta);
   const bool logits = pr.math.beta_logits;
-  for (int64_t i = 0; i < nb; ++i) beta[i] = detail::activate_beta<F>(logits, pr.math.allow_neg_eigval, beta[i]);
+  for (int64_t i = 0; i < nb; ++i)
+    beta[i] = detail::activate_beta<F>(logits, pr.math.allow_neg_eigval, beta[i]);
 }
 
-}  // namespace kda::cpu::inline KDA_CPU_ISA
+}  // namespace KDA_CPU_ISA
+}  // namespace kda::cpu

@@ -7,7 +7,8 @@
 #include "core/kda_math.h"
 #include "cpu/isa.h"
 
-namespace kda::cpu::inline KDA_CPU_ISA {
+namespace kda::cpu {
+inline namespace KDA_CPU_ISA {
 
 // exp(x) in fp32 for any finite x, written so the compiler vectorizes it: 2^(x log2 e) split into
 // 2^n (exponent bits) times 2^f (degree-6 Taylor, |f| <= 1/2, relative error ~1e-7). Arguments
@@ -68,7 +69,8 @@ inline float sigmoid_f32(float x) {
 }
 
 // Log decay of a row of K channels from the raw gate input, in place (spec section 2).
-inline void log_decay_row(int form, float* a, int K, float exp_A, const float* bias, float lower_bound) {
+inline void log_decay_row(int form, float* a, int K, float exp_A, const float* bias,
+                          float lower_bound) {
   if (form == detail::kGateSoftplus) {
     for (int c = 0; c < K; ++c) a[c] = -exp_A * softplus_f32(a[c] + bias[c]);
   } else if (form == detail::kGateLowerBound) {
@@ -76,4 +78,5 @@ inline void log_decay_row(int form, float* a, int K, float exp_A, const float* b
   }
 }
 
-}  // namespace kda::cpu::inline KDA_CPU_ISA
+}  // namespace KDA_CPU_ISA
+}  // namespace kda::cpu

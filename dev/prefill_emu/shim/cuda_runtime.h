@@ -1,9 +1,9 @@
 // Emulation shim: CUDA runtime/device intrinsics on the host (threads = std::thread).
 #pragma once
+#include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <cmath>
-#include <algorithm>
 #define __global__
 #define __device__
 #define __host__
@@ -12,33 +12,56 @@
 #define __grid_constant__
 #define __shared__
 #define __align__(n)
-struct dim3 { unsigned x = 0, y = 0, z = 0; };
-struct uint4 { uint32_t x, y, z, w; };
-struct float4 { float x, y, z, w; };
-struct float2 { float x, y; };
+struct dim3 {
+  unsigned x = 0, y = 0, z = 0;
+};
+struct uint4 {
+  uint32_t x, y, z, w;
+};
+struct float4 {
+  float x, y, z, w;
+};
+struct float2 {
+  float x, y;
+};
 inline uint4 make_uint4(uint32_t a, uint32_t b, uint32_t c, uint32_t d) { return {a, b, c, d}; }
 inline float4 make_float4(float a, float b, float c, float d) { return {a, b, c, d}; }
 inline float2 make_float2(float a, float b) { return {a, b}; }
-inline float __uint_as_float(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t __float_as_uint(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float __uint_as_float(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t __float_as_uint(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 inline float __expf(float x) { return std::exp(x); }
 inline float __fdividef(float a, float b) { return a / b; }
 inline float __fdiv_rn(float a, float b) { return a / b; }
 inline float rsqrtf(float x) { return 1.f / std::sqrt(x); }
 inline int __clz(int x) { return x == 0 ? 32 : __builtin_clz(static_cast<unsigned>(x)); }
-template <typename T> inline T __ldg(const T* p) { return *p; }
+template <typename T>
+inline T __ldg(const T* p) {
+  return *p;
+}
 namespace emu {
 extern dim3 threadIdx_, blockIdx_, blockDim_, gridDim_;
 extern uint8_t* smem_base;
 extern size_t smem_size;
-struct WarpCtx { int arrived = 0; long gen = 0; uint64_t slot[32][16]; };
+struct WarpCtx {
+  int arrived = 0;
+  long gen = 0;
+  uint64_t slot[32][16];
+};
 extern WarpCtx* warp_ctx;
 extern int lane_id;
 void warp_sync();
 void block_sync();
 void named_sync(int id, int count);
 void yield_fiber();  // let the other fibers of the block run (spin-waits)
-}
+}  // namespace emu
 #define threadIdx emu::threadIdx_
 #define blockIdx emu::blockIdx_
 #define blockDim emu::blockDim_
@@ -46,24 +69,48 @@ void yield_fiber();  // let the other fibers of the block run (spin-waits)
 inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
 inline void __threadfence_block() {}  // fibers run one at a time: shared memory is always coherent
-inline unsigned atomicAdd(unsigned* p, unsigned v) { const unsigned old = *p; *p = old + v; return old; }
-inline int atomicAdd(int* p, int v) { const int old = *p; *p = old + v; return old; }
-template <typename T> inline T __shfl_sync(unsigned, T v, int src) {
-  static_assert(sizeof(T) <= 8);
-  uint64_t u = 0; std::memcpy(&u, &v, sizeof(T));
-  emu::warp_ctx->slot[emu::lane_id][0] = u; emu::warp_sync();
-  uint64_t r = emu::warp_ctx->slot[src & 31][0]; emu::warp_sync();
-  T out; std::memcpy(&out, &r, sizeof(T)); return out;
+inline unsigned atomicAdd(unsigned* p, unsigned v) {
+  const unsigned old = *p;
+  *p = old + v;
+  return old;
 }
-template <typename T> inline T __shfl_xor_sync(unsigned m, T v, int x) { return __shfl_sync(m, v, emu::lane_id ^ x); }
-template <typename T> inline T __shfl_up_sync(unsigned m, T v, int d) {
+inline int atomicAdd(int* p, int v) {
+  const int old = *p;
+  *p = old + v;
+  return old;
+}
+template <typename T>
+inline T __shfl_sync(unsigned, T v, int src) {
+  static_assert(sizeof(T) <= 8);
+  uint64_t u = 0;
+  std::memcpy(&u, &v, sizeof(T));
+  emu::warp_ctx->slot[emu::lane_id][0] = u;
+  emu::warp_sync();
+  uint64_t r = emu::warp_ctx->slot[src & 31][0];
+  emu::warp_sync();
+  T out;
+  std::memcpy(&out, &r, sizeof(T));
+  return out;
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned m, T v, int x) {
+  return __shfl_sync(m, v, emu::lane_id ^ x);
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned m, T v, int d) {
   return __shfl_sync(m, v, emu::lane_id >= d ? emu::lane_id - d : emu::lane_id);
 }
 inline unsigned __ballot_sync(unsigned, bool pred) {
-  emu::warp_ctx->slot[emu::lane_id][0] = pred; emu::warp_sync();
-  unsigned r = 0; for (int i = 0; i < 32; ++i) if (emu::warp_ctx->slot[i][0]) r |= 1u << i;
-  emu::warp_sync(); return r;
+  emu::warp_ctx->slot[emu::lane_id][0] = pred;
+  emu::warp_sync();
+  unsigned r = 0;
+  for (int i = 0; i < 32; ++i)
+    if (emu::warp_ctx->slot[i][0]) r |= 1u << i;
+  emu::warp_sync();
+  return r;
 }
-inline size_t __cvta_generic_to_shared(const void* p) { return static_cast<const uint8_t*>(p) - emu::smem_base; }
+inline size_t __cvta_generic_to_shared(const void* p) {
+  return static_cast<const uint8_t*>(p) - emu::smem_base;
+}
 #define smem emu_smem_alias
 #define smem_raw emu_smem_raw  // the recurrence kernel's unaligned base (same array, engine.h)

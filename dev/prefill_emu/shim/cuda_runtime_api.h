@@ -1,8 +1,8 @@
 // Emulation shim of the CUDA runtime API used by tests/gpu_support.h and the GPU tests.
 #pragma once
+#include <cstddef>
 #include <cstdlib>
 #include <cstring>
-#include <cstddef>
 typedef int cudaError_t;
 enum { cudaSuccess = 0, cudaErrorMemoryAllocation = 2 };
 enum cudaMemcpyKind { cudaMemcpyHostToDevice, cudaMemcpyDeviceToHost, cudaMemcpyDeviceToDevice };
@@ -10,23 +10,61 @@ typedef struct CUstream_st* cudaStream_t;
 typedef struct CUgraph_st* cudaGraph_t;
 typedef struct CUgraphExec_st* cudaGraphExec_t;
 enum { cudaStreamNonBlocking = 1 };
-enum cudaStreamCaptureMode { cudaStreamCaptureModeGlobal, cudaStreamCaptureModeThreadLocal, cudaStreamCaptureModeRelaxed };
-struct cudaDeviceProp { char name[256]; int major, minor, multiProcessorCount; size_t totalGlobalMem; };
+enum cudaStreamCaptureMode {
+  cudaStreamCaptureModeGlobal,
+  cudaStreamCaptureModeThreadLocal,
+  cudaStreamCaptureModeRelaxed
+};
+struct cudaDeviceProp {
+  char name[256];
+  int major, minor, multiProcessorCount;
+  size_t totalGlobalMem;
+};
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
-inline cudaError_t cudaMalloc(void** p, size_t n) { *p = std::aligned_alloc(256, (n + 255) / 256 * 256); return *p ? 0 : 2; }
-inline cudaError_t cudaFree(void* p) { std::free(p); return 0; }
-inline cudaError_t cudaMemset(void* p, int v, size_t n) { std::memset(p, v, n); return 0; }
-inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) { std::memcpy(d, s, n); return 0; }
-inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return 0; }
-inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) { std::memset(p, 0, sizeof(*p)); p->major = 9; p->minor = 0; p->multiProcessorCount = 132; return 0; }
+inline cudaError_t cudaMalloc(void** p, size_t n) {
+  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
+  return *p ? 0 : 2;
+}
+inline cudaError_t cudaFree(void* p) {
+  std::free(p);
+  return 0;
+}
+inline cudaError_t cudaMemset(void* p, int v, size_t n) {
+  std::memset(p, v, n);
+  return 0;
+}
+inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) {
+  std::memcpy(d, s, n);
+  return 0;
+}
+inline cudaError_t cudaGetDeviceCount(int* n) {
+  *n = 1;
+  return 0;
+}
+inline cudaError_t cudaGetDeviceProperties(cudaDeviceProp* p, int) {
+  std::memset(p, 0, sizeof(*p));
+  p->major = 9;
+  p->minor = 0;
+  p->multiProcessorCount = 132;
+  return 0;
+}
 inline cudaError_t cudaGetLastError() { return 0; }
 inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return 0; }
 inline cudaError_t cudaDeviceSynchronize() { return 0; }
-inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) { *s = nullptr; return 0; }
+inline cudaError_t cudaStreamCreateWithFlags(cudaStream_t* s, unsigned) {
+  *s = nullptr;
+  return 0;
+}
 inline cudaError_t cudaStreamDestroy(cudaStream_t) { return 0; }
 inline cudaError_t cudaStreamBeginCapture(cudaStream_t, cudaStreamCaptureMode) { return 0; }
-inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* g) { *g = nullptr; return 0; }
-inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t, unsigned long long) { *e = nullptr; return 0; }
+inline cudaError_t cudaStreamEndCapture(cudaStream_t, cudaGraph_t* g) {
+  *g = nullptr;
+  return 0;
+}
+inline cudaError_t cudaGraphInstantiate(cudaGraphExec_t* e, cudaGraph_t, unsigned long long) {
+  *e = nullptr;
+  return 0;
+}
 inline cudaError_t cudaGraphLaunch(cudaGraphExec_t, cudaStream_t) { return 0; }
 inline cudaError_t cudaGraphExecDestroy(cudaGraphExec_t) { return 0; }
 inline cudaError_t cudaGraphDestroy(cudaGraph_t) { return 0; }

@@ -36,9 +36,9 @@ Status device_attributes(int device, DeviceAttributes** out) {
   static std::atomic<bool> ready[kMaxDevices];
   static std::mutex mu;
   if (device < 0 || device >= kMaxDevices)
-    return {StatusCode::kUnsupported, "q", "CUDA device index " + std::to_string(device) +
-                                          " out of range (at most " + std::to_string(kMaxDevices) +
-                                          " devices)"};
+    return {StatusCode::kUnsupported, "q",
+            "CUDA device index " + std::to_string(device) + " out of range (at most " +
+                std::to_string(kMaxDevices) + " devices)"};
   DeviceAttributes& d = cache[device];
   if (!ready[device].load(std::memory_order_acquire)) {
     std::lock_guard<std::mutex> lock(mu);

@@ -43,7 +43,9 @@ __device__ __forceinline__ uint32_t smem_addr(const void* p) {
 // fp32 -> tf32, round to nearest (ties away from zero) on the 13 dropped bits: what
 // cvt.rna.tf32.f32 computes, in two full-rate integer operations (the conversion instruction is
 // not full rate). Finite inputs only (the kernels never feed it inf/NaN).
-__device__ __forceinline__ uint32_t f32_to_tf32(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+__device__ __forceinline__ uint32_t f32_to_tf32(float x) {
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+}
 __device__ __forceinline__ float tf32_round(float x) { return __uint_as_float(f32_to_tf32(x)); }
 
 // 2^x (MUFU.EX2, ~2 ulp; flushes denormal results to zero: 2^x < 2^-126 reads as 0).
@@ -59,18 +61,18 @@ __device__ __forceinline__ float fast_exp2(float x) {
 
 // D = A B + D, bf16 inputs, fp32 accumulate. Not volatile: a pure register operation that the
 // compiler may schedule freely (interleaving independent accumulators).
-__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
 // D = A B + D, fp16 inputs (pairs packed in 32-bit registers), fp32 accumulate (m16n8k16).
-__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void mma_f16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                        uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -90,9 +92,9 @@ __device__ __forceinline__ uint32_t mul_f16x2(uint32_t a, uint32_t b) {
 }
 
 // D = A B + D, tf32 inputs (32-bit registers holding tf32 values), fp32 accumulate.
-__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+__device__ __forceinline__ void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0,
+                                         uint32_t b1) {
+  asm("mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
@@ -106,7 +108,9 @@ __device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
 // Two 8x8 b16 matrices (row addresses from lanes 0-15); also two 8 x 4 fp32 blocks: lane 4g + c
 // gets word c of row g of each.
 __device__ __forceinline__ void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(addr));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n"
+               : "=r"(r[0]), "=r"(r[1])
+               : "r"(addr));
 }
 __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
@@ -115,8 +119,8 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
 }
 // Stores four 8x8 b16 matrices, each transposed: the fragment element (row g, col 2c..2c+1) of
 // matrix i lands at row 2c..2c+1, column g of the 8x8 block whose rows lane 8i..8i+7 address.
-__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t r2,
-                                                  uint32_t r3) {
+__device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1,
+                                                  uint32_t r2, uint32_t r3) {
   asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr),
                "r"(r0), "r"(r1), "r"(r2), "r"(r3)
                : "memory");
@@ -125,7 +129,8 @@ __device__ __forceinline__ void stmatrix_x4_trans(uint32_t addr, uint32_t r0, ui
 // 16-byte asynchronous copy global -> shared, bypassing L1 (.cg); src_bytes = 0 writes zeros and
 // reads nothing.
 __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(src_bytes)
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(src_bytes)
                : "memory");
 }
 // L2 prefetch of `bytes` (a multiple of 16) from a 16-byte aligned global address: a hint, no
@@ -133,7 +138,9 @@ __device__ __forceinline__ void cp_async_16_zfill(uint32_t dst, const void* src,
 __device__ __forceinline__ void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(src), "r"(bytes) : "memory");
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
 template <int kPending>
 __device__ __forceinline__ void cp_async_wait() {
   asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
@@ -153,7 +160,8 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 }
 __device__ __forceinline__ void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes) : "memory");
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(bar), "r"(bytes)
+               : "memory");
 }
 __device__ __forceinline__ void mbar_arrive(uint32_t bar) {
   asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(bar) : "memory");
@@ -163,12 +171,14 @@ __device__ __forceinline__ void named_barrier_sync(int id, int count) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 // Waits (acquire, CTA scope) until the phase of parity `parity` has completed; the retry loop is
-// C++ (the compiler sees it). A fresh barrier is in phase 0, so waiting for parity 1 returns at once.
+// C++ (the compiler sees it). A fresh barrier is in phase 0, so waiting for parity 1 returns at
+// once.
 __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
   uint32_t done = 0;
   while (!done) {
     asm volatile(
-        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, "
+        "1, 0, p;\n}\n"
         : "=r"(done)
         : "r"(bar), "r"(parity)
         : "memory");
@@ -176,9 +186,11 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
 }
 // Bulk copy global -> shared (16-byte aligned, size a multiple of 16), completing `bytes`
 // transactions on `bar`.
-__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+__device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes,
+                                              uint32_t bar) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(dst),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(dst),
       "l"(src), "r"(bytes), "r"(bar)
       : "memory");
 }
@@ -193,8 +205,12 @@ __device__ __forceinline__ void bulk_copy_g2s(uint32_t dst, const void* src, uin
 // wgmma_fence_acc() on them so that the compiler does not move their reads above the wait.
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ void wgmma_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
-__device__ __forceinline__ void wgmma_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wgmma_fence() {
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+__device__ __forceinline__ void wgmma_commit() {
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
 template <int kPending>
 __device__ __forceinline__ void wgmma_wait() {
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
@@ -222,16 +238,21 @@ __device__ __forceinline__ void wgmma_fence_acc(uint32_t (&d)[NJ][4]) {
 // [7, 10), so a tile starts 1024-byte aligned; the K step k inside a 128-byte row is start + k
 // bytes (32 per bf16 k16 or tf32 k8 step).
 __device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) | (1ull << 62);
+  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) |
+         (1ull << 62);
 }
 // Descriptors from two 32-bit halves: the low word (start address / 16, leading byte offset 1) of a
 // base address plus a byte offset, so that the descriptors of one stage cost one integer add each
 // (shared addresses are below 2^18: the start field never carries into bit 16), and the high word
 // (stride byte offset = 8 rows, layout type) of the swizzle mode: 128-byte; 64-byte (rows of 64
 // bytes, atom 8 x 64 B: stride 512, type 2; chunk bits [4, 6) ^ [7, 9)); 32-byte (rows of 32 bytes,
-// atom 8 x 32 B: stride 256, type 3; bit 4 ^ bit 7). The 16-token records use all three (common.cuh).
-__device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t addr) { return ((addr & 0x3ffffu) >> 4) | (1u << 16); }
-inline constexpr uint32_t kDescHiSw128 = 64u | (1u << 30), kDescHiSw64 = 32u | (2u << 30), kDescHiSw32 = 16u | (3u << 30);
+// atom 8 x 32 B: stride 256, type 3; bit 4 ^ bit 7). The 16-token records use all three
+// (common.cuh).
+__device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t addr) {
+  return ((addr & 0x3ffffu) >> 4) | (1u << 16);
+}
+inline constexpr uint32_t kDescHiSw128 = 64u | (1u << 30), kDescHiSw64 = 32u | (2u << 30),
+                          kDescHiSw32 = 16u | (3u << 30);
 __device__ __forceinline__ uint64_t wgmma_desc_at(uint32_t lo, uint32_t bytes, uint32_t hi) {
   uint64_t d;
   asm("mov.b64 %0, {%1, %2};" : "=l"(d) : "r"(lo + (bytes >> 4)), "r"(hi));
@@ -242,55 +263,69 @@ __device__ __forceinline__ uint64_t wgmma_desc_at(uint32_t lo, uint32_t bytes, u
 // placeholders, and the product: D (%0..) = kScaleA A (4 registers) B (descriptor) + D if
 // `accumulate` (a predicate from the register after the descriptor).
 #define KDA_WG_ACC4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
-#define KDA_WG_ACC32(d, j)                                                                          \
-  KDA_WG_ACC4(d, j), KDA_WG_ACC4(d, j + 1), KDA_WG_ACC4(d, j + 2), KDA_WG_ACC4(d, j + 3),           \
+#define KDA_WG_ACC32(d, j)                                                                \
+  KDA_WG_ACC4(d, j), KDA_WG_ACC4(d, j + 1), KDA_WG_ACC4(d, j + 2), KDA_WG_ACC4(d, j + 3), \
       KDA_WG_ACC4(d, j + 4), KDA_WG_ACC4(d, j + 5), KDA_WG_ACC4(d, j + 6), KDA_WG_ACC4(d, j + 7)
-#define KDA_WG_D32 "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31"
-#define KDA_WG_D64 KDA_WG_D32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
-#define KDA_WG_IN "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(kScaleA)
+#define KDA_WG_D32                                                                                 \
+  "%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25," \
+  "%26,%27,%28,%29,%30,%31"
+// clang-format off
+#define KDA_WG_D64 KDA_WG_D32 ",%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47," \
+  "%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63"
+// clang-format on
+#define KDA_WG_IN \
+  "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(b_desc), "r"(accumulate), "n"(kScaleA)
 // The n16 shapes (NJ = 2: 8 accumulator registers): types = "m64n16k16.f32.bf16.bf16" or
 // "m64n16k8.f32.tf32.tf32", tail = the operands after imm-scale-b (bf16: ", 0" for tnspB).
-#define KDA_WG_N16(types, tail)                                                                      \
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned." types     \
-               " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1" tail ";\n}\n"             \
-               : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)                                                \
-               : KDA_WG_IN                                                                           \
+#define KDA_WG_N16(types, tail)                                                                   \
+  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %13, 0;\n wgmma.mma_async.sync.aligned." types \
+               " {%0,%1,%2,%3,%4,%5,%6,%7}, {%8,%9,%10,%11}, %12, p, %14, 1" tail ";\n}\n"        \
+               : KDA_WG_ACC4(d, 0), KDA_WG_ACC4(d, 1)                                             \
+               : KDA_WG_IN                                                                        \
                : "memory")
 
 // D[64 x 8 NJ] (+)= kScaleA A[64 x 16] B[16 x 8 NJ]: bf16 inputs, fp32 accumulators (accumulate
 // = 0: D = the product). NJ = 2, 8 or 16.
 template <int NJ, int kScaleA = 1>
-__device__ __forceinline__ void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+__device__ __forceinline__ void wgmma_bf16(float (&d)[NJ][4], const uint32_t (&a)[4],
+                                           uint64_t b_desc, int accumulate) {
   static_assert(NJ == 2 || NJ == 8 || NJ == 16, "wgmma_bf16: n16, n64 or n128");
   if constexpr (NJ == 2) {
     KDA_WG_N16("m64n16k16.f32.bf16.bf16", ", 0");
   } else if constexpr (NJ == 8) {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" KDA_WG_D32
-                 "}, {%32,%33,%34,%35}, %36, p, %38, 1, 0;\n}\n"
-                 : KDA_WG_ACC32(d, 0)
-                 : KDA_WG_IN
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n "
+        "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 {" KDA_WG_D32
+        "}, {%32,%33,%34,%35}, %36, p, %38, 1, 0;\n}\n"
+        : KDA_WG_ACC32(d, 0)
+        : KDA_WG_IN
+        : "memory");
   } else {
-    asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" KDA_WG_D64
-                 "}, {%64,%65,%66,%67}, %68, p, %70, 1, 0;\n}\n"
-                 : KDA_WG_ACC32(d, 0), KDA_WG_ACC32(d, 8)
-                 : KDA_WG_IN
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred p;\n setp.ne.b32 p, %69, 0;\n "
+        "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {" KDA_WG_D64
+        "}, {%64,%65,%66,%67}, %68, p, %70, 1, 0;\n}\n"
+        : KDA_WG_ACC32(d, 0), KDA_WG_ACC32(d, 8)
+        : KDA_WG_IN
+        : "memory");
   }
 }
 // D[64 x 8 NJ] (+)= kScaleA A[64 x 8] B[8 x 8 NJ]: tf32 inputs, fp32 accumulators. NJ = 2 or 8.
 template <int NJ, int kScaleA = 1>
-__device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t b_desc, int accumulate) {
+__device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a)[4],
+                                           uint64_t b_desc, int accumulate) {
   static_assert(NJ == 2 || NJ == 8, "wgmma_tf32: n16 or n64");
   if constexpr (NJ == 2) {
     KDA_WG_N16("m64n16k8.f32.tf32.tf32", "");
     return;
   }
-  asm volatile("{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" KDA_WG_D32
-               "}, {%32,%33,%34,%35}, %36, p, %38, 1;\n}\n"
-               : KDA_WG_ACC32(d, 0)
-               : KDA_WG_IN
-               : "memory");
+  asm volatile(
+      "{\n .reg .pred p;\n setp.ne.b32 p, %37, 0;\n "
+      "wgmma.mma_async.sync.aligned.m64n64k8.f32.tf32.tf32 {" KDA_WG_D32
+      "}, {%32,%33,%34,%35}, %36, p, %38, 1;\n}\n"
+      : KDA_WG_ACC32(d, 0)
+      : KDA_WG_IN
+      : "memory");
 }
 #undef KDA_WG_ACC4
 #undef KDA_WG_ACC32
@@ -302,10 +337,14 @@ __device__ __forceinline__ void wgmma_tf32(float (&d)[NJ][4], const uint32_t (&a
 // 16-byte global store (p 16-byte aligned): one instruction (a plain uint4 store through a 16-bit
 // pointer compiled to four 4-byte stores).
 __device__ __forceinline__ void st_global_16(void* p, uint4 v) {
-  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+  asm volatile("st.global.v4.b32 [%0], {%1,%2,%3,%4};\n" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z),
+               "r"(v.w)
+               : "memory");
 }
 // 16-byte read-only global load (p 16-byte aligned).
-__device__ __forceinline__ uint4 ld_global_16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint4 ld_global_16(const void* p) {
+  return __ldg(static_cast<const uint4*>(p));
+}
 
 // Waits as mbar_wait, with the retry loop inside the asm block (one branch back to the try_wait;
 // the decode kernels' measured code uses this form, the prefill kernels' mbar_wait's).
@@ -329,11 +368,11 @@ __device__ __forceinline__ uint64_t l2_evict_first_policy() {
 }
 
 // bulk_copy_g2s with an L2 cache policy (l2_evict_first_policy).
-__device__ __forceinline__ void bulk_copy_g2s_hint(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar,
-                                                   uint64_t policy) {
+__device__ __forceinline__ void bulk_copy_g2s_hint(uint32_t dst, const void* src, uint32_t bytes,
+                                                   uint32_t bar, uint64_t policy) {
   asm volatile(
-      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-          dst),
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+      "[%1], %2, [%3], %4;" ::"r"(dst),
       "l"(src), "r"(bytes), "r"(bar), "l"(policy)
       : "memory");
 }
@@ -342,19 +381,26 @@ __device__ __forceinline__ void bulk_copy_g2s_hint(uint32_t dst, const void* src
 // bulk async-group. Every thread that wrote the shared source with generic stores must have run
 // fence_proxy_async() before the barrier that precedes this call.
 __device__ __forceinline__ void bulk_store(void* dst, uint32_t src, uint32_t bytes) {
-  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src), "r"(bytes)
+  asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst), "r"(src),
+               "r"(bytes)
                : "memory");
 }
 
-__device__ __forceinline__ void bulk_commit() { asm volatile("cp.async.bulk.commit_group;" ::: "memory"); }
+__device__ __forceinline__ void bulk_commit() {
+  asm volatile("cp.async.bulk.commit_group;" ::: "memory");
+}
 
 // Waits until the calling thread's committed bulk stores have finished reading shared memory
 // (the source may be overwritten; the global writes complete before the grid does).
-__device__ __forceinline__ void bulk_wait_read() { asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_read() {
+  asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
+}
 
 // Waits until the calling thread's committed bulk stores are complete (their global writes
 // performed): a later bulk store to the same addresses is then ordered after them.
-__device__ __forceinline__ void bulk_wait_all() { asm volatile("cp.async.bulk.wait_group 0;" ::: "memory"); }
+__device__ __forceinline__ void bulk_wait_all() {
+  asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
+}
 
 // 16-byte cp.async global -> shared, bypassing L1 (.cg), both addresses 16-byte aligned. A
 // thread's copies complete for that thread at cp_async_wait_all (the data is visible to other
@@ -363,6 +409,8 @@ __device__ __forceinline__ void cp_async_16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
 }
 
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_all() {
+  asm volatile("cp.async.wait_all;" ::: "memory");
+}
 
 }  // namespace kda::cuda

@@ -19,11 +19,14 @@ namespace kda::cuda::dec {
 // owns value column v (its K state elements in local memory). Any K, layout, state dtype.
 // ---------------------------------------------------------------------------------------------
 
-__device__ __forceinline__ int64_t state_elem(const StridedView& st, bool k_first, int64_t row, int hv, int k, int v) {
-  return row * st.s0 + hv * st.s1 + (k_first ? static_cast<int64_t>(k) * st.s2 + v : static_cast<int64_t>(v) * st.s2 + k);
+__device__ __forceinline__ int64_t state_elem(const StridedView& st, bool k_first, int64_t row,
+                                              int hv, int k, int v) {
+  return row * st.s0 + hv * st.s1 +
+         (k_first ? static_cast<int64_t>(k) * st.s2 + v : static_cast<int64_t>(v) * st.s2 + k);
 }
 
-__global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_constant__ DecodeArgs a, bool k_first) {
+__global__ void __launch_bounds__(256)
+    decode_baseline_kernel(const __grid_constant__ DecodeArgs a, bool k_first) {
   pdl_prologue();
   __shared__ float sh_q[256], sh_k[256], sh_decay[256], sh_norm[2];
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(a.HV));
@@ -39,10 +42,13 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
   }
   float col[256];  // S[:, v]
   for (int k = 0; k < a.K; ++k)
-    col[k] = a.use_initial_state ? load_elem(a.state.data, a.state.dtype, state_elem(a.state, k_first, row.slot, hv, k, v)) : 0.f;
+    col[k] = a.use_initial_state ? load_elem(a.state.data, a.state.dtype,
+                                             state_elem(a.state, k_first, row.slot, hv, k, v))
+                                 : 0.f;
   const float exp_A = head_exp_A(a, hv);
   auto store_col = [&](const StridedView& st, int64_t r) {
-    for (int k = 0; k < a.K; ++k) store_elem(st.data, st.dtype, state_elem(st, k_first, r, hv, k, v), col[k]);
+    for (int k = 0; k < a.K; ++k)
+      store_elem(st.data, st.dtype, state_elem(st, k_first, r, hv, k, v), col[k]);
   };
   for (int64_t t = 0; t < row.len; ++t) {
     const int64_t tok = row.bos + t;
@@ -51,7 +57,8 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
       sh_q[k] = load_elem(a.q.data, a.q.dtype, a.q.offset(row.b, tok, h) + k);
       sh_k[k] = load_elem(a.k.data, a.k.dtype, a.k.offset(row.b, tok, h) + k);
       const float g = load_elem(a.g.data, a.g.dtype, a.g.offset(row.b, tok, hv) + k);
-      const float bias = a.dt_bias.data ? load_elem(a.dt_bias.data, a.dt_bias.dtype, hv * a.dt_bias.s0 + k) : 0.f;
+      const float bias =
+          a.dt_bias.data ? load_elem(a.dt_bias.data, a.dt_bias.dtype, hv * a.dt_bias.s0 + k) : 0.f;
       sh_decay[k] = expf(detail::log_decay<float>(a.gate, g, exp_A, bias, a.lower_bound));
     }
     __syncthreads();
@@ -87,8 +94,10 @@ __global__ void __launch_bounds__(256) decode_baseline_kernel(const __grid_const
     }
   }
   if (a.store_final_state && !a.has_intermediate && !a.indices_2d) {
-    if (a.has_final_state) store_col(a.final_state, n);
-    else store_col(a.state, row.slot);
+    if (a.has_final_state)
+      store_col(a.final_state, n);
+    else
+      store_col(a.state, row.slot);
   }
 }
 

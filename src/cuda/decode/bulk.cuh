@@ -35,18 +35,21 @@ constexpr int kBulkMinBlocks = 10;  // 48 registers; smem 16 KB + 3.5 KB (fp32) 
 // staged kernel's: no register bound, passes unrolled, and s' stored from registers during pass 2
 // (no write-back, fence, barrier and bulk store at the end of the block's critical path).
 template <typename StateT, int kSlots, bool kLatency = false>
-__global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 12 : kBulkMinBlocks))
+__global__ void __launch_bounds__(kStagedThreads,
+                                  kLatency ? 1 : (kSlots == 1 ? 12 : kBulkMinBlocks))
     decode_bulk_kernel(const __grid_constant__ DecodeArgs a) {
   static_assert(!kLatency || kSlots == 1, "the latency variant takes dense single-token calls");
   pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
-  constexpr int kUnrollR = kLatency ? kRuns : (kBf16State || kSlots == 1 ? 1 : 2);  // what fits the register bound
+  constexpr int kUnrollR =
+      kLatency ? kRuns : (kBf16State || kSlots == 1 ? 1 : 2);  // what fits the register bound
   constexpr int kUnrollVt = kLatency ? kVt : 1;
   constexpr uint32_t kRowBytes = kStagedK * sizeof(StateT);
   constexpr uint32_t kTileBytes = Map::kTileV * kRowBytes;
-  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "bulk map");
+  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec,
+                "bulk map");
   static_assert(kVt == 2, "two rows per thread");
 
   const TileBlock blk(a, Map::kTileV);
@@ -54,12 +57,12 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
   const int hv = blk.hv, h = blk.h, tile_v0 = blk.tile_v0;
   const Map m(threadIdx.x, tile_v0);
   const bool out_lane = m.lane_k == 0;
-  const bool prep_warp = threadIdx.x < 32;               // warp 0: token preprocessing
-  const bool copy_warp = (threadIdx.x >> 5) == 1;        // warp 1: issues the bulk copies
+  const bool prep_warp = threadIdx.x < 32;         // warp 0: token preprocessing
+  const bool copy_warp = (threadIdx.x >> 5) == 1;  // warp 1: issues the bulk copies
   const int lane = lane_id();
 
   __shared__ __align__(128) uint8_t tile_sh[kTileBytes];  // rows of the tile, as in global memory
-  __shared__ PreparedToken tok_sh[kSlots];                 // by token parity
+  __shared__ PreparedToken tok_sh[kSlots];                // by token parity
   __shared__ uint64_t full_bar;                           // the tile's bulk load
   // This thread's unit (vt, r): row v_of(vt) - tile_v0 = tid / 8 + 16 vt, bytes 16 (8 r + lane_k).
   static_assert(Map::kThreads / Map::kKLanes == 16, "rows vt = 0, 1 are 16 apart");
@@ -80,8 +83,10 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
       bulk_store(g + lane * dst.s2, smem_addr(tile_sh + lane * kRowBytes), kRowBytes);
     }
     bulk_commit();
-    if (complete) bulk_wait_all();
-    else bulk_wait_read();
+    if (complete)
+      bulk_wait_all();
+    else
+      bulk_wait_read();
   };
 
   RawToken raw;
@@ -100,21 +105,23 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : (kSlots == 1 ? 
 
   if (a.use_initial_state) {
     if (copy_warp) {
-      const StateT* src = static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 + hv * a.state.s1 +
-                          static_cast<int64_t>(tile_v0) * a.state.s2;
+      const StateT* src = static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 +
+                          hv * a.state.s1 + static_cast<int64_t>(tile_v0) * a.state.s2;
       if (lane == 0) mbar_arrive_expect_tx(smem_addr(&full_bar), kTileBytes);
       __syncwarp();
       if (a.state.s2 == kStagedK) {
         if (lane == 0) bulk_copy_g2s(smem_addr(tile_sh), src, kTileBytes, smem_addr(&full_bar));
       } else {
-        bulk_copy_g2s(smem_addr(tile_sh + lane * kRowBytes), src + lane * a.state.s2, kRowBytes, smem_addr(&full_bar));
+        bulk_copy_g2s(smem_addr(tile_sh + lane * kRowBytes), src + lane * a.state.s2, kRowBytes,
+                      smem_addr(&full_bar));
       }
     }
   } else {
 #pragma unroll
     for (int vt = 0; vt < kVt; ++vt)
 #pragma unroll
-      for (int r = 0; r < kRuns; ++r) unit(vt, r) = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
+      for (int r = 0; r < kRuns; ++r)
+        unit(vt, r) = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
   }
   if (prep_warp && row.len > 0) {
     if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, lane, raw);

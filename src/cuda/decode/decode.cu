@@ -210,8 +210,8 @@ Status dispatch_tile(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
   if (a.K <= 256)
     return k_first ? launch_tile<256, StateT, true>(a, blocks, stream)
                    : launch_tile<256, StateT, false>(a, blocks, stream);
-  return {StatusCode::kUnsupported,
-          "q", "the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
+  return {StatusCode::kUnsupported, "q",
+          "the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
 }
 
 // Dynamic shared memory one persistent block may use: kPersistBlocksPerSM blocks per SM.
@@ -287,16 +287,16 @@ Status launch_persistent(const DecodeArgs& a, DeviceAttributes& d, int stages, i
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices) {
   // ---- What the GPU path runs (everything else the contract allows runs on the CPU backends)
   if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
-    return {StatusCode::kUnsupported,
-            "q", std::string("the CUDA decode expects dtype bf16 or fp16, got ") +
+    return {StatusCode::kUnsupported, "q",
+            std::string("the CUDA decode expects dtype bf16 or fp16, got ") +
                 dtype_name(pr.q.dtype) + " (fp32 inputs run on the CPU backends)"};
   if (pr.state.dtype != DType::kFloat32 && pr.state.dtype != DType::kBFloat16)
-    return {StatusCode::kUnsupported,
-            "state", std::string("the CUDA decode expects dtype fp32 or bf16, got ") +
+    return {StatusCode::kUnsupported, "state",
+            std::string("the CUDA decode expects dtype fp32 or bf16, got ") +
                 dtype_name(pr.state.dtype)};
   if (pr.d.K != pr.d.V || pr.d.K % 32 != 0 || pr.d.K > 256)
-    return {StatusCode::kUnsupported,
-            "q", "the CUDA decode expects K == V, a multiple of 32 up to 256, got K = " +
+    return {StatusCode::kUnsupported, "q",
+            "the CUDA decode expects K == V, a multiple of 32 up to 256, got K = " +
                 std::to_string(pr.d.K) + ", V = " + std::to_string(pr.d.V)};
 
   DeviceGuard guard(pr.q.device_index);
@@ -316,8 +316,8 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   if (kernel == DecodeKernel::kBaseline) {
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
-      return {StatusCode::kUnsupported,
-              "q", "N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
+      return {StatusCode::kUnsupported, "q",
+              "N x HV = " + std::to_string(blocks) + " blocks exceed the grid limit"};
     KDA_CUDA_CHECK(launch_kernel(decode_baseline_kernel, dim3(static_cast<unsigned>(blocks)),
                                  dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first));
     return Status::Ok();
@@ -328,8 +328,9 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                : launch_persistent<float>(a, *info, stages, tuning.decode_grid, stream);
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   if (blocks > INT32_MAX)
-    return {StatusCode::kUnsupported, "q", "N x HV x V/32 = " + std::to_string(blocks) +
-                                          " blocks exceed the grid limit; split the batch"};
+    return {StatusCode::kUnsupported, "q",
+            "N x HV x V/32 = " + std::to_string(blocks) +
+                " blocks exceed the grid limit; split the batch"};
   if (kernel == DecodeKernel::kBulk || kernel == DecodeKernel::kBulkLatency) {
     const bool latency = kernel == DecodeKernel::kBulkLatency;
     return bf16_state ? launch_bulk<__nv_bfloat16>(a, *info, blocks, latency, stream)

@@ -93,15 +93,18 @@ __device__ __forceinline__ Raw4 load_raw4(const void* base, int dtype, bool vec,
   return r;
 }
 __device__ __forceinline__ float bits16_to_float(uint32_t b, int dtype) {
-  return dtype == kBF16 ? bf16_bits_to_float(static_cast<uint16_t>(b)) : half_bits_to_float(static_cast<uint16_t>(b));
+  return dtype == kBF16 ? bf16_bits_to_float(static_cast<uint16_t>(b))
+                        : half_bits_to_float(static_cast<uint16_t>(b));
 }
 __device__ __forceinline__ void convert4(const Raw4& r, int dtype, bool vec, float* dst) {
   if (dtype == kF32) {
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i] = __uint_as_float(r.w[i]);
   } else if (vec) {
-    dst[0] = bits16_to_float(r.w[0] & 0xffffu, dtype), dst[1] = bits16_to_float(r.w[0] >> 16, dtype);
-    dst[2] = bits16_to_float(r.w[1] & 0xffffu, dtype), dst[3] = bits16_to_float(r.w[1] >> 16, dtype);
+    dst[0] = bits16_to_float(r.w[0] & 0xffffu, dtype),
+    dst[1] = bits16_to_float(r.w[0] >> 16, dtype);
+    dst[2] = bits16_to_float(r.w[1] & 0xffffu, dtype),
+    dst[3] = bits16_to_float(r.w[1] >> 16, dtype);
   } else {
 #pragma unroll
     for (int i = 0; i < 4; ++i) dst[i] = bits16_to_float(r.w[i], dtype);
@@ -157,7 +160,8 @@ __device__ __forceinline__ void load_run(const void* base, int dtype, bool vec, 
     for (int i = 0; i < N; i += 4) {
       const uint2 x = *reinterpret_cast<const uint2*>(p + i);
       raw[i] = static_cast<uint16_t>(x.x & 0xffffu), raw[i + 1] = static_cast<uint16_t>(x.x >> 16);
-      raw[i + 2] = static_cast<uint16_t>(x.y & 0xffffu), raw[i + 3] = static_cast<uint16_t>(x.y >> 16);
+      raw[i + 2] = static_cast<uint16_t>(x.y & 0xffffu),
+              raw[i + 3] = static_cast<uint16_t>(x.y >> 16);
     }
   } else {
 #pragma unroll

@@ -37,26 +37,27 @@ namespace kda::cuda::dec {
 // one per lane; + the state tile's bytes), empty[s] (128 consumer
 // arrivals). For item i the producer waits for empty[s], issues the state copy (its read slot
 // came from loads issued one item earlier), issues item i + 1's index and token-0 input loads,
-// preprocesses item i's tokens into the stage and arrives; so up to S state tiles per block (S x 16 KB) are in flight while the
-// consumers compute from shared memory and store the new state from registers with 16-byte
-// streaming stores.
+// preprocesses item i's tokens into the stage and arrives; so up to S state tiles per block (S x 16
+// KB) are in flight while the consumers compute from shared memory and store the new state from
+// registers with 16-byte streaming stores.
 constexpr int kPersistMaxStages = 8;
 constexpr int kPersistMaxT = 8;
 constexpr int kPersistBlocksPerSM = 3;
-constexpr int kPersistConsumers = 128;             // threads: 4 warps, TileMap<128, *, false>
+constexpr int kPersistConsumers = 128;  // threads: 4 warps, TileMap<128, *, false>
 constexpr int kPersistThreads = kPersistConsumers + 32;
 constexpr int kPersistBarrierBytes = 2 * kPersistMaxStages * 8;  // full[8], empty[8]
 
-
 struct __align__(16) PersistDesc {
-  long long slot;                   // read slot (-1: padding row)
-  long long wslot[kPersistMaxT];    // [N, Tmax] indices: slot written after token t (-1: none)
+  long long slot;                 // read slot (-1: padding row)
+  long long wslot[kPersistMaxT];  // [N, Tmax] indices: slot written after token t (-1: none)
 };
 
 // Bytes of one stage (a multiple of 128) for T tokens per item.
 __host__ __device__ constexpr int persist_stage_bytes(int state_elem_bytes, int T) {
-  return (kPersistTileV * kPersistK * state_elem_bytes + T * static_cast<int>(sizeof(PreparedToken)) +
-          static_cast<int>(sizeof(PersistDesc)) + 127) / 128 * 128;
+  return (kPersistTileV * kPersistK * state_elem_bytes +
+          T * static_cast<int>(sizeof(PreparedToken)) + static_cast<int>(sizeof(PersistDesc)) +
+          127) /
+         128 * 128;
 }
 
 struct PersistItem {
@@ -77,7 +78,8 @@ __device__ __forceinline__ PersistItem persist_item(const DecodeArgs& a, int64_t
 
 template <typename StateT>
 __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
-    decode_persistent_kernel(const __grid_constant__ DecodeArgs a, int64_t items, int stages, int stage_bytes) {
+    decode_persistent_kernel(const __grid_constant__ DecodeArgs a, int64_t items, int stages,
+                             int stage_bytes) {
   pdl_prologue();
   using Map = TileMap<kPersistK, StateT, false>;
   static_assert(Map::kThreads == kPersistConsumers && Map::kTileV == kPersistTileV, "consumer map");
@@ -91,14 +93,18 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
   uint64_t* empty = full + kPersistMaxStages;
   unsigned char* ring = smem + kPersistBarrierBytes;
   const int T = static_cast<int>(a.T);  // dense: every row has T tokens (T <= kPersistMaxT)
-  auto stage_tokens = [&](int s) { return reinterpret_cast<PreparedToken*>(ring + s * stage_bytes + kStateBytes); };
+  auto stage_tokens = [&](int s) {
+    return reinterpret_cast<PreparedToken*>(ring + s * stage_bytes + kStateBytes);
+  };
   auto stage_desc = [&](int s) {
-    return reinterpret_cast<PersistDesc*>(ring + s * stage_bytes + kStateBytes + T * sizeof(PreparedToken));
+    return reinterpret_cast<PersistDesc*>(ring + s * stage_bytes + kStateBytes +
+                                          T * sizeof(PreparedToken));
   };
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < stages; ++s) {
-      mbar_init(smem_addr(&full[s]), 33);  // lane 0's arrive.expect_tx + the 32 producer lanes' arrivals
+      mbar_init(smem_addr(&full[s]),
+                33);  // lane 0's arrive.expect_tx + the 32 producer lanes' arrivals
       mbar_init(smem_addr(&empty[s]), kPersistConsumers);
     }
     fence_mbar_init();
@@ -121,7 +127,8 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
     for (;;) {
       const int64_t slot = finish_row_slot(a, it.n, rr);  // rr was loaded one item ago
 
-      mbar_wait_spin(smem_addr(&empty[s]), phase ^ 1u);  // the consumers are done with this stage's last use
+      mbar_wait_spin(smem_addr(&empty[s]),
+                     phase ^ 1u);  // the consumers are done with this stage's last use
       // Generic-proxy accesses of this stage (the consumers' reads, this warp's token writes)
       // before the bulk copy's async-proxy writes. The copy only ever overwrites the state region,
       // which no thread writes with generic stores, so this is belt and braces; it is placed
@@ -132,15 +139,18 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
       PreparedToken* toks = stage_tokens(s);
       PersistDesc* desc = stage_desc(s);
       const uint32_t bytes = (slot >= 0 && a.use_initial_state) ? kStateBytes : 0u;
-      if (lane == 0) mbar_arrive_expect_tx(smem_addr(&full[s]), bytes);  // before any copy completes on it
+      if (lane == 0)
+        mbar_arrive_expect_tx(smem_addr(&full[s]), bytes);  // before any copy completes on it
       __syncwarp();
       if (bytes != 0) {
-        const StateT* src = static_cast<const StateT*>(a.state.data) + slot * a.state.s0 + it.hv * a.state.s1 +
-                            static_cast<int64_t>(it.tile_v0) * a.state.s2;
+        const StateT* src = static_cast<const StateT*>(a.state.data) + slot * a.state.s0 +
+                            it.hv * a.state.s1 + static_cast<int64_t>(it.tile_v0) * a.state.s2;
         if (rows_contiguous) {
-          if (lane == 0) bulk_copy_g2s_hint(smem_addr(st), src, kStateBytes, smem_addr(&full[s]), policy);
+          if (lane == 0)
+            bulk_copy_g2s_hint(smem_addr(st), src, kStateBytes, smem_addr(&full[s]), policy);
         } else {  // one row per lane (rows are 16-byte aligned: state.vec)
-          bulk_copy_g2s_hint(smem_addr(st + lane * kRowBytes), src + static_cast<int64_t>(lane) * a.state.s2, kRowBytes,
+          bulk_copy_g2s_hint(smem_addr(st + lane * kRowBytes),
+                             src + static_cast<int64_t>(lane) * a.state.s2, kRowBytes,
                              smem_addr(&full[s]), policy);
         }
       }
@@ -200,15 +210,18 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
         for (int t = 0; t < T; ++t) {
           const int64_t o_off = a.out.offset(it.n, t, it.hv);
 #pragma unroll
-          for (int vt = 0; vt < kVt; ++vt) store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
+          for (int vt = 0; vt < kVt; ++vt)
+            store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
         }
     } else {
-      // ---- State tile: shared memory -> registers (each quarter warp reads one 128-byte run of a row)
+      // ---- State tile: shared memory -> registers (each quarter warp reads one 128-byte run of a
+      // row)
       float sreg[kVt][Map::kKt];
       if (a.use_initial_state) {
 #pragma unroll
         for (int vt = 0; vt < kVt; ++vt) {
-          const StateT* row = reinterpret_cast<const StateT*>(st) + (m.v_of(vt) - it.tile_v0) * kPersistK;
+          const StateT* row =
+              reinterpret_cast<const StateT*>(st) + (m.v_of(vt) - it.tile_v0) * kPersistK;
 #pragma unroll
           for (int r = 0; r < Map::kRuns; ++r) {
             const int k0 = m.k_of_run(r);
@@ -223,7 +236,7 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
             } else {
               const float4 x = *reinterpret_cast<const float4*>(row + k0);
               sreg[vt][r * kVec] = x.x, sreg[vt][r * kVec + 1] = x.y, sreg[vt][r * kVec + 2] = x.z,
-                            sreg[vt][r * kVec + 3] = x.w;
+                           sreg[vt][r * kVec + 3] = x.w;
             }
           }
         }
@@ -248,23 +261,28 @@ __global__ void __launch_bounds__(kPersistThreads, kPersistBlocksPerSM)
         if (out_lane) {
           const int64_t o_off = a.out.offset(it.n, t, it.hv);
 #pragma unroll
-          for (int vt = 0; vt < kVt; ++vt) store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o[vt]);
+          for (int vt = 0; vt < kVt; ++vt)
+            store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o[vt]);
         }
         if (a.store_final_state) {
           if (a.has_intermediate) {
-            store_state_tile<Map, StateT, false>(m, a.intermediate_states, it.n * a.T + t, it.hv, a.K, sreg);
+            store_state_tile<Map, StateT, false>(m, a.intermediate_states, it.n * a.T + t, it.hv,
+                                                 a.K, sreg);
           } else if (a.indices_2d) {
             const int64_t ws = desc->wslot[t];
             if (ws >= 0) store_state_tile<Map, StateT, false>(m, a.state, ws, it.hv, a.K, sreg);
           }
         }
       }
-      mbar_arrive(smem_addr(&empty[s]));  // every read of this stage is done (values are in registers)
+      mbar_arrive(
+          smem_addr(&empty[s]));  // every read of this stage is done (values are in registers)
 
       // ---- Final state: separate output, or in place to the read slot
       if (a.store_final_state && !a.has_intermediate && !a.indices_2d) {
-        if (a.has_final_state) store_state_tile<Map, StateT, false>(m, a.final_state, it.n, it.hv, a.K, sreg);
-        else store_state_tile<Map, StateT, false>(m, a.state, slot, it.hv, a.K, sreg);
+        if (a.has_final_state)
+          store_state_tile<Map, StateT, false>(m, a.final_state, it.n, it.hv, a.K, sreg);
+        else
+          store_state_tile<Map, StateT, false>(m, a.state, slot, it.hv, a.K, sreg);
       }
     }
     if (++s == stages) s = 0, phase ^= 1u;

@@ -62,7 +62,8 @@ struct RowRaw {
 
 __device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
   RowRaw r{-1, 1};
-  if (a.has_indices && (!a.indices_2d || a.Tmax > 0)) r.idx0 = load_index(a.state_indices, n * a.state_indices.s0);
+  if (a.has_indices && (!a.indices_2d || a.Tmax > 0))
+    r.idx0 = load_index(a.state_indices, n * a.state_indices.s0);
   if (a.has_num_accepted) r.acc = load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0);
   return r;
 }
@@ -70,9 +71,10 @@ __device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
 // resolve_row(a, n).slot for a dense row (len = T), from the prefetched loads.
 __device__ __forceinline__ int64_t finish_row_slot(const DecodeArgs& a, int64_t n,
                                                    const RowRaw& r) {
-  return rules::decode_read_slot(row_indexing(a), n, a.T, r.acc, [&](int64_t col) {
-           return col == 0 ? r.idx0 : index_at(a, n, col);
-         }).slot;
+  return rules::decode_read_slot(
+             row_indexing(a), n, a.T, r.acc,
+             [&](int64_t col) { return col == 0 ? r.idx0 : index_at(a, n, col); })
+      .slot;
 }
 
 }  // namespace kda::cuda::dec

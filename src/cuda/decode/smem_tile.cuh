@@ -43,7 +43,8 @@ constexpr int kStagedMinBlocks = 10;  // registers <= 48: 10 x 128 x 48 = 61440 
 template <typename StateT>
 __device__ __forceinline__ void unpack_unit(const uint4& x, float* dst) {
   if constexpr (sizeof(StateT) == 4) {
-    dst[0] = __uint_as_float(x.x), dst[1] = __uint_as_float(x.y), dst[2] = __uint_as_float(x.z), dst[3] = __uint_as_float(x.w);
+    dst[0] = __uint_as_float(x.x), dst[1] = __uint_as_float(x.y), dst[2] = __uint_as_float(x.z),
+    dst[3] = __uint_as_float(x.w);
   } else {
     const uint32_t w[4] = {x.x, x.y, x.z, x.w};
 #pragma unroll
@@ -57,7 +58,8 @@ __device__ __forceinline__ void unpack_unit(const uint4& x, float* dst) {
 template <typename StateT>
 __device__ __forceinline__ uint4 pack_unit(const float* src) {
   if constexpr (sizeof(StateT) == 4) {
-    return make_uint4(__float_as_uint(src[0]), __float_as_uint(src[1]), __float_as_uint(src[2]), __float_as_uint(src[3]));
+    return make_uint4(__float_as_uint(src[0]), __float_as_uint(src[1]), __float_as_uint(src[2]),
+                      __float_as_uint(src[3]));
   } else {
     uint32_t w[4];
 #pragma unroll
@@ -68,7 +70,8 @@ __device__ __forceinline__ uint4 pack_unit(const float* src) {
   }
 }
 
-// Where a state tile goes in global memory: row `r` of tensor `t`, head hv (data == nullptr: nowhere).
+// Where a state tile goes in global memory: row `r` of tensor `t`, head hv (data == nullptr:
+// nowhere).
 template <typename StateT>
 struct TileDst {
   StateT* data = nullptr;
@@ -101,19 +104,22 @@ struct RowOutput {
 // A padding row (no read slot): zero output for its tokens, no state access. The lane of each
 // row group that stores outputs writes its rows (columns) of every token.
 template <class Map>
-__device__ __forceinline__ void zero_padding_outputs(const DecodeArgs& a, const SeqRow& row, int hv, const Map& m) {
+__device__ __forceinline__ void zero_padding_outputs(const DecodeArgs& a, const SeqRow& row, int hv,
+                                                     const Map& m) {
   if (m.lane_k != 0) return;
   for (int64_t t = 0; t < row.len; ++t) {
     const int64_t o_off = a.out.offset(row.b, row.bos + t, hv);
 #pragma unroll
-    for (int vt = 0; vt < Map::kVt; ++vt) store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
+    for (int vt = 0; vt < Map::kVt; ++vt)
+      store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), 0.f);
   }
 }
 
 // Where the state after token t of row n goes (at most one place; data == nullptr: nowhere):
 // per-token states, [N, Tmax] write slots, or after the last token the final state / read slot.
 template <typename StateT>
-__device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const SeqRow& row, int64_t n, int hv, int64_t t) {
+__device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const SeqRow& row,
+                                                     int64_t n, int hv, int64_t t) {
   TileDst<StateT> dst;
   if (!a.store_final_state) return dst;
   if (a.has_intermediate) {
@@ -122,8 +128,10 @@ __device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const 
     const int64_t ws = token_slot(a, n, t);
     if (ws >= 0) dst.set(a.state, ws, hv);
   } else if (t + 1 == row.len) {
-    if (a.has_final_state) dst.set(a.final_state, n, hv);
-    else dst.set(a.state, row.slot, hv);
+    if (a.has_final_state)
+      dst.set(a.final_state, n, hv);
+    else
+      dst.set(a.state, row.slot, hv);
   }
   return dst;
 }
@@ -131,18 +139,22 @@ __device__ __forceinline__ TileDst<StateT> token_dst(const DecodeArgs& a, const 
 // A row without tokens (an empty varlen sequence, T = 0) passes its initial state through to the
 // final state or its read slot, unless states go per token (data == nullptr: nothing to store).
 template <typename StateT>
-__device__ __forceinline__ TileDst<StateT> empty_row_dst(const DecodeArgs& a, const SeqRow& row, int64_t n, int hv) {
+__device__ __forceinline__ TileDst<StateT> empty_row_dst(const DecodeArgs& a, const SeqRow& row,
+                                                         int64_t n, int hv) {
   TileDst<StateT> dst;
   if (row.len != 0 || !a.store_final_state || a.has_intermediate || a.indices_2d) return dst;
-  if (a.has_final_state) dst.set(a.final_state, n, hv);
-  else dst.set(a.state, row.slot, hv);
+  if (a.has_final_state)
+    dst.set(a.final_state, n, hv);
+  else
+    dst.set(a.state, row.slot, hv);
   return dst;
 }
 
 // Token t > 0 of a shared-memory tile kernel: warp 0 preprocesses it into `slot`, then the block
 // barrier publishes it (uniform over the block).
-__device__ __forceinline__ void stage_next_token(const DecodeArgs& a, const SeqRow& row, int64_t t, int h, int hv,
-                                                 int tile_v0, bool prep_warp, PreparedToken& slot) {
+__device__ __forceinline__ void stage_next_token(const DecodeArgs& a, const SeqRow& row, int64_t t,
+                                                 int h, int hv, int tile_v0, bool prep_warp,
+                                                 PreparedToken& slot) {
   if (prep_warp) {
     RawToken r;
     load_raw_token(a, row.b, row.bos + t, h, hv, tile_v0, lane_id(), r);
@@ -173,9 +185,10 @@ struct TileBlock {
 // The k products go to four partial sums (k mod 4): 16-deep FMA chains per row instead of 64.
 // unit(vt, r) is the thread's 16-byte unit of row vt, run r; sink(vt, r, unit, s) receives s' of
 // each unit (kVec fp32 values); emit(vt, o) the row's output (every lane of the row holds it).
-template <class Map, typename StateT, int kUnrollR, int kUnrollVt, class Unit, class Sink, class Emit>
-__device__ __forceinline__ void smem_tile_token(const Map& m, int tile_v0, const PreparedToken& tk, Unit unit, Sink sink,
-                                                Emit emit) {
+template <class Map, typename StateT, int kUnrollR, int kUnrollVt, class Unit, class Sink,
+          class Emit>
+__device__ __forceinline__ void smem_tile_token(const Map& m, int tile_v0, const PreparedToken& tk,
+                                                Unit unit, Sink sink, Emit emit) {
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
   static_assert(kVt == 2, "two rows per thread");
@@ -200,8 +213,10 @@ __device__ __forceinline__ void smem_tile_token(const Map& m, int tile_v0, const
     const int vr = m.v_of(vt) - tile_v0;
     const float sk = (sk4[0] + sk4[1]) + (sk4[2] + sk4[3]);
     const float uv = tk.beta[vr] * (tk.v[vr] - lane_group_sum<Map::kKLanes>(sk));
-    if (vt == 0) u0 = uv;
-    else u1 = uv;
+    if (vt == 0)
+      u0 = uv;
+    else
+      u1 = uv;
   }
 #pragma unroll(kUnrollVt)
   for (int vt = 0; vt < kVt; ++vt) {

@@ -30,7 +30,8 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   // without spilling (fp32: 2 of 4 runs; bf16: 1 of 2, each run holds 8 elements).
   constexpr int kUnrollR = kLatency ? kRuns : (kBf16State ? 1 : 2);
   constexpr int kUnrollVt = kLatency ? kVt : 1;
-  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec, "staged map");
+  static_assert(Map::kThreads == kStagedThreads && Map::kKLanes == 8 && Map::kRun == kVec,
+                "staged map");
 
   // ---- Block -> (sequence n, value head hv, tile of 32 value rows), as the tile kernel
   const TileBlock blk(a, Map::kTileV);
@@ -41,7 +42,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   const bool prep_warp = threadIdx.x < 32;  // warp 0 preprocesses the tokens for the block
 
   __shared__ uint4 tile_sh[kUnits * kStagedThreads];  // 16 KB (fp32) / 8 KB (bf16)
-  __shared__ PreparedToken tok_sh[2];                  // 2 x 1792 B, by token parity
+  __shared__ PreparedToken tok_sh[2];                 // 2 x 1792 B, by token parity
   uint4* mine = tile_sh + threadIdx.x;                // this thread's unit u: mine[u * 128]
 
   // ---- Token 0's raw inputs of a dense row (b = n, bos = 0, len = T: known without index
@@ -58,17 +59,20 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
 
   // ---- State tile -> shared memory: kUnits 16-byte cp.async per thread, all in flight at once
   if (a.use_initial_state) {
-    const StateT* base = static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 + hv * a.state.s1;
+    const StateT* base =
+        static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 + hv * a.state.s1;
 #pragma unroll
     for (int vt = 0; vt < kVt; ++vt) {
       const StateT* p = base + static_cast<int64_t>(m.v_of(vt)) * a.state.s2;
 #pragma unroll
-      for (int r = 0; r < kRuns; ++r) cp_async_16(smem_addr(&mine[(vt * kRuns + r) * kStagedThreads]), p + m.k_of_run(r));
+      for (int r = 0; r < kRuns; ++r)
+        cp_async_16(smem_addr(&mine[(vt * kRuns + r) * kStagedThreads]), p + m.k_of_run(r));
     }
     cp_async_commit();
   } else {
 #pragma unroll
-    for (int u = 0; u < kUnits; ++u) mine[u * kStagedThreads] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
+    for (int u = 0; u < kUnits; ++u)
+      mine[u * kStagedThreads] = make_uint4(0u, 0u, 0u, 0u);  // +0.0 (fp32 and bf16)
   }
   if (prep_warp && row.len > 0) {
     if (a.varlen) load_raw_token(a, row.b, row.bos, h, hv, tile_v0, lane_id(), raw);
@@ -76,7 +80,7 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
   }
   prefetch_later_tokens(a, row, h, hv);
   cp_async_wait_all();  // this thread's copies: the only units it reads
-  __syncthreads();           // token 0's stage
+  __syncthreads();      // token 0's stage
 
 #pragma unroll 1
   for (int64_t t = 0; t < row.len; ++t) {
@@ -94,14 +98,14 @@ __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlock
     //      hoists every shared-memory load of the tile and runs out of the 48-register budget.)
     const int64_t o_off = a.out.offset(row.b, tok, hv);
     smem_tile_token<Map, StateT, kUnrollR, kUnrollVt>(
-        m, tile_v0, tk, [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kStagedThreads]; },
+        m, tile_v0, tk,
+        [&](int vt, int r) -> uint4& { return mine[(vt * kRuns + r) * kStagedThreads]; },
         [&](int vt, int r, uint4& un, const float* sv) {
           if (dst.data != nullptr) dst.store_unit(m, vt, r, sv);
           if (keep) un = pack_unit<StateT>(sv);
         },
         RowOutput<Map>{a, m, o_off, out_lane});
   }
-
 
   // ---- No tokens (an empty varlen sequence, T = 0): the final state is the initial one
   if (const TileDst<StateT> dst = empty_row_dst<StateT>(a, row, n, hv); dst.data != nullptr) {

@@ -22,7 +22,8 @@ namespace kda::cuda::dec {
 // ---------------------------------------------------------------------------------------------
 
 template <int kMaxK, typename StateT, bool kKFirst>
-__global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, TileMap<kMaxK, StateT, kKFirst>::kMinBlocks)
+__global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads,
+                                  TileMap<kMaxK, StateT, kKFirst>::kMinBlocks)
     decode_tile_kernel(const __grid_constant__ DecodeArgs a) {
   pdl_prologue();
   using Map = TileMap<kMaxK, StateT, kKFirst>;
@@ -86,13 +87,15 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
     if (out_lane) {
       const int64_t o_off = a.out.offset(row.b, tok, hv);
 #pragma unroll
-      for (int vt = 0; vt < kVt; ++vt) store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o[vt]);
+      for (int vt = 0; vt < kVt; ++vt)
+        store_elem(a.out.data, a.out.dtype, o_off + m.v_of(vt), o[vt]);
     }
 
     // ---- Per-token states: intermediate buffer, or in place through [N, Tmax] indices
     if (a.store_final_state) {
       if (a.has_intermediate) {
-        store_state_tile<Map, StateT, kKFirst>(m, a.intermediate_states, row.b * a.T + tok, hv, a.K, s);
+        store_state_tile<Map, StateT, kKFirst>(m, a.intermediate_states, row.b * a.T + tok, hv, a.K,
+                                               s);
       } else if (a.indices_2d) {
         const int64_t ws = token_slot(a, n, t);
         if (ws >= 0) store_state_tile<Map, StateT, kKFirst>(m, a.state, ws, hv, a.K, s);
@@ -102,8 +105,10 @@ __global__ void __launch_bounds__(TileMap<kMaxK, StateT, kKFirst>::kThreads, Til
 
   // ---- Final state: separate output, or in place to the read slot
   if (a.store_final_state && !a.has_intermediate && !a.indices_2d) {
-    if (a.has_final_state) store_state_tile<Map, StateT, kKFirst>(m, a.final_state, n, hv, a.K, s);
-    else store_state_tile<Map, StateT, kKFirst>(m, a.state, row.slot, hv, a.K, s);
+    if (a.has_final_state)
+      store_state_tile<Map, StateT, kKFirst>(m, a.final_state, n, hv, a.K, s);
+    else
+      store_state_tile<Map, StateT, kKFirst>(m, a.state, row.slot, hv, a.K, s);
   }
 }
 

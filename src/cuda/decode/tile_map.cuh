@@ -25,7 +25,7 @@ namespace kda::cuda::dec {
 template <int kMaxK, typename StateT, bool kKFirst>
 struct TileMap {
   static constexpr int kVec = StateVec<StateT>::kElems;  // elements per 16-byte vector
-  static constexpr int kTileV = 32;                           // value rows (columns) per block
+  static constexpr int kTileV = 32;                      // value rows (columns) per block
   static constexpr int kKt = kKFirst ? (32 / kVec > kMaxK / 32 ? 32 / kVec : kMaxK / 32) : 16;
   static constexpr int kVt = kKFirst ? kVec : 2;
   static constexpr int kKLanes = kMaxK / kKt;
@@ -36,9 +36,14 @@ struct TileMap {
   // tiles fit 80 registers (6 blocks of 128 threads: 96 KB of state loads in flight per SM); the
   // others get the tightest bound that ptxas 13.0 meets without spilling (-DKDA_PTXAS_VERBOSE=ON
   // shows it). K-first bf16 K = 256 holds 64 state elements per thread and is left unbounded.
-  static constexpr int kBlocksOf128 = !kKFirst ? (kMaxK == 128 ? 6 : kMaxK == 64 ? 5 : 4)
-                                               : (kVt * kKt > 32 ? 0 : (kMaxK == 128 && kVec == 4) ? 4 : 5);
-  static constexpr int kMinBlocks = kBlocksOf128 * 128 / kThreads > 1 ? kBlocksOf128 * 128 / kThreads : 1;
+  static constexpr int kBlocksOf128 = !kKFirst ? (kMaxK == 128  ? 6
+                                                  : kMaxK == 64 ? 5
+                                                                : 4)
+                                               : (kVt * kKt > 32                ? 0
+                                                  : (kMaxK == 128 && kVec == 4) ? 4
+                                                                                : 5);
+  static constexpr int kMinBlocks =
+      kBlocksOf128 * 128 / kThreads > 1 ? kBlocksOf128 * 128 / kThreads : 1;
   static_assert(kKLanes >= 2 && kKLanes <= 32 && (kKLanes & (kKLanes - 1)) == 0, "lane group");
   static_assert(kThreads % 32 == 0 && kThreads <= 256, "block size");
   static_assert(kKt % kRun == 0 && kRun % 4 == 0 && kRuns >= 1, "runs of whole float4 slices");
@@ -60,8 +65,8 @@ struct TileMap {
 };
 
 template <class Map, typename StateT, bool kKFirst>
-__device__ __forceinline__ void load_state_tile(const Map& m, const StridedView& st, int64_t row, int hv,
-                                                int K, float (&s)[Map::kVt][Map::kKt]) {
+__device__ __forceinline__ void load_state_tile(const Map& m, const StridedView& st, int64_t row,
+                                                int hv, int K, float (&s)[Map::kVt][Map::kKt]) {
   using Vec = StateVec<StateT>;
   constexpr int kVec = Map::kVec;
   const StateT* base = static_cast<const StateT*>(st.data) + row * st.s0 + hv * st.s1;
@@ -99,8 +104,9 @@ __device__ __forceinline__ void load_state_tile(const Map& m, const StridedView&
 }
 
 template <class Map, typename StateT, bool kKFirst>
-__device__ __forceinline__ void store_state_tile(const Map& m, const StridedView& st, int64_t row, int hv,
-                                                 int K, const float (&s)[Map::kVt][Map::kKt]) {
+__device__ __forceinline__ void store_state_tile(const Map& m, const StridedView& st, int64_t row,
+                                                 int hv, int K,
+                                                 const float (&s)[Map::kVt][Map::kKt]) {
   using Vec = StateVec<StateT>;
   constexpr int kVec = Map::kVec;
   StateT* base = static_cast<StateT*>(st.data) + row * st.s0 + hv * st.s1;
@@ -133,10 +139,10 @@ __device__ __forceinline__ void store_state_tile(const Map& m, const StridedView
 // thread's rows, summed over the row's lanes (every lane of a group holds the same bits).
 //   S <- diag(exp a) S;  u = b (v - S^T k);  S <- S + k u^T;  o = S^T q
 template <class Map, bool kBf16State>
-__device__ __forceinline__ void recurrence_token(const Map& m, float (&s)[Map::kVt][Map::kKt], const float* __restrict__ q_sh,
-                                                 const float* __restrict__ k_sh, const float* __restrict__ d_sh,
-                                                 const float (&vv)[Map::kVt], const float (&bt)[Map::kVt],
-                                                 float (&o)[Map::kVt]) {
+__device__ __forceinline__ void recurrence_token(
+    const Map& m, float (&s)[Map::kVt][Map::kKt], const float* __restrict__ q_sh,
+    const float* __restrict__ k_sh, const float* __restrict__ d_sh, const float (&vv)[Map::kVt],
+    const float (&bt)[Map::kVt], float (&o)[Map::kVt]) {
   constexpr int kVt = Map::kVt, kKt = Map::kKt, kRun = Map::kRun;
   constexpr int kKLanes = Map::kKLanes;
   float sk[kVt] = {};

@@ -20,7 +20,8 @@ static_assert(kPersistK == kDecodeFastK, "heuristics/decode.h: the K of the fast
 
 // Hints the per-token inputs of tokens [bos + 1, bos + min(len, 8)) of this head into L2 while the
 // state tile is in flight, so later tokens do not wait on DRAM.
-__device__ __forceinline__ void prefetch_later_tokens(const DecodeArgs& a, const SeqRow& row, int h, int hv) {
+__device__ __forceinline__ void prefetch_later_tokens(const DecodeArgs& a, const SeqRow& row, int h,
+                                                      int hv) {
   const int64_t later = (row.len < 8 ? row.len : 8) - 1;
   if (later <= 0) return;
   // Per token: q, k (K elements), g (K), v (V), beta (1 or V): lines of 128 bytes.
@@ -33,11 +34,30 @@ __device__ __forceinline__ void prefetch_later_tokens(const DecodeArgs& a, const
     const char* p = nullptr;
     int64_t bytes = 0;
     switch (which) {
-      case 0: p = static_cast<const char*>(a.q.data) + a.q.offset(row.b, tok, h) * (a.q.dtype == kF32 ? 4 : 2); bytes = a.K * 2; break;
-      case 1: p = static_cast<const char*>(a.k.data) + a.k.offset(row.b, tok, h) * (a.k.dtype == kF32 ? 4 : 2); bytes = a.K * 2; break;
-      case 2: p = static_cast<const char*>(a.g.data) + a.g.offset(row.b, tok, hv) * (a.g.dtype == kF32 ? 4 : 2); bytes = a.K * (a.g.dtype == kF32 ? 4 : 2); break;
-      case 3: p = static_cast<const char*>(a.v.data) + a.v.offset(row.b, tok, hv) * 2; bytes = a.V * 2; break;
-      default: p = static_cast<const char*>(a.beta.data) + a.beta.offset(row.b, tok, hv) * (a.beta.dtype == kF32 ? 4 : 2); bytes = (a.beta_per_v ? a.V : 1) * (a.beta.dtype == kF32 ? 4 : 2); break;
+      case 0:
+        p = static_cast<const char*>(a.q.data) +
+            a.q.offset(row.b, tok, h) * (a.q.dtype == kF32 ? 4 : 2);
+        bytes = a.K * 2;
+        break;
+      case 1:
+        p = static_cast<const char*>(a.k.data) +
+            a.k.offset(row.b, tok, h) * (a.k.dtype == kF32 ? 4 : 2);
+        bytes = a.K * 2;
+        break;
+      case 2:
+        p = static_cast<const char*>(a.g.data) +
+            a.g.offset(row.b, tok, hv) * (a.g.dtype == kF32 ? 4 : 2);
+        bytes = a.K * (a.g.dtype == kF32 ? 4 : 2);
+        break;
+      case 3:
+        p = static_cast<const char*>(a.v.data) + a.v.offset(row.b, tok, hv) * 2;
+        bytes = a.V * 2;
+        break;
+      default:
+        p = static_cast<const char*>(a.beta.data) +
+            a.beta.offset(row.b, tok, hv) * (a.beta.dtype == kF32 ? 4 : 2);
+        bytes = (a.beta_per_v ? a.V : 1) * (a.beta.dtype == kF32 ? 4 : 2);
+        break;
     }
     if (line * 128 < bytes) prefetch_l2(p + line * 128);
   }
@@ -55,8 +75,8 @@ struct __align__(16) TokenStage {
 // Lane l preprocesses the kMaxK / 32 contiguous k elements starting at l * kMaxK / 32 (padded
 // elements k >= K: q = k = 0, decay = 1); the l2 norms are full-warp butterflies.
 template <int kMaxK>
-__device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int64_t tok, int h, int hv,
-                                            float exp_A, TokenStage<kMaxK>& sh) {
+__device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int64_t tok, int h,
+                                            int hv, float exp_A, TokenStage<kMaxK>& sh) {
   constexpr int kPer = kMaxK / 32;
   const int k0 = lane_id() * kPer;
   float q[kPer], k[kPer], d[kPer];
@@ -96,7 +116,6 @@ __device__ __forceinline__ void stage_token(const DecodeArgs& a, int64_t b, int6
   }
 }
 
-
 struct __align__(16) PreparedToken {
   float q[kPersistK];
   float k[kPersistK];
@@ -115,23 +134,26 @@ struct RawToken {
   float A_log;
 };
 
-__device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, int64_t tok, int h, int hv, int tile_v0,
-                                               int lane, RawToken& r) {
+__device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, int64_t tok, int h,
+                                               int hv, int tile_v0, int lane, RawToken& r) {
   const int k0 = lane * 4;
   if (k0 < a.K) {
     r.q = load_raw4(a.q.data, a.q.dtype, a.q.vec, a.q.offset(n, tok, h) + k0);
     r.k = load_raw4(a.k.data, a.k.dtype, a.k.vec, a.k.offset(n, tok, h) + k0);
     r.g = load_raw4(a.g.data, a.g.dtype, a.g.vec, a.g.offset(n, tok, hv) + k0);
-    if (a.dt_bias.data != nullptr) r.bias = load_raw4(a.dt_bias.data, a.dt_bias.dtype, a.dt_bias.vec, hv * a.dt_bias.s0 + k0);
+    if (a.dt_bias.data != nullptr)
+      r.bias = load_raw4(a.dt_bias.data, a.dt_bias.dtype, a.dt_bias.vec, hv * a.dt_bias.s0 + k0);
   }
   const int v = tile_v0 + lane;
   r.v = load_raw_elem(a.v.data, a.v.dtype, a.v.offset(n, tok, hv) + v);
-  r.beta = load_raw_elem(a.beta.data, a.beta.dtype, a.beta.offset(n, tok, hv) + (a.beta_per_v ? v : 0));
+  r.beta =
+      load_raw_elem(a.beta.data, a.beta.dtype, a.beta.offset(n, tok, hv) + (a.beta_per_v ? v : 0));
   r.A_log = a.A_log != nullptr ? a.A_log[hv * a.A_log_s0] : 0.f;
 }
 
 // Preprocesses one token (full-warp l2 norms, as stage_token) into the stage's token slot.
-__device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane, PreparedToken& dst) {
+__device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane,
+                                           PreparedToken& dst) {
   const int k0 = lane * 4;
   const float exp_A = a.A_log != nullptr ? expf(r.A_log) : 1.f;
   float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, d[4] = {1.f, 1.f, 1.f, 1.f};
@@ -142,7 +164,8 @@ __device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& 
     convert4(r.g, a.g.dtype, a.g.vec, g);
     if (a.dt_bias.data != nullptr) convert4(r.bias, a.dt_bias.dtype, a.dt_bias.vec, bias);
 #pragma unroll
-    for (int e = 0; e < 4; ++e) d[e] = expf(detail::log_decay<float>(a.gate, g[e], exp_A, bias[e], a.lower_bound));
+    for (int e = 0; e < 4; ++e)
+      d[e] = expf(detail::log_decay<float>(a.gate, g[e], exp_A, bias[e], a.lower_bound));
   }
   float q_norm = 1.f, k_norm = 1.f;
   if (a.use_qk_l2norm) {
@@ -154,12 +177,15 @@ __device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& 
     q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
     k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
   }
-  *reinterpret_cast<float4*>(&dst.q[k0]) = make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale,
-                                                       (q[2] * q_norm) * a.scale, (q[3] * q_norm) * a.scale);
-  *reinterpret_cast<float4*>(&dst.k[k0]) = make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm);
+  *reinterpret_cast<float4*>(&dst.q[k0]) =
+      make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale, (q[2] * q_norm) * a.scale,
+                  (q[3] * q_norm) * a.scale);
+  *reinterpret_cast<float4*>(&dst.k[k0]) =
+      make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm);
   *reinterpret_cast<float4*>(&dst.decay[k0]) = make_float4(d[0], d[1], d[2], d[3]);
   dst.v[lane] = convert_elem(r.v, a.v.dtype);
-  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval, convert_elem(r.beta, a.beta.dtype));
+  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval,
+                                                convert_elem(r.beta, a.beta.dtype));
 }
 
 }  // namespace kda::cuda::dec

@@ -4,9 +4,9 @@
 //
 // Fragment notation used in both kernels (PTX ISA, "warp-level matrix fragments"): lane = 4 g + c
 // (g = groupID 0..7, c = threadID_in_group 0..3).
-//   m16n8k16 bf16  A: {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)}  B: {(2c.., g), (2c+8.., g)}
-//   m16n8k8  tf32  A: {(g, c), (g+8, c), (g, c+4), (g+8, c+4)}                 B: {(c, g), (c+4, g)}
-//   accumulator    C: {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}
+//   m16n8k16 bf16  A: {(g, 2c..2c+1), (g+8, 2c..), (g, 2c+8..), (g+8, 2c+8..)}  B: {(2c.., g),
+//   (2c+8.., g)} m16n8k8  tf32  A: {(g, c), (g+8, c), (g, c+4), (g+8, c+4)}                 B: {(c,
+//   g), (c+4, g)} accumulator    C: {(g, 2c), (g, 2c+1), (g+8, 2c), (g+8, 2c+1)}
 // A tf32 product may relabel its 8 k indices as long as A and B agree. We use
 //   k-slot c <-> k = 2c,   k-slot c+4 <-> k = 2c+1
 // so that an fp32 accumulator tile (columns 2c, 2c+1) is directly the A operand of the next tf32
@@ -61,15 +61,19 @@ static_assert(kRecordBytes % 128 == 0, "records stay 128-byte aligned");
 // (above their diagonal blocks), 4 KB each, contiguous in the swizzle layout. The recurrence's
 // stages hold zeros there from its start. The copied spans: [0, kHoleAqk),
 // [kHoleAqk + kHoleBytes, kHoleTm), [kHoleTm + kHoleBytes, kRecordBytes).
-inline constexpr int kHoleRows = kChunk / 2;             // rows 0..31, columns 32..63
+inline constexpr int kHoleRows = kChunk / 2;  // rows 0..31, columns 32..63
 inline constexpr int kHoleBytes = kHoleRows * 128;
-inline constexpr int kHoleAqk = kOffAqk + kChunk * 128;  // column block 1 follows all rows of block 0
+inline constexpr int kHoleAqk =
+    kOffAqk + kChunk * 128;  // column block 1 follows all rows of block 0
 inline constexpr int kHoleTm = kOffTm + kChunk * 128;
 inline constexpr int kRecordCopyBytes = kRecordBytes - 2 * kHoleBytes;  // 74,240
 // Element (t, s) of Aqk or Tm lies in the record's zero part (never stored nor copied).
-__host__ __device__ constexpr bool rec_in_hole(int t, int s) { return t < kHoleRows && s >= kHoleRows; }
+__host__ __device__ constexpr bool rec_in_hole(int t, int s) {
+  return t < kHoleRows && s >= kHoleRows;
+}
 
-static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 && kOffTm % 1024 == 0,
+static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 &&
+                  kOffTm % 1024 == 0,
               "record matrices start at the swizzle period");
 
 // The 128-byte swizzle layout (wgmma's SWIZZLE_128B, K-major) of a matrix of `rows` rows: its rows
@@ -78,18 +82,27 @@ static_assert(kOffQg % 1024 == 0 && kOffKbT % 1024 == 0 && kOffAqk % 1024 == 0 &
 // `row`. Eight consecutive rows at one logical chunk hit eight bank groups (ldmatrix and the
 // mma.sync B fragment reads are conflict-free too).
 __host__ __device__ constexpr int sw128_offset(int rows, int row, int byte) {
-  return (byte >> 7) * rows * 128 + row * 128 + ((((byte >> 4) & 7) ^ (row & 7)) << 4) + (byte & 15);
+  return (byte >> 7) * rows * 128 + row * 128 + ((((byte >> 4) & 7) ^ (row & 7)) << 4) +
+         (byte & 15);
 }
 // W, qg: element (t, k) of a [64][128] bf16 matrix (element offset).
-__host__ __device__ constexpr int rec_b16(int t, int k) { return sw128_offset(kChunk, t, 2 * k) >> 1; }
+__host__ __device__ constexpr int rec_b16(int t, int k) {
+  return sw128_offset(kChunk, t, 2 * k) >> 1;
+}
 // kbT: element (k, s) of the [128][64] bf16 matrix.
-__host__ __device__ constexpr int rec_kbt(int k, int s) { return sw128_offset(kHeadDim, k, 2 * s) >> 1; }
+__host__ __device__ constexpr int rec_kbt(int k, int s) {
+  return sw128_offset(kHeadDim, k, 2 * s) >> 1;
+}
 // tf32 k-slot order of 8 consecutive tokens (common.cuh header: slot c <-> 2c, slot c + 4 <->
 // 2c + 1): token s sits at position perm8(s), so that an accumulator tile used as the A operand
 // of a wgmma meets B rows in the same order.
-__host__ __device__ constexpr int perm8(int s) { return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1); }
+__host__ __device__ constexpr int perm8(int s) {
+  return (s & ~7) | ((s & 1) << 2) | ((s & 7) >> 1);
+}
 // Aqk, Tm: element (t, s) of a [64][64] fp32 matrix.
-__host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2; }
+__host__ __device__ constexpr int rec_f32(int t, int s) {
+  return sw128_offset(kChunk, t, 4 * perm8(s)) >> 2;
+}
 // ---- 16-token records (the chunk-16 path: docs/design.md, docs/perf_notes.md).
 // Four per record slot (the workspace is sized as for 64-token records). Each matrix is a wgmma B
 // operand, K-major, in the swizzle mode of its row length (PTX ISA, shared memory matrix layouts:
@@ -101,14 +114,16 @@ __host__ __device__ constexpr int rec_f32(int t, int s) { return sw128_offset(kC
 //   gL     [128] fp32           exp(G_L) over the 16 tokens
 inline constexpr int kChunk16 = 16;
 inline constexpr int kR16OffW = 0;
-inline constexpr int kR16OffQg = kR16OffW + kChunk16 * kHeadDim * 2;      // 4096
-inline constexpr int kR16OffKbT = kR16OffQg + kChunk16 * kHeadDim * 2;    // 8192
-inline constexpr int kR16OffAqk = kR16OffKbT + kHeadDim * kChunk16 * 2;   // 12288
-inline constexpr int kR16OffTm = kR16OffAqk + kChunk16 * kChunk16 * 4;    // 13312
-inline constexpr int kR16OffGL = kR16OffTm + kChunk16 * kChunk16 * 4;     // 14336
+inline constexpr int kR16OffQg = kR16OffW + kChunk16 * kHeadDim * 2;              // 4096
+inline constexpr int kR16OffKbT = kR16OffQg + kChunk16 * kHeadDim * 2;            // 8192
+inline constexpr int kR16OffAqk = kR16OffKbT + kHeadDim * kChunk16 * 2;           // 12288
+inline constexpr int kR16OffTm = kR16OffAqk + kChunk16 * kChunk16 * 4;            // 13312
+inline constexpr int kR16OffGL = kR16OffTm + kChunk16 * kChunk16 * 4;             // 14336
 inline constexpr int kRecord16Bytes = (kR16OffGL + kHeadDim * 4 + 1023) & ~1023;  // 15360
-static_assert(kChunk / kChunk16 * kRecord16Bytes <= kRecordBytes, "four 16-token records fit in a record slot");
-static_assert(kRecord16Bytes % 1024 == 0 && kR16OffKbT % 256 == 0 && kR16OffAqk % 512 == 0 && kR16OffTm % 512 == 0,
+static_assert(kChunk / kChunk16 * kRecord16Bytes <= kRecordBytes,
+              "four 16-token records fit in a record slot");
+static_assert(kRecord16Bytes % 1024 == 0 && kR16OffKbT % 256 == 0 && kR16OffAqk % 512 == 0 &&
+                  kR16OffTm % 512 == 0,
               "16-token record matrices start at their swizzle atoms");
 // 64-byte swizzle (SWIZZLE_64B; atom 8 rows x 64 B): chunk j (0..3) of row r at j ^ ((r / 2) % 4).
 __host__ __device__ constexpr int sw64_offset(int row, int byte) {
@@ -118,9 +133,13 @@ __host__ __device__ constexpr int sw64_offset(int row, int byte) {
 __host__ __device__ constexpr int sw32_offset(int row, int byte) {
   return row * 32 + ((((byte >> 4) & 1) ^ ((row >> 2) & 1)) << 4) + (byte & 15);
 }
-__host__ __device__ constexpr int rec16_b16(int t, int k) { return sw128_offset(kChunk16, t, 2 * k) >> 1; }
+__host__ __device__ constexpr int rec16_b16(int t, int k) {
+  return sw128_offset(kChunk16, t, 2 * k) >> 1;
+}
 __host__ __device__ constexpr int rec16_kbt(int k, int s) { return sw32_offset(k, 2 * s) >> 1; }
-__host__ __device__ constexpr int rec16_f32(int t, int s) { return sw64_offset(t, 4 * perm8(s)) >> 2; }
+__host__ __device__ constexpr int rec16_f32(int t, int s) {
+  return sw64_offset(t, 4 * perm8(s)) >> 2;
+}
 
 // bf16 tile [64 rows][vs columns] (vs = 16, 32, 64, 128; rows of vs/8 16-byte chunks): byte offset
 // of 16-byte chunk `chunk` of `row`, swizzled so that 8 consecutive rows at one chunk are
@@ -158,23 +177,23 @@ struct IndexView {
 // Everything both kernels read, passed by value (__grid_constant__).
 struct Params {
   StridedView q, k, v, g, beta, out;  // out: written (const dropped at the store)
-  const float* A_log = nullptr;     // [HV] (stride A_log_s), optional
-  const float* dt_bias = nullptr;   // [HV, K] (row stride dt_bias_s), optional
+  const float* A_log = nullptr;       // [HV] (stride A_log_s), optional
+  const float* dt_bias = nullptr;     // [HV, K] (row stride dt_bias_s), optional
   int64_t A_log_s = 1, dt_bias_s = kHeadDim;
-  IndexView cu_seqlens;             // varlen: [N + 1]
+  IndexView cu_seqlens;  // varlen: [N + 1]
   bool varlen = false;
-  int64_t B = 0, T = 0, N = 0;      // per-token tensors are [B, T, ...]; N sequences
-  int H = 0, HV = 0, groups = 1;    // groups = HV / H
-  int64_t chunks_per_seq = 0;       // dense: ceil(T / 64)
-  int64_t num_slots = 0;            // chunk slots (see slot_base)
+  int64_t B = 0, T = 0, N = 0;    // per-token tensors are [B, T, ...]; N sequences
+  int H = 0, HV = 0, groups = 1;  // groups = HV / H
+  int64_t chunks_per_seq = 0;     // dense: ceil(T / 64)
+  int64_t num_slots = 0;          // chunk slots (see slot_base)
 
-  int gate = 0;                     // detail::kGate*
+  int gate = 0;  // detail::kGate*
   bool beta_logits = false, allow_neg_eigval = false, use_qk_l2norm = true;
   float scale = 1.f, lower_bound = -5.f;
 
-  uint8_t* ws = nullptr;            // records [num_slots][HV][kRecordBytes], 128-byte aligned
-  int32_t* order = nullptr;         // varlen, N > 1: sequences longest first (after the records;
-                                    // written by prepare block 0, read by the recurrence)
+  uint8_t* ws = nullptr;     // records [num_slots][HV][kRecordBytes], 128-byte aligned
+  int32_t* order = nullptr;  // varlen, N > 1: sequences longest first (after the records;
+                             // written by prepare block 0, read by the recurrence)
 
   // States (kernel B only).
   StateView initial_state, final_state, state_pool, checkpoints;
@@ -182,11 +201,11 @@ struct Params {
   bool has_state_pool = false;
   int64_t checkpoint_every = 0;
   bool kfirst = false;
-  int vs = 128, nslices = 1;        // value columns per recurrence block, blocks per (seq, head)
-  bool ksplit = false;              // recurrence: two warps per 16 value rows, each half of K
-  bool wgmma = false;               // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
-  bool chunk16 = false;             // both kernels on 16-token records (wgmma only; heuristics.h)
-  int prefetch_blocks = 0;          // prepare: opt-in L2 prefetch for block index + this (0: off)
+  int vs = 128, nslices = 1;  // value columns per recurrence block, blocks per (seq, head)
+  bool ksplit = false;        // recurrence: two warps per 16 value rows, each half of K
+  bool wgmma = false;         // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
+  bool chunk16 = false;       // both kernels on 16-token records (wgmma only; heuristics.h)
+  int prefetch_blocks = 0;    // prepare: opt-in L2 prefetch for block index + this (0: off)
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read
@@ -205,7 +224,9 @@ __device__ __forceinline__ int64_t clamp64(int64_t x, int64_t lo, int64_t hi) {
 __device__ __forceinline__ int64_t varlen_base_at(const Params& p, int64_t n, int64_t cu_n) {
   return clamp64(cu_n, 0, p.T) / kChunk + n;
 }
-__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) { return varlen_base_at(p, n, p.cu_seqlens.load(n)); }
+__device__ __forceinline__ int64_t varlen_base(const Params& p, int64_t n) {
+  return varlen_base_at(p, n, p.cu_seqlens.load(n));
+}
 
 // Varlen sequence n from its cu_seqlens values cu[n], cu[n + 1], clamped into [0, T]
 // (rules::clamp_span, the rule the CPU backends and the decode kernels share).
@@ -239,16 +260,22 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 
 template <bool kFp16>
 __device__ __forceinline__ float in_to_f32(uint32_t bits16) {
-  if constexpr (kFp16) return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
-  else return __uint_as_float(bits16 << 16);
+  if constexpr (kFp16)
+    return __half2float(__ushort_as_half(static_cast<unsigned short>(bits16)));
+  else
+    return __uint_as_float(bits16 << 16);
 }
 // Low / high 16-bit halves of a packed pair.
 template <bool kFp16>
-__device__ __forceinline__ float lo_f32(uint32_t x) { return in_to_f32<kFp16>(x & 0xffffu); }
+__device__ __forceinline__ float lo_f32(uint32_t x) {
+  return in_to_f32<kFp16>(x & 0xffffu);
+}
 template <bool kFp16>
 __device__ __forceinline__ float hi_f32(uint32_t x) {
-  if constexpr (kFp16) return in_to_f32<true>(x >> 16);
-  else return __uint_as_float(x & 0xffff0000u);
+  if constexpr (kFp16)
+    return in_to_f32<true>(x >> 16);
+  else
+    return __uint_as_float(x & 0xffff0000u);
 }
 
 template <bool kFp16>
@@ -263,8 +290,10 @@ __device__ __forceinline__ uint32_t pack_out(float lo, float hi) {
 }
 template <bool kFp16>
 __device__ __forceinline__ uint16_t out_bits(float x) {
-  if constexpr (kFp16) return __half_as_ushort(__float2half_rn(x));
-  else return __bfloat16_as_ushort(__float2bfloat16_rn(x));
+  if constexpr (kFp16)
+    return __half_as_ushort(__float2half_rn(x));
+  else
+    return __bfloat16_as_ushort(__float2bfloat16_rn(x));
 }
 
 __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
@@ -288,9 +317,12 @@ __device__ __forceinline__ float load_any(const void* base, int dtype, int64_t o
   return bits_to_f32(load_bits_any(base, dtype, off), dtype);
 }
 __device__ __forceinline__ void store_any(void* base, int dtype, int64_t off, float x) {
-  if (dtype == kF32) static_cast<float*>(base)[off] = x;
-  else if (dtype == kF16) static_cast<uint16_t*>(base)[off] = out_bits<true>(x);
-  else static_cast<uint16_t*>(base)[off] = out_bits<false>(x);
+  if (dtype == kF32)
+    static_cast<float*>(base)[off] = x;
+  else if (dtype == kF16)
+    static_cast<uint16_t*>(base)[off] = out_bits<true>(x);
+  else
+    static_cast<uint16_t*>(base)[off] = out_bits<false>(x);
 }
 
 }  // namespace kda::cuda::pf

@@ -6,9 +6,9 @@
 #include <string>
 
 #include "core/problem.h"
-#include "cuda/prefill/common.cuh"
 #include "core/tuning.h"
 #include "cuda/heuristics/prefill.h"
+#include "cuda/prefill/common.cuh"
 
 namespace kda::cuda::pf {
 
@@ -36,14 +36,15 @@ inline IndexView index_view(const TensorView& t) {
 inline Status check_supported(const detail::PrefillProblem& pr) {
   const auto& d = pr.d;
   if (pr.q.dtype != DType::kBFloat16 && pr.q.dtype != DType::kFloat16)
-    return {StatusCode::kUnsupported, "q", std::string("the CUDA prefill takes bf16 or fp16 q/k/v, got ") +
-                                          dtype_name(pr.q.dtype)};
+    return {
+        StatusCode::kUnsupported, "q",
+        std::string("the CUDA prefill takes bf16 or fp16 q/k/v, got ") + dtype_name(pr.q.dtype)};
   if (d.K != kHeadDim)
-    return {StatusCode::kUnsupported,
-            "q", "the CUDA prefill supports head dim K = 128, got K = " + std::to_string(d.K)};
+    return {StatusCode::kUnsupported, "q",
+            "the CUDA prefill supports head dim K = 128, got K = " + std::to_string(d.K)};
   if (d.V != kHeadDim)
-    return {StatusCode::kUnsupported,
-            "v", "the CUDA prefill supports head dim V = 128, got V = " + std::to_string(d.V)};
+    return {StatusCode::kUnsupported, "v",
+            "the CUDA prefill supports head dim V = 128, got V = " + std::to_string(d.V)};
   return Status::Ok();
 }
 
@@ -54,26 +55,32 @@ inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
 // Varlen batches of several sequences also keep the recurrence's sequence order (int32 [N]) after
 // the records: blocks of the longest sequences start first, so that a long sequence does not run
 // alone at the end of the grid (prepare_kernel builds it; recurrence_kernel reads it).
-inline bool uses_sequence_order(const detail::PrefillProblem& pr) { return pr.d.varlen && pr.d.N > 1; }
+inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
+  return pr.d.varlen && pr.d.N > 1;
+}
 inline size_t workspace_bytes(const detail::PrefillProblem& pr) {
   const int64_t records = chunk_slots(pr) * pr.d.HV;
   if (records <= 0 || pr.d.N <= 0) return 0;
-  const size_t order = uses_sequence_order(pr) ? (static_cast<size_t>(pr.d.N) * 4 + 127) & ~static_cast<size_t>(127) : 0;
+  const size_t order = uses_sequence_order(pr)
+                           ? (static_cast<size_t>(pr.d.N) * 4 + 127) & ~static_cast<size_t>(127)
+                           : 0;
   return static_cast<size_t>(records) * kRecordBytes + order + 128;  // + alignment slack
 }
 
 // Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
 // workspace_bytes(pr) bytes (unused when that is 0). Returns the block counts of both kernels.
-inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms, const detail::Tuning& tuning,
-                          Params* out, int64_t* prep_blocks_out, int64_t* rec_blocks_out) {
+inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms,
+                          const detail::Tuning& tuning, Params* out, int64_t* prep_blocks_out,
+                          int64_t* rec_blocks_out) {
   const auto& d = pr.d;
   const size_t need = workspace_bytes(pr);
   const int64_t slots = chunk_slots(pr);
   const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
   const int64_t pairs = d.N * d.HV;
   if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX)
-    return {StatusCode::kUnsupported, "q", "problem too large for one CUDA prefill launch (" +
-                                          std::to_string(prep_blocks) + " chunk blocks)"};
+    return {StatusCode::kUnsupported, "q",
+            "problem too large for one CUDA prefill launch (" + std::to_string(prep_blocks) +
+                " chunk blocks)"};
 
   Params& p = *out;
   p = Params{};

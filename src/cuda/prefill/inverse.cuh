@@ -19,7 +19,8 @@ __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) 
   lo = f32_to_tf32(x - __uint_as_float(hi));
 }
 // A fragment: rows 0..15, k columns 0..7 at a.
-__device__ __forceinline__ void load_a3(const float* a, int g, int c, uint32_t (&hi)[4], uint32_t (&lo)[4]) {
+__device__ __forceinline__ void load_a3(const float* a, int g, int c, uint32_t (&hi)[4],
+                                        uint32_t (&lo)[4]) {
   const float2 x0 = *reinterpret_cast<const float2*>(a + g * kMPitch + 2 * c);
   const float2 x1 = *reinterpret_cast<const float2*>(a + (g + 8) * kMPitch + 2 * c);
   const float v[4] = {x0.x, x1.x, x0.y, x1.y};
@@ -27,12 +28,14 @@ __device__ __forceinline__ void load_a3(const float* a, int g, int c, uint32_t (
   for (int e = 0; e < 4; ++e) split_tf32(v[e], hi[e], lo[e]);
 }
 // B fragment: k rows 0..7, columns 0..7 at b (column g, rows 2c and 2c + 1).
-__device__ __forceinline__ void load_b3(const float* b, int g, int c, uint32_t (&hi)[2], uint32_t (&lo)[2]) {
+__device__ __forceinline__ void load_b3(const float* b, int g, int c, uint32_t (&hi)[2],
+                                        uint32_t (&lo)[2]) {
   split_tf32(b[2 * c * kMPitch + g], hi[0], lo[0]);
   split_tf32(b[(2 * c + 1) * kMPitch + g], hi[1], lo[1]);
 }
-__device__ __forceinline__ void mma3_tf32(float (&d)[4], const uint32_t (&ah)[4], const uint32_t (&al)[4],
-                                          const uint32_t (&bh)[2], const uint32_t (&bl)[2]) {
+__device__ __forceinline__ void mma3_tf32(float (&d)[4], const uint32_t (&ah)[4],
+                                          const uint32_t (&al)[4], const uint32_t (&bh)[2],
+                                          const uint32_t (&bl)[2]) {
   mma_tf32(d, al, bh[0], bh[1]);  // small terms first
   mma_tf32(d, ah, bl[0], bl[1]);
   mma_tf32(d, ah, bh[0], bh[1]);
@@ -43,23 +46,28 @@ __device__ __forceinline__ void mma3_tf32(float (&d)[4], const uint32_t (&ah)[4]
 // both n-tiles of block column j (one warp: the X_kj fragments serve all MT rows, the M
 // fragments both n-tiles). add = false starts from zero.
 template <int MT>
-__device__ __forceinline__ void inv_partial(const float* M, const float* X, float* P, const int (&rows)[MT],
-                                            const int (&slots)[MT], int k, int j, bool add, int g, int c,
-                                            int lane) {
+__device__ __forceinline__ void inv_partial(const float* M, const float* X, float* P,
+                                            const int (&rows)[MT], const int (&slots)[MT], int k,
+                                            int j, bool add, int g, int c, int lane) {
   float acc[MT][2][4];
 #pragma unroll
   for (int m = 0; m < MT; ++m)
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
-      const float4 v = add ? *reinterpret_cast<const float4*>(P + 128 * (2 * slots[m] + nt) + 4 * lane)
-                           : make_float4(0.f, 0.f, 0.f, 0.f);
-      acc[m][nt][0] = v.x; acc[m][nt][1] = v.y; acc[m][nt][2] = v.z; acc[m][nt][3] = v.w;
+      const float4 v =
+          add ? *reinterpret_cast<const float4*>(P + 128 * (2 * slots[m] + nt) + 4 * lane)
+              : make_float4(0.f, 0.f, 0.f, 0.f);
+      acc[m][nt][0] = v.x;
+      acc[m][nt][1] = v.y;
+      acc[m][nt][2] = v.z;
+      acc[m][nt][3] = v.w;
     }
 #pragma unroll
   for (int ks = 0; ks < 2; ++ks) {
     uint32_t ah[MT][4], al[MT][4];
 #pragma unroll
-    for (int m = 0; m < MT; ++m) load_a3(M + (16 * rows[m]) * kMPitch + 16 * k + 8 * ks, g, c, ah[m], al[m]);
+    for (int m = 0; m < MT; ++m)
+      load_a3(M + (16 * rows[m]) * kMPitch + 16 * k + 8 * ks, g, c, ah[m], al[m]);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt) {
       if (k == j && ks == 0 && nt == 1) continue;  // upper right 8x8 of X_jj: zero
@@ -82,12 +90,15 @@ __device__ __forceinline__ void inv_partial(const float* M, const float* X, floa
 // i - j = 1), then X_ij = -X_ii S. S is the B operand of the second product: it takes the round
 // trip through the tile's own place in X, which nothing else reads in this phase. Each product
 // keeps one accumulator per k-step: two chains of 3 dependent mma instead of one of 6.
-__device__ __forceinline__ void inv_tile(const float* M, float* X, const float* P, int qs, int i, int j, int nt,
-                                         int g, int c, int lane) {
+__device__ __forceinline__ void inv_tile(const float* M, float* X, const float* P, int qs, int i,
+                                         int j, int nt, int g, int c, int lane) {
   float acc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
   if (qs >= 0) {
     const float4 v = *reinterpret_cast<const float4*>(P + 128 * (2 * qs + nt) + 4 * lane);
-    acc[1][0] = v.x; acc[1][1] = v.y; acc[1][2] = v.z; acc[1][3] = v.w;
+    acc[1][0] = v.x;
+    acc[1][1] = v.y;
+    acc[1][2] = v.z;
+    acc[1][3] = v.w;
   }
   const int k = i - 1;
 #pragma unroll
@@ -99,7 +110,8 @@ __device__ __forceinline__ void inv_tile(const float* M, float* X, const float* 
     mma3_tf32(acc[ks], ah, al, bh, bl);
   }
   float* t = X + (16 * i) * kMPitch + 16 * j + 8 * nt;
-  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) = make_float2(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]);
+  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) =
+      make_float2(acc[0][0] + acc[1][0], acc[0][1] + acc[1][1]);
   *reinterpret_cast<float2*>(t + (g + 8) * kMPitch + 2 * c) =
       make_float2(acc[0][2] + acc[1][2], acc[0][3] + acc[1][3]);
   __syncwarp();
@@ -112,8 +124,10 @@ __device__ __forceinline__ void inv_tile(const float* M, float* X, const float* 
     mma3_tf32(x[ks], ah, al, bh, bl);
   }
   __syncwarp();  // S read by every lane before it is overwritten
-  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) = make_float2(-x[0][0] - x[1][0], -x[0][1] - x[1][1]);
-  *reinterpret_cast<float2*>(t + (g + 8) * kMPitch + 2 * c) = make_float2(-x[0][2] - x[1][2], -x[0][3] - x[1][3]);
+  *reinterpret_cast<float2*>(t + g * kMPitch + 2 * c) =
+      make_float2(-x[0][0] - x[1][0], -x[0][1] - x[1][1]);
+  *reinterpret_cast<float2*>(t + (g + 8) * kMPitch + 2 * c) =
+      make_float2(-x[0][2] - x[1][2], -x[0][3] - x[1][3]);
 }
 
 // X = M^-1 for the unit lower triangular M (strictly lower part in M; X gets the lower blocks,

@@ -115,8 +115,8 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   // Workspace: caller memory, at least workspace_bytes(); records start 128-byte aligned.
   const size_t need = pf::workspace_bytes(pr);
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
-    return {StatusCode::kInvalidArgument,
-            "workspace", "expected at least " + std::to_string(need) +
+    return {StatusCode::kInvalidArgument, "workspace",
+            "expected at least " + std::to_string(need) +
                 " bytes of device memory (kda::prefill_workspace_size), got " +
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};

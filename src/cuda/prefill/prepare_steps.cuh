@@ -18,14 +18,17 @@ namespace kda::cuda::pf {
 // branches on the form once for all its channels (uniform), so that their exp / reciprocal chains
 // interleave: a branch per channel serialized them (seen in the SASS).
 // 1 / (1 + e^-x) by ex2 and an approximate reciprocal: 0 for x -> -inf, 1 for x -> +inf.
-__device__ __forceinline__ float fast_sigmoid(float x) { return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e)); }
+__device__ __forceinline__ float fast_sigmoid(float x) {
+  return __fdividef(1.f, 1.f + fast_exp2(-x * kLog2e));
+}
 // Folded per channel: y = ca g + cb = -x log2 e with ca = -exp(A_log) log2 e, cb = ca dt_bias (one
 // FFMA; the clamp x >= -80 becomes y <= 80 log2 e), lb2 = lower_bound log2 e.
 __device__ __forceinline__ float log2_decay_lower_bound(float g, float ca, float cb, float lb2) {
   const float y = fminf(fmaf(ca, g, cb), 80.f * kLog2e);
   return lb2 * __fdividef(1.f, 1.f + fast_exp2(y));
 }
-__device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias, float lower_bound) {
+__device__ __forceinline__ float log2_decay_other(int form, float g, float exp_a, float bias,
+                                                  float lower_bound) {
   return detail::log_decay<float>(form, g, exp_a, bias, lower_bound) * kLog2e;
 }
 
@@ -47,7 +50,9 @@ __device__ __forceinline__ SeqSpan find_span(const Params& p, int64_t slot, int 
   }
   const int64_t cand = lo + lane;
   SeqSpan c = {};
-  if (cand < hi) c = varlen_span(p, cand, p.cu_seqlens.load(cand), p.cu_seqlens.load(cand + 1));  // cand + 1 <= N
+  if (cand < hi)
+    c = varlen_span(p, cand, p.cu_seqlens.load(cand),
+                    p.cu_seqlens.load(cand + 1));  // cand + 1 <= N
   const unsigned m = __ballot_sync(0xffffffffu, cand < hi && c.base <= slot);
   const int i = m ? 31 - __clz(static_cast<int>(m)) : 0;
   SeqSpan s;
@@ -68,7 +73,8 @@ __device__ __forceinline__ uint4 load8_b16(const uint16_t* p) {
   } else {
     uint32_t w[4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
+    for (int i = 0; i < 4; ++i)
+      w[i] = static_cast<uint32_t>(p[2 * i]) | (static_cast<uint32_t>(p[2 * i + 1]) << 16);
     return make_uint4(w[0], w[1], w[2], w[3]);
   }
 }
@@ -83,7 +89,8 @@ __device__ __forceinline__ void load8_gate_raw(const uint8_t* at, bool f32, uint
     const uint32_t* p = reinterpret_cast<const uint32_t*>(at);
     if constexpr (kVec) {
       const uint4 a = ld_global_16(p), b = ld_global_16(p + 4);
-      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z, w[7] = b.w;
+      w[0] = a.x, w[1] = a.y, w[2] = a.z, w[3] = a.w, w[4] = b.x, w[5] = b.y, w[6] = b.z,
+      w[7] = b.w;
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) w[i] = p[i];
@@ -113,8 +120,9 @@ __device__ __forceinline__ void gate_to_f32(bool f32, const uint32_t (&w)[8], fl
 // fragments of q-hat / k-hat products) with the per-row factors applied: into M (b_t Akk, s < t)
 // and the Aqk record (s <= t; zero above the diagonal).
 template <int kTiles, bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], const float (&acc_q)[kTiles][4],
-                                              const float* fq, const float* fk, const float* bet, float* M,
+__device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4],
+                                              const float (&acc_q)[kTiles][4], const float* fq,
+                                              const float* fk, const float* bet, float* M,
                                               float* rec_aqk, int i, int tile0, int g, int c) {
   const int ta = 16 * i + g, tb = ta + 8;
 #pragma unroll
@@ -130,8 +138,10 @@ __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], c
       if (s < t) M[t * kMPitch + s] = kt * fs0 * k0;
       if (s + 1 < t) M[t * kMPitch + s + 1] = kt * fs1 * k1;
       // s, s + 1: k-slots c, c + 4; 16-token records (kC16): the diagonal block's own matrix
-      rec_aqk[kC16 ? rec16_f32(t & 15, s & 15) : rec_f32(t, s)] = s <= t ? tf32_round(qt * fs0 * q0) : 0.f;
-      rec_aqk[kC16 ? rec16_f32(t & 15, (s + 1) & 15) : rec_f32(t, s + 1)] = s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
+      rec_aqk[kC16 ? rec16_f32(t & 15, s & 15) : rec_f32(t, s)] =
+          s <= t ? tf32_round(qt * fs0 * q0) : 0.f;
+      rec_aqk[kC16 ? rec16_f32(t & 15, (s + 1) & 15) : rec_f32(t, s + 1)] =
+          s + 1 <= t ? tf32_round(qt * fs1 * q1) : 0.f;
     }
   }
 }
@@ -140,10 +150,10 @@ __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4], c
 // operands k^_t exp(G_t - G_r) and k^_s exp(G_r - G_s) (q^_t for Aqk) in fp32, rounded to tf32
 // (G in log2 units). The factors reach e^+-45 here, beyond fp16, hence tf32.
 template <int kTiles, bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                              const float* fq, const float* fk, const float* bet,
-                                              float* M, float* rec_aqk, int i, int r, int tile0,
-                                              int g, int c) {
+__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh,
+                                              const float* G, const float* fq, const float* fk,
+                                              const float* bet, float* M, float* rec_aqk, int i,
+                                              int r, int tile0, int g, int c) {
   float acc_k[kTiles][4], acc_q[kTiles][4];
 #pragma unroll
   for (int jt = 0; jt < kTiles; ++jt)
@@ -166,10 +176,10 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t
     const uint32_t kb = *reinterpret_cast<const uint32_t*>(kh + tb * kQkPitch + ch);
     const uint32_t qa = *reinterpret_cast<const uint32_t*>(qh + ta * kQkPitch + ch);
     const uint32_t qb = *reinterpret_cast<const uint32_t*>(qh + tb * kQkPitch + ch);
-    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ea0), f32_to_tf32(lo(kb) * eb0), f32_to_tf32(hi(ka) * ea1),
-                            f32_to_tf32(hi(kb) * eb1)};
-    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * ea0), f32_to_tf32(lo(qb) * eb0), f32_to_tf32(hi(qa) * ea1),
-                            f32_to_tf32(hi(qb) * eb1)};
+    const uint32_t ak[4] = {f32_to_tf32(lo(ka) * ea0), f32_to_tf32(lo(kb) * eb0),
+                            f32_to_tf32(hi(ka) * ea1), f32_to_tf32(hi(kb) * eb1)};
+    const uint32_t aq[4] = {f32_to_tf32(lo(qa) * ea0), f32_to_tf32(lo(qb) * eb0),
+                            f32_to_tf32(hi(qa) * ea1), f32_to_tf32(hi(qb) * eb1)};
 #pragma unroll
     for (int jt = 0; jt < kTiles; ++jt) {
       const int s = 8 * (tile0 + jt) + g;
@@ -191,9 +201,10 @@ __device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t
 // factor's absolute error (<= 2^-25, products bounded by 1) is far below the tf32 rounding of the
 // large entries. Natural k mapping: k-index j of step ks <-> channel 16 ks + j.
 template <int kTiles>
-__device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                                  const float* fq, const float* fk, const float* bet,
-                                                  float* M, float* rec_aqk, int i, int tile0, int g, int c) {
+__device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint16_t* kh,
+                                                  const float* G, const float* fq, const float* fk,
+                                                  const float* bet, float* M, float* rec_aqk, int i,
+                                                  int tile0, int g, int c) {
   float acc_k[kTiles][4], acc_q[kTiles][4];
 #pragma unroll
   for (int jt = 0; jt < kTiles; ++jt)
@@ -207,7 +218,8 @@ __device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint
     uint32_t ak[4], aq[4];
     float2 gr[2];
 #pragma unroll
-    for (int hh = 0; hh < 2; ++hh) {  // registers a0, a1 (hh = 0: k 2c, 2c + 1) and a2, a3 (hh = 1: + 8)
+    for (int hh = 0; hh < 2;
+         ++hh) {  // registers a0, a1 (hh = 0: k 2c, 2c + 1) and a2, a3 (hh = 1: + 8)
       const int ch = 16 * ks + 8 * hh + 2 * c;
       gr[hh] = gld(r, ch);
       const float2 gta = gld(ta, ch), gtb = gld(tb, ch);
@@ -226,7 +238,8 @@ __device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint
       for (int hh = 0; hh < 2; ++hh) {  // b0: k 2c, 2c + 1; b1: + 8
         const int ch = 16 * ks + 8 * hh + 2 * c;
         const float2 gs = gld(s, ch);
-        b[hh] = mul_f16x2(ld2(kh + s * kQkPitch + ch), pack_f16(fast_exp2(gr[hh].x - gs.x), fast_exp2(gr[hh].y - gs.y)));
+        b[hh] = mul_f16x2(ld2(kh + s * kQkPitch + ch),
+                          pack_f16(fast_exp2(gr[hh].x - gs.x), fast_exp2(gr[hh].y - gs.y)));
       }
       mma_f16(acc_k[jt], ak, b[0], b[1]);
       mma_f16(acc_q[jt], aq, b[0], b[1]);
@@ -237,9 +250,10 @@ __device__ __forceinline__ void akk_aqk_tiles_f16(const uint16_t* qh, const uint
 
 // Diagonal block i by pairwise differences (any decay): lanes = 16 columns s x 2 channel halves.
 template <bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const uint16_t* kh, const float* G,
-                                                      const float* fq, const float* fk, const float* bet,
-                                                      float* M, float* rec_aqk, int i, int lane) {
+__device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const uint16_t* kh,
+                                                      const float* G, const float* fq,
+                                                      const float* fk, const float* bet, float* M,
+                                                      float* rec_aqk, int i, int lane) {
   const int sl = lane & 15, hc = lane >> 4, s = 16 * i + sl;
   for (int tl = 0; tl < 16; ++tl) {
     const int t = 16 * i + tl;
@@ -247,7 +261,8 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const 
     if (sl <= tl) {
       for (int m = 0; m < 64; ++m) {
         const int cc = 64 * hc + ((m + (sl >> 3) + 2 * hc) & 63);  // rotated: fewer bank conflicts
-        const float e = fast_exp2(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
+        const float e =
+            fast_exp2(G[t * kGPitch + cc] - G[s * kGPitch + cc]);  // t >= s: argument <= 0
         const float ks = in_to_f32<true>(kh[s * kQkPitch + cc]) * e;
         sk = fmaf(in_to_f32<true>(kh[t * kQkPitch + cc]), ks, sk);
         sq = fmaf(in_to_f32<true>(qh[t * kQkPitch + cc]), ks, sq);
@@ -257,7 +272,8 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const 
     sq += __shfl_xor_sync(0xffffffffu, sq, 16);
     if (hc == 0) {
       if (sl < tl) M[t * kMPitch + s] = bet[t] * fk[t] * fk[s] * sk;
-      rec_aqk[kC16 ? rec16_f32(tl, sl) : rec_f32(t, s)] = sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
+      rec_aqk[kC16 ? rec16_f32(tl, sl) : rec_f32(t, s)] =
+          sl <= tl ? tf32_round(fq[t] * fk[s] * sq) : 0.f;
     }
   }
 }
@@ -275,11 +291,13 @@ __device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_
   }
 }
 
-// Opt-in (heuristics/prefill.h: measured slower at the natural distance) L2 prefetch (a hint) of the q, k,
-// g rows of the chunk that block blockIdx.x + p.prefetch_blocks will load; threads 0..191: one 256- or 512-byte row each. Dense:
-// that block's rows exactly; varlen: this block's sequence continued (exact while it lasts, a
-// harmless guess past its end). Only for 16-byte aligned rows.
-__device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0, int tid) {
+// Opt-in (heuristics/prefill.h: measured slower at the natural distance) L2 prefetch (a hint) of
+// the q, k, g rows of the chunk that block blockIdx.x + p.prefetch_blocks will load; threads
+// 0..191: one 256- or 512-byte row each. Dense: that block's rows exactly; varlen: this block's
+// sequence continued (exact while it lasts, a harmless guess past its end). Only for 16-byte
+// aligned rows.
+__device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0,
+                                                    int tid) {
   if (p.prefetch_blocks <= 0 || tid >= 3 * kChunk || !(p.q.vec && p.k.vec && p.g.vec)) return;
   const uint32_t nb = blockIdx.x + static_cast<uint32_t>(p.prefetch_blocks);
   if (nb >= gridDim.x) return;
@@ -299,7 +317,8 @@ __device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slo
   const StridedView& tv = which == 0 ? p.q : (which == 1 ? p.k : p.g);
   const int esize = tv.dtype == kF32 ? 4 : 2;
   const int64_t off = tv.offset(b2, tok, which == 2 ? hv2 : hv2 / p.groups);
-  bulk_prefetch_l2(static_cast<const uint8_t*>(tv.data) + off * esize, static_cast<uint32_t>(kHeadDim * esize));
+  bulk_prefetch_l2(static_cast<const uint8_t*>(tv.data) + off * esize,
+                   static_cast<uint32_t>(kHeadDim * esize));
 }
 
 // Varlen batches (p.order set): the recurrence's sequence order, longest first, by a counting sort
@@ -339,7 +358,8 @@ __device__ __forceinline__ void order_sequences(const Params& p, int* cnt, int t
     base += v[j];
   }
   __syncthreads();
-  for (int64_t n = tid; n < p.N; n += kPrepareThreads) p.order[atomicAdd(&cnt[key(n)], 1)] = static_cast<int32_t>(n);
+  for (int64_t n = tid; n < p.N; n += kPrepareThreads)
+    p.order[atomicAdd(&cnt[key(n)], 1)] = static_cast<int32_t>(n);
   __syncthreads();
 }
 

@@ -44,12 +44,12 @@ template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
   static_assert(!kC16 || kWgmma, "16-token steps run on wgmma");
-  constexpr int kLc = kC16 ? kChunk16 : kChunk;  // tokens per step
+  constexpr int kLc = kC16 ? kChunk16 : kChunk;                // tokens per step
   constexpr int kRecB = kC16 ? kRecord16Bytes : kRecordBytes;  // the record's bytes in a stage
   constexpr int kS = kC16 ? kStages16 : 2;                     // stages (a power of two)
   constexpr int kSLog = kC16 ? 2 : 1;                          // log2(kS)
   static_assert((1 << kSLog) == kS, "stages");
-  constexpr int kCnt = kC16 ? 8 * kStages16 : 16;              // the counters' offset from bar0
+  constexpr int kCnt = kC16 ? 8 * kStages16 : 16;  // the counters' offset from bar0
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The stages start at the first 1024-byte aligned address (the record's swizzle period).
@@ -57,18 +57,19 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
   const int nthreads = blockDim.x;  // 2 vs (4 vs with the K split)
   const int vs = p.vs;
-  constexpr int kNJ = kKSplit ? 8 : 16;            // 8-column key tiles of S^T held by this warp
-  const int rg = kKSplit ? warp >> 1 : warp;       // 16-row group of S^T
-  const int kh = kKSplit ? warp & 1 : 0;           // key half (K split)
-  const int k0 = kh * (kNJ * 8);                   // first key column held
+  constexpr int kNJ = kKSplit ? 8 : 16;       // 8-column key tiles of S^T held by this warp
+  const int rg = kKSplit ? warp >> 1 : warp;  // 16-row group of S^T
+  const int kh = kKSplit ? warp & 1 : 0;      // key half (K split)
+  const int k0 = kh * (kNJ * 8);              // first key column held
   const int slice = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.nslices));
   const int64_t pair = blockIdx.x / static_cast<unsigned>(p.nslices);
   const int hv = static_cast<int>(pair % p.HV);
-  const int64_t n = p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
+  const int64_t n =
+      p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
   const SeqSpan sp = seq_span(p, n);
   const int64_t nchunks = (sp.len + kLc - 1) / kLc;
-  const int vcol0 = slice * vs;        // first value column of this block
-  const int vw = vcol0 + 16 * rg;      // first value row of S^T owned by this warp
+  const int vcol0 = slice * vs;    // first value column of this block
+  const int vw = vcol0 + 16 * rg;  // first value row of S^T owned by this warp
   const int sbytes = kC16 ? recurrence_stage_bytes16(vs) : recurrence_stage_bytes(vs);
   const int nwarps = recurrence_warps(vs, kKSplit);
   const uint32_t smem0 = smem_addr(smem);
@@ -82,9 +83,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   constexpr bool kGrouped = kWgmma || kKSplit;
   const int grp = kWgmma ? wg : rg, grp_threads = kWgmma ? 128 : 64;
   // K split: this warp's and its partner's partial U^T, O^T ([32 values][32 lanes] fp32 each).
-  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + warp * kXchWarpBytes);
-  const float* xch_partner =
-      reinterpret_cast<const float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + (warp ^ 1) * kXchWarpBytes);
+  float* xch_mine = reinterpret_cast<float*>(smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes +
+                                             warp * kXchWarpBytes);
+  const float* xch_partner = reinterpret_cast<const float*>(
+      smem + 2 * sbytes + nwarps * kChunk * 32 + kBarBytes + (warp ^ 1) * kXchWarpBytes);
 
   // ---- Initial state (pool slot, initial_state row n, or zero).
   float accS[kNJ][4];
@@ -109,10 +111,11 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 
   // The record's zero parts in both stages (never copied: common.cuh), before the barrier below;
   // the tensor cores read them through the async proxy.
-  for (int i = tid; i < (kC16 ? 0 : 4 * kHoleBytes / 16); i += nthreads) {  // 16-token records: none
+  for (int i = tid; i < (kC16 ? 0 : 4 * kHoleBytes / 16);
+       i += nthreads) {  // 16-token records: none
     const int part = i / (kHoleBytes / 16), st = part >> 1;
-    *reinterpret_cast<uint4*>(smem + st * sbytes + ((part & 1) ? kHoleTm : kHoleAqk) + 16 * (i % (kHoleBytes / 16))) =
-        make_uint4(0u, 0u, 0u, 0u);
+    *reinterpret_cast<uint4*>(smem + st * sbytes + ((part & 1) ? kHoleTm : kHoleAqk) +
+                              16 * (i % (kHoleBytes / 16))) = make_uint4(0u, 0u, 0u, 0u);
   }
   fence_proxy_async();
   if (tid == 0) {
@@ -125,8 +128,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     } else {
       mbar_init(bar0, 1);
       mbar_init(bar0 + 8, 1);
-      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[0] = 0u;  // wgmma: warps done
-      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[1] = 0u;  // with stage 0 / 1
+      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[0] =
+          0u;  // wgmma: warps done
+      reinterpret_cast<unsigned*>(smem + 2 * sbytes + nwarps * kChunk * 32 + 16)[1] =
+          0u;  // with stage 0 / 1
     }
     fence_mbar_init();
   }
@@ -142,7 +147,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     const uint32_t sdst = smem0 + st * sbytes;
     const uint32_t bar = bar0 + 8 * st;
     if constexpr (kC16) {  // the 16-token record ci % 4 of chunk slot ci / 4
-      const uint8_t* rec = p.ws + ((sp.base + ci / 4) * p.HV + hv) * static_cast<int64_t>(kRecordBytes) +
+      const uint8_t* rec = p.ws +
+                           ((sp.base + ci / 4) * p.HV + hv) * static_cast<int64_t>(kRecordBytes) +
                            (ci % 4) * kRecord16Bytes;
       mbar_arrive_expect_tx(bar, kRecord16CopyBytes);
       bulk_copy_g2s(sdst, rec, kRecord16CopyBytes, bar);
@@ -150,7 +156,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
     const uint8_t* rec = p.ws + ((sp.base + ci) * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
     mbar_arrive_expect_tx(bar, kRecordCopyBytes);
-    constexpr int kSpans[3][2] = {{0, kHoleAqk}, {kHoleAqk + kHoleBytes, kHoleTm}, {kHoleTm + kHoleBytes, kRecordBytes}};
+    constexpr int kSpans[3][2] = {
+        {0, kHoleAqk}, {kHoleAqk + kHoleBytes, kHoleTm}, {kHoleTm + kHoleBytes, kRecordBytes}};
 #pragma unroll
     for (int part = 0; part < 3; ++part)  // the record less its two zero parts (common.cuh)
       for (int off = kSpans[part][0]; off < kSpans[part][1]; off += 32768) {
@@ -164,8 +171,9 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int vnch = kWgmma ? 8 : (kKSplit ? 2 : (vs >> 3));  // this group's 16-byte chunks per row
   const int vt0 = kGrouped ? tid % grp_threads : tid, vtstep = kGrouped ? grp_threads : nthreads;
   const int vr0 = vt0 / vnch, vrs = vtstep / vnch, vch = (kGrouped ? vnch * grp : 0) + vt0 % vnch;
-  const int64_t voff0 = p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
-  const int vsoff0 = kRecB + swizzle_vtile(vr0, vch, vs);  // rows vr0 + 8 m: same XOR, + 8 m rows
+  const int64_t voff0 =
+      p.v.offset(sp.b, sp.bos + vr0, hv) + vcol0 + 8 * vch;  // token vr0 of chunk 0
+  const int vsoff0 = kRecB + swizzle_vtile(vr0, vch, vs);    // rows vr0 + 8 m: same XOR, + 8 m rows
   auto issue = [&](int64_t ci) {
     const int st = static_cast<int>(ci & (kS - 1));
     const uint32_t sdst = smem0 + st * sbytes;
@@ -183,7 +191,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         if (valid)
 #pragma unroll
           for (int i = 0; i < 4; ++i)
-            w[i] = static_cast<uint32_t>(vbase[goff + 2 * i]) | (static_cast<uint32_t>(vbase[goff + 2 * i + 1]) << 16);
+            w[i] = static_cast<uint32_t>(vbase[goff + 2 * i]) |
+                   (static_cast<uint32_t>(vbase[goff + 2 * i + 1]) << 16);
         *reinterpret_cast<uint4*>(smem + st * sbytes + soff) = make_uint4(w[0], w[1], w[2], w[3]);
       }
     }
@@ -198,8 +207,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // waiting for all but the newest kS - 2 groups completes step ci's.
   if constexpr (kC16) {
     for (int64_t ci = 0; ci < kS - 1; ++ci) {
-      if (ci < nchunks) issue(ci);
-      else cp_async_commit();
+      if (ci < nchunks)
+        issue(ci);
+      else
+        cp_async_commit();
     }
   } else if (nchunks > 0) {
     issue(0);
@@ -207,17 +218,21 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   // kC16: this thread's output offset (token row lane / 2, 16-byte chunk lane & 1 of its warp's 16
   // value columns) at step 0; per step + 16 token rows.
   const int64_t ooff0 = p.out.offset(sp.b, sp.bos + (lane >> 1), hv) + vw + 8 * (lane & 1);
-  unsigned* const done0 = reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt);
+  unsigned* const done0 =
+      reinterpret_cast<unsigned*>(smem + kS * sbytes + nwarps * kLc * 32 + kCnt);
   bool last = false;  // kC16, lane 0: this warp was the last to release the previous step's stage
   for (int64_t ci = 0; ci < nchunks; ++ci) {
     const int st = static_cast<int>(ci & (kS - 1));
     uint8_t* sb = smem + st * sbytes;
     cp_async_wait<kS - 2>();
     if constexpr (kGrouped) {
-      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads of stage (ci - 1) % kS done
+      named_barrier_sync(1 + grp, grp_threads);  // this group's v columns of chunk ci in; its reads
+                                                 // of stage (ci - 1) % kS done
       if constexpr (kC16) {
-        if (ci + kS - 1 < nchunks) issue(ci + kS - 1);
-        else cp_async_commit();
+        if (ci + kS - 1 < nchunks)
+          issue(ci + kS - 1);
+        else
+          cp_async_commit();
         if (last) {  // refill the previous step's stage (its counter's atomic has long returned)
           const int64_t cp = ci - 1;
           done0[cp & (kS - 1)] = 0u;
@@ -231,7 +246,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
     } else {
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
-      __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk ci-1)
+      __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk
+                        // ci-1)
       if (ci + 1 < nchunks) issue(ci + 1);
     }
     const int L = static_cast<int>(sp.len - ci * kLc < kLc ? sp.len - ci * kLc : kLc);
@@ -242,8 +258,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
       for (int e = 0; e < 4; ++e) accO[j][e] = 0.f;
     if constexpr (kWgmma) {
-      if constexpr (kC16) step_wgmma16<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
-      else chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+      if constexpr (kC16)
+        step_wgmma16<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+      else
+        chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
     } else {
       // ---- U^T = -S^T W^T and O^T = S^T qg^T (bf16 m16n8k16; S^T from the accumulators; with
       // the K split, partial sums over this warp's key half).
@@ -256,12 +274,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         const uint32_t w_base = smem_addr(sb + kOffW), q_base = smem_addr(sb + kOffQg);
 #pragma unroll
         for (int kq = 0; kq < kNJ / 2; ++kq) {
-          const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]), pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
+          const uint32_t a[4] = {pack_bf16(accS[2 * kq][0], accS[2 * kq][1]),
+                                 pack_bf16(accS[2 * kq][2], accS[2 * kq][3]),
                                  pack_bf16(accS[2 * kq + 1][0], accS[2 * kq + 1][1]),
                                  pack_bf16(accS[2 * kq + 1][2], accS[2 * kq + 1][3])};
 #pragma unroll
           for (int pp = 0; pp < 4; ++pp) {
-            // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (.., k hi)
+            // matrices: (tokens 16pp.., k lo), (tokens 16pp.., k hi), (tokens 16pp+8.., k lo), (..,
+            // k hi)
             const int row = 16 * pp + ((lane >> 4) << 3) + (lane & 7);
             const int col = k0 + (2 * kq + ((lane >> 3) & 1)) * 8;
             const uint32_t off = static_cast<uint32_t>(rec_b16(row, col)) * 2;
@@ -291,7 +311,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             accU[j][e] += xch_partner[(j * 4 + e) * 32 + lane];
-            if (owns_token_pair(j >> 1, kh)) accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
+            if (owns_token_pair(j >> 1, kh))
+              accO[j][e] += xch_partner[1024 + (j * 4 + e) * 32 + lane];
           }
       }
 #pragma unroll
@@ -313,8 +334,10 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
 #pragma unroll
           for (int half = 0; half < 2; ++half) {
             const int sj = 2 * hh + half;
-            const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])), __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
-                                   __float_as_uint(hi_f32<kFp16>(va[2 * half])), __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
+            const uint32_t a[4] = {__float_as_uint(lo_f32<kFp16>(va[2 * half])),
+                                   __float_as_uint(lo_f32<kFp16>(va[2 * half + 1])),
+                                   __float_as_uint(hi_f32<kFp16>(va[2 * half])),
+                                   __float_as_uint(hi_f32<kFp16>(va[2 * half + 1]))};
 #pragma unroll
             for (int j = 0; j < 8; ++j) {
               if (j >= sj) {
@@ -363,13 +386,14 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
         for (int sj = 0; sj < 8; ++sj) {
 #pragma unroll
           for (int j = 0; j < kNJ; ++j) {
-            const uint16_t* kbt = reinterpret_cast<const uint16_t*>(sb + kOffKbT);  // bf16 pair (s, s+1) -> two tf32 (exact)
-            const uint32_t b = *reinterpret_cast<const uint32_t*>(kbt + rec_kbt(k0 + 8 * j + g, 8 * sj + 2 * c));
+            const uint16_t* kbt = reinterpret_cast<const uint16_t*>(
+                sb + kOffKbT);  // bf16 pair (s, s+1) -> two tf32 (exact)
+            const uint32_t b =
+                *reinterpret_cast<const uint32_t*>(kbt + rec_kbt(k0 + 8 * j + g, 8 * sj + 2 * c));
             mma_tf32(accS[j], ua[sj], b << 16, b & 0xffff0000u);
           }
         }
       }
-
     }
 
     // The K split's generic reads of the record (ldmatrix, LDS) are all done here: its proxy
@@ -384,7 +408,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       for (int jj = 0; jj < kLc / 16; ++jj) {
         if (kKSplit && !owns_token_pair(jj, kh)) continue;
         const int row = 16 * jj + ((lane >> 4) << 3) + (lane & 7);
-        stmatrix_x4_trans(o_base + out_tile_offset(row, (lane >> 3) & 1), pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
+        stmatrix_x4_trans(o_base + out_tile_offset(row, (lane >> 3) & 1),
+                          pack_out<kFp16>(accO[2 * jj][0], accO[2 * jj][1]),
                           pack_out<kFp16>(accO[2 * jj][2], accO[2 * jj][3]),
                           pack_out<kFp16>(accO[2 * jj + 1][0], accO[2 * jj + 1][1]),
                           pack_out<kFp16>(accO[2 * jj + 1][2], accO[2 * jj + 1][3]));
@@ -439,13 +464,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       const int64_t done = (ci + 1) * kLc;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
-        if (row >= 0 && row < ck_hi) store_state(accS, p.checkpoints, p.kfirst, row, hv, vw, k0, g, c);
+        if (row >= 0 && row < ck_hi)
+          store_state(accS, p.checkpoints, p.kfirst, row, hv, vw, k0, g, c);
       }
     }
   }
 
   // ---- Final state.
-  if (!p.has_state_pool && p.final_state.data != nullptr) store_state(accS, p.final_state, p.kfirst, n, hv, vw, k0, g, c);
+  if (!p.has_state_pool && p.final_state.data != nullptr)
+    store_state(accS, p.final_state, p.kfirst, n, hv, vw, k0, g, c);
   if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
 }
 

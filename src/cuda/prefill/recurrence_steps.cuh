@@ -8,12 +8,18 @@
 namespace kda::cuda::pf {
 
 // A pipeline stage (record + v tile), rounded to the 1024-byte period of the record's swizzle.
-__host__ __device__ constexpr int recurrence_stage_bytes(int vs) { return (kRecordBytes + kChunk * vs * 2 + 1023) & ~1023; }
+__host__ __device__ constexpr int recurrence_stage_bytes(int vs) {
+  return (kRecordBytes + kChunk * vs * 2 + 1023) & ~1023;
+}
 // The chunk-16 path (wgmma, vs >= 64): a stage is a 16-token record + its v tile.
-__host__ __device__ constexpr int recurrence_stage_bytes16(int vs) { return (kRecord16Bytes + kChunk16 * vs * 2 + 1023) & ~1023; }
+__host__ __device__ constexpr int recurrence_stage_bytes16(int vs) {
+  return (kRecord16Bytes + kChunk16 * vs * 2 + 1023) & ~1023;
+}
 // Bytes of a 16-token record that are copied (gL ends the record; the rest is alignment).
 inline constexpr int kRecord16CopyBytes = kR16OffGL + kHeadDim * 4;
-__host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) { return (ksplit ? 2 : 1) * (vs / 16); }
+__host__ __device__ constexpr int recurrence_warps(int vs, bool ksplit) {
+  return (ksplit ? 2 : 1) * (vs / 16);
+}
 // Exchange area of the K split: per warp its partial U^T and O^T (2 x 32 fp32 per thread).
 inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
 // Two stages (from the first 1024-byte aligned address: + 1024 bytes of slack), then one output
@@ -22,55 +28,67 @@ inline constexpr int kXchWarpBytes = 2 * 32 * 32 * 4;
 // (K split) the exchange area.
 inline constexpr int kBarBytes = 32;
 __host__ __device__ constexpr int recurrence_smem_bytes(int vs, bool ksplit = false) {
-  return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 + kBarBytes +
-         (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
+  return 1024 + 2 * recurrence_stage_bytes(vs) + recurrence_warps(vs, ksplit) * kChunk * 32 +
+         kBarBytes + (ksplit ? recurrence_warps(vs, ksplit) * kXchWarpBytes : 0);
 }
 // Four stages (records and v tiles three steps ahead), then the output tiles, four mbarriers and
 // four counters.
 inline constexpr int kStages16 = 4;
 inline constexpr int kBarBytes16 = 64;
 __host__ __device__ constexpr int recurrence_smem_bytes16(int vs) {
-  return 1024 + kStages16 * recurrence_stage_bytes16(vs) + recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes16;
+  return 1024 + kStages16 * recurrence_stage_bytes16(vs) +
+         recurrence_warps(vs, false) * kChunk16 * 32 + kBarBytes16;
 }
 static_assert(recurrence_smem_bytes16(128) <= 232448, "recurrence shared memory (chunk 16)");
-// One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both configurations.
+// One block per SM on sm_90 (232,448 bytes of dynamic shared memory at most) in both
+// configurations.
 static_assert(recurrence_smem_bytes(128) <= 232448 && recurrence_smem_bytes(32, true) <= 232448,
               "recurrence shared memory");
 
 // Byte offset of 16-byte chunk `chunk` (0, 1) of row t in a warp's output tile [64][16] (32-byte
 // rows; the chunk is swapped every 4 rows so that 8 consecutive rows hit 8 bank groups).
-__device__ __forceinline__ int out_tile_offset(int t, int chunk) { return t * 32 + ((chunk ^ ((t >> 2) & 1)) << 4); }
+__device__ __forceinline__ int out_tile_offset(int t, int chunk) {
+  return t * 32 + ((chunk ^ ((t >> 2) & 1)) << 4);
+}
 
 // Element offset of state element (value row v, key column kk) of head hv in row `row`.
-__device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst, int64_t row, int hv, int v, int kk) {
-  return row * s.s0 + hv * s.s1 + (kfirst ? static_cast<int64_t>(kk) * s.s2 + v : static_cast<int64_t>(v) * s.s2 + kk);
+__device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst, int64_t row,
+                                                int hv, int v, int kk) {
+  return row * s.s0 + hv * s.s1 +
+         (kfirst ? static_cast<int64_t>(kk) * s.s2 + v : static_cast<int64_t>(v) * s.s2 + kk);
 }
 
 // This thread's S^T elements: acc[j][e] = S^T[vw + g + 8 (e >> 1)][k0 + 8j + 2c + (e & 1)].
 template <int NJ>
-__device__ __forceinline__ void load_state(float (&acc)[NJ][4], const StateView& s, bool kfirst, int64_t row,
-                                           int hv, int vw, int k0, int g, int c) {
+__device__ __forceinline__ void load_state(float (&acc)[NJ][4], const StateView& s, bool kfirst,
+                                           int64_t row, int hv, int vw, int k0, int g, int c) {
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      acc[j][e] = load_any(s.data, s.dtype,
-                           state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)));
+      acc[j][e] = load_any(
+          s.data, s.dtype,
+          state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)));
 }
 template <int NJ>
-__device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const StateView& s, bool kfirst, int64_t row,
-                                            int hv, int vw, int k0, int g, int c) {
+__device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const StateView& s,
+                                            bool kfirst, int64_t row, int hv, int vw, int k0, int g,
+                                            int c) {
 #pragma unroll
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      store_any(s.data, s.dtype, state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)),
-                acc[j][e]);
+      store_any(
+          s.data, s.dtype,
+          state_offset(s, kfirst, row, hv, vw + g + 8 * (e >> 1), k0 + 8 * j + 2 * c + (e & 1)),
+          acc[j][e]);
 }
 
 // K split: the warp of key half kh computes the outputs of token pairs (16 tokens each) {0, 3}
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
-__device__ __forceinline__ bool owns_token_pair(int jj, int kh) { return ((jj == 0 || jj == 3) ? 0 : 1) == kh; }
+__device__ __forceinline__ bool owns_token_pair(int jj, int kh) {
+  return ((jj == 0 || jj == 3) ? 0 : 1) == kh;
+}
 
 // U^T's accumulator tiles as tf32 A operands of the products over tokens (k-slot c <-> token 2c,
 // c + 4 <-> 2c + 1 of each 8-token step).
@@ -92,18 +110,21 @@ __device__ __forceinline__ void bf16_operands(const float (&acc)[NT][4], uint32_
 #pragma unroll
   for (int q = 0; q < NQ; ++q)
 #pragma unroll
-    for (int r = 0; r < 4; ++r) a[q][r] = pack_bf16(acc[2 * q + (r >> 1)][2 * (r & 1)], acc[2 * q + (r >> 1)][2 * (r & 1) + 1]);
+    for (int r = 0; r < 4; ++r)
+      a[q][r] =
+          pack_bf16(acc[2 * q + (r >> 1)][2 * (r & 1)], acc[2 * q + (r >> 1)][2 * (r & 1) + 1]);
 }
 // The same in two terms hi + lo (~16 significant bits).
 template <int NT, int NQ>
-__device__ __forceinline__ void bf16_hi_lo_operands(const float (&acc)[NT][4], uint32_t (&hi)[NQ][4],
-                                                    uint32_t (&lo)[NQ][4]) {
+__device__ __forceinline__ void bf16_hi_lo_operands(const float (&acc)[NT][4],
+                                                    uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
   static_assert(NT == 2 * NQ, "two accumulator tiles per k16 step");
 #pragma unroll
   for (int q = 0; q < NQ; ++q)
 #pragma unroll
     for (int r = 0; r < 4; ++r) {
-      const float x0 = acc[2 * q + (r >> 1)][2 * (r & 1)], x1 = acc[2 * q + (r >> 1)][2 * (r & 1) + 1];
+      const float x0 = acc[2 * q + (r >> 1)][2 * (r & 1)],
+                  x1 = acc[2 * q + (r >> 1)][2 * (r & 1) + 1];
       const uint32_t h = pack_bf16(x0, x1);
       hi[q][r] = h;
       lo[q][r] = pack_bf16(x0 - lo_f32<false>(h), x1 - hi_f32<false>(h));
@@ -123,8 +144,9 @@ __device__ __forceinline__ void decay_state(float (&accS)[16][4], const float* g
 // Between a wgmma chunk / step's two commit groups: waits for the first (U^T, O^T), builds U^T's
 // A operands (tf32 ua; bf16 hi + lo uh, ul) and decays the state, fenced for the second group.
 template <int NT, int NQ, int NO>
-__device__ __forceinline__ void wgmma_between_groups(float (&accU)[NT][4], float (&accO)[NO][4], float (&accS)[16][4],
-                                                     const float* gl, int lane, uint32_t (&ua)[NT][4],
+__device__ __forceinline__ void wgmma_between_groups(float (&accU)[NT][4], float (&accO)[NO][4],
+                                                     float (&accS)[16][4], const float* gl,
+                                                     int lane, uint32_t (&ua)[NT][4],
                                                      uint32_t (&uh)[NQ][4], uint32_t (&ul)[NQ][4]) {
   wgmma_commit();
   wgmma_wait<0>();
@@ -144,7 +166,8 @@ __device__ __forceinline__ void wgmma_between_groups(float (&accU)[NT][4], float
 // (tokens 2c), lanes 8-15 at k-slots 4-7 (tokens 2c + 1), so that lane 4g + c receives (b0, b1) =
 // (slot c, slot c + 4) of row t0 + g.
 __device__ __forceinline__ uint32_t rec_f32_block_offset(int t0, int s0, int lane) {
-  return static_cast<uint32_t>(sw128_offset(kChunk, t0 + (lane & 7), 4 * (s0 + (lane & 8 ? 4 : 0))));
+  return static_cast<uint32_t>(
+      sw128_offset(kChunk, t0 + (lane & 7), 4 * (s0 + (lane & 8 ? 4 : 0))));
 }
 // Descriptor of a K step of the record matrix at `off` (`rows` rows) in the stage at sbase
 // (1024-byte aligned): the step's first byte within the rows, kbyte (a multiple of 32).
@@ -158,12 +181,13 @@ __device__ __forceinline__ uint64_t rec_desc(uint32_t sbase, int off, int rows, 
 //   1. U^T = -S^T W^T + v^T Tm^T,  O^T = S^T qg^T     (S^T bf16 from the accumulators; v^T tf32)
 //   2. O^T += U^T Aqk^T (U^T tf32),  S^T <- S^T diag(gL) + U^T kb
 // The triangular products (Tm, Aqk) run over all 64 tokens (zero above the diagonal): with n =
-// 64 - 8 sj per k-step, ptxas serialized every wgmma (register allocation of the sub-tiles). The state
-// update takes U^T as two bf16 terms (hi + lo: ~16 significant bits, finer than tf32) against the
-// bf16 kbT, which wgmma cannot pair with a tf32 A.
+// 64 - 8 sj per k-step, ptxas serialized every wgmma (register allocation of the sub-tiles). The
+// state update takes U^T as two bf16 terms (hi + lo: ~16 significant bits, finer than tf32) against
+// the bf16 kbT, which wgmma cannot pair with a tf32 A.
 template <bool kFp16>
-__device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[8][4], const uint8_t* sb,
-                                            uint32_t sbase, int rg, int lane, int vs) {
+__device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[8][4],
+                                            const uint8_t* sb, uint32_t sbase, int rg, int lane,
+                                            int vs) {
   float accU[8][4];
 #pragma unroll
   for (int j = 0; j < 8; ++j)
@@ -172,7 +196,8 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   uint32_t sa[8][4], vr[4][4];
   bf16_operands(accS, sa);
 #pragma unroll
-  for (int hh = 0; hh < 4; ++hh) {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
+  for (int hh = 0; hh < 4;
+       ++hh) {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
     const int row = 16 * hh + ((lane >> 4) << 3) + (lane & 7);
     const int chunk = 2 * rg + ((lane >> 3) & 1);
     ldmatrix_x4_trans(vr[hh], sbase + kRecordBytes + swizzle_vtile(row, chunk, vs));
@@ -204,7 +229,8 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   // U^T as A operands: tf32 in k-slot order (slot c <-> token 2c, c + 4 <-> 2c + 1), and bf16 hi +
   // lo per 16-token step (registers: rows g / g + 8 x tokens 2c.. / 2c + 8..).
   uint32_t ua[8][4], uh[4][4], ul[4][4];
-  wgmma_between_groups(accU, accO, accS, reinterpret_cast<const float*>(sb + kOffGL), lane, ua, uh, ul);
+  wgmma_between_groups(accU, accO, accS, reinterpret_cast<const float*>(sb + kOffGL), lane, ua, uh,
+                       ul);
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)
     wgmma_tf32<8>(accO, ua[sj], rec_desc(sbase, kOffAqk, kChunk, 32 * sj), 1);
@@ -228,8 +254,9 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 //      (step16_done), so that the outputs' stores overlap it
 // accO's first two n-tiles receive the 16 outputs.
 template <bool kFp16>
-__device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4], const uint8_t* sb,
-                                             uint32_t sbase, int rg, int lane, int vs) {
+__device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4],
+                                             const uint8_t* sb, uint32_t sbase, int rg, int lane,
+                                             int vs) {
   float(&accO2)[2][4] = *reinterpret_cast<float(*)[2][4]>(&accO[0][0]);
   float accU[2][4];
 #pragma unroll
@@ -256,7 +283,7 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
     va[half][3] = __float_as_uint(hi_f32<kFp16>(vr[2 * half + 1]));
   }
   const uint32_t dlo = wgmma_desc_lo(sbase);  // the stage's descriptors: dlo + offset / 16
-  auto desc16 = [&](int off, int kbyte) {  // W, qg: [16][128] bf16 in the 128-byte swizzle
+  auto desc16 = [&](int off, int kbyte) {     // W, qg: [16][128] bf16 in the 128-byte swizzle
     return wgmma_desc_at(dlo, off + (kbyte >> 7) * kChunk16 * 128 + (kbyte & 127), kDescHiSw128);
   };
   wgmma_fence_acc(accU);
@@ -270,12 +297,15 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
     wgmma_bf16<2>(accO2, sa[ks], desc16(kR16OffQg, 32 * ks), 1);
   }
 #pragma unroll
-  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accU, va[q], wgmma_desc_at(dlo, kR16OffTm + 32 * q, kDescHiSw64), 1);
+  for (int q = 0; q < 2; ++q)
+    wgmma_tf32<2>(accU, va[q], wgmma_desc_at(dlo, kR16OffTm + 32 * q, kDescHiSw64), 1);
   // U^T as A operands: tf32 in k-slot order per 8-token step, bf16 hi + lo for the 16-token step.
   uint32_t ua[2][4], uh[1][4], ul[1][4];
-  wgmma_between_groups(accU, accO2, accS, reinterpret_cast<const float*>(sb + kR16OffGL), lane, ua, uh, ul);
+  wgmma_between_groups(accU, accO2, accS, reinterpret_cast<const float*>(sb + kR16OffGL), lane, ua,
+                       uh, ul);
 #pragma unroll
-  for (int q = 0; q < 2; ++q) wgmma_tf32<2>(accO2, ua[q], wgmma_desc_at(dlo, kR16OffAqk + 32 * q, kDescHiSw64), 1);
+  for (int q = 0; q < 2; ++q)
+    wgmma_tf32<2>(accO2, ua[q], wgmma_desc_at(dlo, kR16OffAqk + 32 * q, kDescHiSw64), 1);
   wgmma_commit();  // group 2: the outputs, waited for here
   {
     const uint64_t d = wgmma_desc_at(dlo, kR16OffKbT, kDescHiSw32);
