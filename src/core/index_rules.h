@@ -128,15 +128,4 @@ KDA_HOST_DEVICE inline ReadSlot decode_read_slot(const DecodeIndexing& ix, int64
   return {RowState::kLive, value, value};
 }
 
-// decode_read_slot(...).slot alone, for the kernels and backends that need only the slot: the
-// same column rule and pool rule, without the reason (a select instead of a branch per state).
-template <typename LoadSlot>
-KDA_HOST_DEVICE inline int64_t read_slot(const DecodeIndexing& ix, int64_t n, int64_t len,
-                                         int64_t accepted, LoadSlot&& load_slot) {
-  if (!ix.has_indices) return n < ix.P ? n : kNoSlot;
-  const ReadColumn c = read_column(ix, len, accepted);
-  if (c.state != RowState::kLive) return kNoSlot;
-  return pool_slot(load_slot(c.col), ix.P);
-}
-
 }  // namespace kda::rules

@@ -35,19 +35,18 @@ __device__ __forceinline__ int64_t index_at(const DecodeArgs& a, int64_t n, int6
   return load_index(a.state_indices, n * a.state_indices.s0 + col * a.state_indices.s1);
 }
 
-// Sequence n's tokens and read slot (rules::clamp_span / dense_span, rules::read_slot):
+// Sequence n's tokens and read slot (rules::clamp_span / dense_span, rules::decode_read_slot):
 // cu_seqlens values are clamped so that no input can index out of bounds.
 __device__ __forceinline__ SeqRow resolve_row(const DecodeArgs& a, int64_t n) {
   const rules::SeqSpan s =
       a.varlen ? rules::clamp_span(load_index(a.cu_seqlens, n * a.cu_seqlens.s0),
                                    load_index(a.cu_seqlens, (n + 1) * a.cu_seqlens.s0), a.T)
                : rules::dense_span(n, a.T);
-  const int64_t acc = a.has_indices && a.has_num_accepted
-                          ? load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0)
-                          : 1;
-  const int64_t slot = rules::read_slot(row_indexing(a), n, s.len, acc,
-                                        [&](int64_t col) { return index_at(a, n, col); });
-  return {s.b, s.bos, s.len, slot};
+  const int64_t acc =
+      a.has_num_accepted ? load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0) : 1;
+  const rules::ReadSlot r = rules::decode_read_slot(
+      row_indexing(a), n, s.len, acc, [&](int64_t col) { return index_at(a, n, col); });
+  return {s.b, s.bos, s.len, r.slot};
 }
 
 // Slot receiving the state after token t with [N, Tmax] indices (rules::kNoSlot: none).
@@ -72,8 +71,10 @@ __device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
 // resolve_row(a, n).slot for a dense row (len = T), from the prefetched loads.
 __device__ __forceinline__ int64_t finish_row_slot(const DecodeArgs& a, int64_t n,
                                                    const RowRaw& r) {
-  return rules::read_slot(row_indexing(a), n, a.T, r.acc,
-                          [&](int64_t col) { return col == 0 ? r.idx0 : index_at(a, n, col); });
+  return rules::decode_read_slot(
+             row_indexing(a), n, a.T, r.acc,
+             [&](int64_t col) { return col == 0 ? r.idx0 : index_at(a, n, col); })
+      .slot;
 }
 
 }  // namespace kda::cuda::dec
