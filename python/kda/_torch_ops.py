@@ -42,7 +42,8 @@ def allocate_workspace(nbytes: int, index: int) -> torch.Tensor:
     dev = _CUDA_DEVICES.get(index)
     if dev is None:
         dev = _CUDA_DEVICES.setdefault(index, torch.device("cuda", index))
-    return torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    # int64 elements: a dtype the extension reads (nbytes rounded up to whole elements).
+    return torch.empty((nbytes + 7) // 8, dtype=torch.int64, device=dev)
 
 
 def cuda_call(q: torch.Tensor) -> tuple:
