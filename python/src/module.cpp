@@ -102,6 +102,10 @@ void* allocate_workspace(size_t bytes, void* context) {
       return nullptr;
     }
     return data;
+  } catch (nb::python_error& e) {
+    // The exception's type and message, without the traceback that what() appends.
+    a->error = std::string(Py_TYPE(e.value().ptr())->tp_name) + ": " + nb::str(e.value()).c_str();
+    return nullptr;
   } catch (const std::exception& e) {
     a->error = e.what();
     return nullptr;
