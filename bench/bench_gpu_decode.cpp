@@ -11,8 +11,8 @@
 // q, k, v, g, beta, out) / time. Graph cases capture 1 call (or 20 calls) in a CUDA graph and time
 // the replay (divided by the number of calls).
 //
-// Kernel: the library's choice (the persistent kernel on this setup); KDA_CUDA_DECODE_KERNEL=tile
-// (or =baseline) in the environment times the other kernels on the same cases.
+// Kernel: the library's choice (heuristics/decode.h); --kernels (or KDA_CUDA_DECODE_KERNEL=tile,
+// staged, bulk, bulklat, baseline in the environment) times the others on the same cases.
 //
 // usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
 //                         [--kernels K1,K2,..]   (also time each case with kernel K forced:

@@ -48,7 +48,6 @@ struct GpuDecodeCase {
   bool staged = false;           // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;             // force the bulk kernel (=bulk; where eligible)
   bool bulklat = false;          // force the bulk kernel's latency variant (=bulklat; dense T = 1)
-  int grid = 0;  // > 0: persistent kernel grid (Tuning::decode_grid), many items per block
   bool state_aligned_pad =
       false;          // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;  // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -70,7 +69,6 @@ struct GpuDecodeCase {
     if (tile) s += "_tile";
     if (staged) s += "_staged";
     if (bulk) s += "_bulk";
-    if (grid > 0) s += "_grid" + std::to_string(grid);
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
     for (char& ch : s)
@@ -141,8 +139,8 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.math.lower_bound = gc.lower_bound;
 }
 
-// Forces the case's kernel (Tuning::decode_kernel: baseline / tile / staged / bulk / bulklat, or
-// the persistent kernel with a small grid, Tuning::decode_grid) while alive.
+// Forces the case's kernel (Tuning::decode_kernel: baseline / tile / staged / bulk / bulklat) while
+// alive.
 class KernelChoice {
  public:
   explicit KernelChoice(const GpuDecodeCase& gc) : scope_(choice(gc)) {}
@@ -155,10 +153,6 @@ class KernelChoice {
     if (gc.staged) t.decode_kernel = O::kStaged;
     if (gc.bulk) t.decode_kernel = O::kBulk;
     if (gc.bulklat) t.decode_kernel = O::kBulkLatency;
-    if (gc.grid > 0) {  // the persistent kernel (opt-in), with a small grid
-      t.decode_kernel = O::kPersistent;
-      t.decode_grid = gc.grid;
-    }
     return t;
   }
   detail::ScopedTuning scope_;
@@ -598,11 +592,9 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.c.state_dtype = DType::kBFloat16;
     v.push_back(g);
   }
-  // The persistent kernel's pipeline (V-first, K = 128, dense, T <= 8): a small forced grid, so
-  // every block walks hundreds of work items around its ring of stages many times; the item
-  // count is not a multiple of the grid; padding rows are interleaved (their stages carry no
-  // state copy); T > 1 with per-token write slots and per-token states; bf16 state (8 stages);
-  // a pool whose rows are aligned but not contiguous (one bulk copy per row).
+  // V-first, K = 128, dense, T <= 8 on the default kernels: padding rows interleaved, T > 1 with
+  // per-token write slots and per-token states, bf16 state, a pool whose rows are aligned but
+  // not contiguous (one bulk copy per row), and the tile kernel on the same shape.
   {
     GpuDecodeCase g = base(128);
     g.c.N = 40;
@@ -610,14 +602,12 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.c.HV = 8;
     g.c.padding = true;
     g.pad_every = 3;
-    g.grid = 7;
     v.push_back(g);
     g.pad_every = 0;
     g.c.state_dtype = DType::kBFloat16;
     g.c.T = 3;
     g.c.indices = 2;
     g.c.num_accepted = true;
-    g.grid = 5;
     v.push_back(g);
     g = base(128);
     g.c.N = 33;
@@ -626,7 +616,6 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.c.T = 4;
     g.c.intermediate = true;
     g.c.padding = true;
-    g.grid = 3;
     v.push_back(g);
     g = base(128);
     g.c.N = 21;
@@ -636,28 +625,25 @@ std::vector<GpuDecodeCase> sweep_cases() {
     g.c.final_state_separate = true;
     g.c.padding = true;
     g.state_aligned_pad = true;
-    g.grid = 4;
     v.push_back(g);
     g.c.state_dtype = DType::kBFloat16;
     g.c.use_initial_state = false;
-    g.grid = 1;
     v.push_back(g);
     g = base(128);
     g.c.N = 17;
-    g.c.T = 8;  // the largest T the persistent kernel takes (2 stages for fp32)
+    g.c.T = 8;
     g.c.indices = 2;
     g.c.num_accepted = true;
     g.c.padding = true;
-    g.grid = 2;
     v.push_back(g);
-    g = base(128);  // the default grid with more items than resident blocks
+    g = base(128);
     g.c.N = 48;
     g.c.H = 8;
     g.c.HV = 16;
     g.c.padding = true;
     g.pad_every = 5;
     v.push_back(g);
-    g.tile = true;  // the tile kernel on the shape the persistent one takes
+    g.tile = true;
     v.push_back(g);
   }
   // The bulk kernel (the default for large fp32 batches), the staged tile kernel (the default for
@@ -881,9 +867,8 @@ TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
 }
 
-// The persistent kernel (opt-in for V-first K = 128 dense decode) and the tile kernel agree,
-// also with a small grid (many items per block, ring wrap-around).
-TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
+// The default kernel (staged or bulk for V-first K = 128) and the tile kernel agree.
+TEST(GpuDecodeSmokeKernels, DefaultMatchesTile) {
   KDA_SKIP_WITHOUT_SM90();
   for (DType st : {DType::kFloat32, DType::kBFloat16}) {
     GpuDecodeCase gc = base(128);
@@ -899,12 +884,11 @@ TEST(GpuDecodeSmokePersistent, PersistentMatchesTile) {
     gc.tile = true;
     const DecodeData tile = run_gpu(d, gc);
     gc.tile = false;
-    gc.grid = 5;
-    const DecodeData pers = run_gpu(d, gc);
+    const DecodeData def = run_gpu(d, gc);
     const double tol = st == DType::kFloat32 ? 1e-6 : 1e-5;
-    expect_close("out (persistent vs tile)", pers.out, tile.out, tol);
-    expect_close("state (persistent vs tile)", pers.state, tile.state, tol);
-    expect_close("inter (persistent vs tile)", pers.inter, tile.inter, tol);
+    expect_close("out (default vs tile)", def.out, tile.out, tol);
+    expect_close("state (default vs tile)", def.state, tile.state, tol);
+    expect_close("inter (default vs tile)", def.inter, tile.inter, tol);
   }
 }
 

@@ -31,7 +31,6 @@ TEST(Tuning, Defaults) {
   const detail::Tuning t = tuning({});
   EXPECT_TRUE(t.pdl);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kAuto);
-  EXPECT_EQ(t.decode_grid, 0);
   EXPECT_EQ(t.prefill_vs, 0);
   EXPECT_TRUE(t.prefill_ksplit);
   EXPECT_TRUE(t.prefill_wgmma);
@@ -43,7 +42,6 @@ TEST(Tuning, Defaults) {
 TEST(Tuning, ParsesEveryKnob) {
   const detail::Tuning t = tuning({{"KDA_CUDA_PDL", "0"},
                                    {"KDA_CUDA_DECODE_KERNEL", "bulklat"},
-                                   {"KDA_CUDA_DECODE_GRID", "7"},
                                    {"KDA_CUDA_PREFILL_VS", "64"},
                                    {"KDA_CUDA_PREFILL_KSPLIT", "0"},
                                    {"KDA_CUDA_PREFILL_WGMMA", "0"},
@@ -52,7 +50,6 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_NUM_THREADS", "3"}});
   EXPECT_FALSE(t.pdl);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);
-  EXPECT_EQ(t.decode_grid, 7);
   EXPECT_EQ(t.prefill_vs, 64);
   EXPECT_FALSE(t.prefill_ksplit);
   EXPECT_FALSE(t.prefill_wgmma);
@@ -64,7 +61,7 @@ TEST(Tuning, ParsesEveryKnob) {
                                                           {"tile", O::kTile},
                                                           {"staged", O::kStaged},
                                                           {"bulk", O::kBulk},
-                                                          {"persistent", O::kPersistent}};
+                                                          {"bulklat", O::kBulkLatency}};
   for (const auto& [name, want] : kernels)
     EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", name}}).decode_kernel, want) << name;
 }
@@ -76,8 +73,6 @@ TEST(Tuning, InvalidValuesAreIgnored) {
     EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", bad}}).decode_kernel,
               detail::DecodeKernelOverride::kAuto)
         << bad;
-  for (const char* bad : {"", "0", "-4", "x"})
-    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_GRID", bad}}).decode_grid, 0) << bad;
   for (const char* bad : {"", "32x", "0", "17"})
     EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_CHUNK", bad}}).prefill_chunk, 0) << bad;
   for (const char* bad : {"", "0", "-2", "many"})
@@ -88,20 +83,20 @@ TEST(Tuning, ScopedOverrideNestsAndRestores) {
   const detail::Tuning before = detail::tuning();
   {
     detail::Tuning t = before;
-    t.decode_grid = 5;
+    t.prefill_vs = 64;
     const detail::ScopedTuning outer(t);
-    EXPECT_EQ(detail::tuning().decode_grid, 5);
+    EXPECT_EQ(detail::tuning().prefill_vs, 64);
     {
-      t.decode_grid = 9;
+      t.prefill_vs = 128;
       t.prefill_wgmma = false;
       const detail::ScopedTuning inner(t);
-      EXPECT_EQ(detail::tuning().decode_grid, 9);
+      EXPECT_EQ(detail::tuning().prefill_vs, 128);
       EXPECT_FALSE(detail::tuning().prefill_wgmma);
     }
-    EXPECT_EQ(detail::tuning().decode_grid, 5);
+    EXPECT_EQ(detail::tuning().prefill_vs, 64);
     EXPECT_EQ(detail::tuning().prefill_wgmma, before.prefill_wgmma);
   }
-  EXPECT_EQ(detail::tuning().decode_grid, before.decode_grid);
+  EXPECT_EQ(detail::tuning().prefill_vs, before.prefill_vs);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -217,11 +212,11 @@ TEST(DecodeHeuristics, KernelChoice) {
   using cuda::choose_kernel;
   using K = cuda::DecodeKernel;
   using Override = detail::DecodeKernelOverride;
-  const int sms = 132, stages = 4;
+  const int sms = 132;
   auto pick = [&](const detail::DecodeProblem& pr, Override want = Override::kAuto) {
     detail::Tuning t;
     t.decode_kernel = want;
-    return choose_kernel(pr, stages, sms, t);
+    return choose_kernel(pr, sms, t);
   };
   // Dense single-token calls (the benchmark's shapes).
   EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);  // 128 blocks
@@ -267,14 +262,6 @@ TEST(DecodeHeuristics, KernelChoice) {
             K::kBulkLatency);
   EXPECT_EQ(pick(b1t2, Override::kBulkLatency),
             K::kStagedLatency);  // not eligible: the default choice
-  EXPECT_EQ(pick(b1, Override::kPersistent), K::kPersistent);
-  EXPECT_EQ(choose_kernel(b1, 1, sms,
-                          [] {
-                            detail::Tuning t;
-                            t.decode_kernel = Override::kPersistent;
-                            return t;
-                          }()),
-            K::kBulkLatency);  // < 2 ring stages
   EXPECT_EQ(pick(kf, Override::kBulk), K::kTile);
 }
 

@@ -22,20 +22,11 @@
 namespace kda::detail {
 
 // KDA_CUDA_DECODE_KERNEL: the decode kernel to run where it is eligible (else the default choice).
-enum class DecodeKernelOverride {
-  kAuto,
-  kBaseline,
-  kTile,
-  kStaged,
-  kBulk,
-  kBulkLatency,
-  kPersistent
-};
+enum class DecodeKernelOverride { kAuto, kBaseline, kTile, kStaged, kBulk, kBulkLatency };
 
 struct Tuning {
   bool pdl = true;  // KDA_CUDA_PDL: programmatic dependent launch
   DecodeKernelOverride decode_kernel = DecodeKernelOverride::kAuto;  // KDA_CUDA_DECODE_KERNEL
-  int decode_grid = 0;         // KDA_CUDA_DECODE_GRID: persistent grid cap (0: SMs x 3)
   int prefill_vs = 0;          // KDA_CUDA_PREFILL_VS: 16/32/64/128 (0: heuristic)
   bool prefill_ksplit = true;  // KDA_CUDA_PREFILL_KSPLIT: K split at vs <= 32
   bool prefill_wgmma = true;   // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
@@ -71,11 +62,6 @@ Tuning parse_tuning(Get&& get) {
   if (is(s, "staged")) t.decode_kernel = DecodeKernelOverride::kStaged;
   if (is(s, "bulk")) t.decode_kernel = DecodeKernelOverride::kBulk;
   if (is(s, "bulklat")) t.decode_kernel = DecodeKernelOverride::kBulkLatency;
-  if (is(s, "persistent")) t.decode_kernel = DecodeKernelOverride::kPersistent;
-  if ((s = get("KDA_CUDA_DECODE_GRID")) != nullptr) {
-    const long g = std::strtol(s, nullptr, 10);
-    if (g > 0 && g <= 1000000) t.decode_grid = static_cast<int>(g);
-  }
   s = get("KDA_CUDA_PREFILL_VS");
   const long vs = tuning_digits(s);
   if ((vs == 16 || vs == 32 || vs == 64 || vs == 128) && s[0] != '0')

@@ -57,11 +57,10 @@ enum class KernelSlot : int {
   kRecurrenceWgmmaBf16,
   kRecurrence16F16,
   kRecurrence16Bf16,
-  // decode: staged (state dtype x latency), bulk (state dtype x slots x latency), persistent
+  // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged = 16,
   kBulk = kStaged + 4,
-  kPersistent = kBulk + 8,
-  kCount = kPersistent + 2,
+  kCount = kBulk + 8,
 };
 static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
 

@@ -29,8 +29,8 @@
 // it reads, so cp.async.wait_all + the token barrier is all the synchronization) and the recurrence
 // streams it from shared memory in two passes, so 48 registers (no spills) and 19.5 KB (fp32) /
 // 11.5 KB (bf16) of shared memory per block: 10 blocks (160 KB of state loads) in flight per SM
-// instead of 6 (96 KB). Warp 0 preprocesses each token once per block (as the persistent
-// kernel's producer: bitwise the same as stage_token); token 0's input loads of a dense row are
+// instead of 6 (96 KB). Warp 0 preprocesses each token once per block (bitwise the same as the
+// tile kernel's stage_token); token 0's input loads of a dense row are
 // issued before the index loads are consumed. The k products are summed in four partial sums
 // (k mod 4) to shorten the dependency chains, so results match the tile kernel up to
 // reassociation. A latency variant (no register bound, unrolled passes) runs grids of at most
@@ -50,51 +50,24 @@
 // Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
 // (common/launch.cuh): the next kernel's launch overlaps this one's tail.
 //
-// Persistent kernel (decode/persistent.cuh; the hot shape: V-first, K = V = 128, fp32 or bf16 pool
-// with 16-byte aligned rows, dense tokens, T <= 8). The tile kernel (decode/tile.cuh) is latency
-// bound: a block's life is index load -> state load -> token staging -> compute -> store, and
-// registers cap residency at 6 blocks (96 KB of state loads) per SM, in flight only during the load
-// phase (measured 2.8-3.0 TB/s at B = 256-1024, bf16 state no faster than fp32). The persistent
-// kernel decouples the two: grid = min(items, 3 x SMs) blocks of 4 consumer warps + 1 producer
-// warp; work items (n, hv, 32-row tile) are dealt round robin; the producer keeps a ring of S
-// stages in shared memory filled with 1-D bulk copies (cp.async.bulk -> mbarrier transaction
-// counts), S x 16 KB (fp32) or S x 8 KB (bf16) of state in flight per block, and preprocesses the
-// item's tokens (l2 norm, scale, gate, beta) into the stage, once per item instead of once per
-// warp. Its index loads and token-0 input loads for item i + 1 are issued right after item i's bulk
-// copy, so the per-item chain is one load latency, hidden behind the ring. The consumers read the
-// tile from shared memory (each quarter warp reads one 128-byte run of a row: no bank conflicts),
-// run the same recurrence_token as the tile kernel (bitwise the same arithmetic), release the
-// stage, and store the new state from registers with 16-byte streaming stores. At B = 1 (128 items,
-// one per block) the chain is index + token loads together -> state copy -> compute -> store, one
-// dependent load shorter than the tile kernel's.
-//
 // Byte model (what the benchmark counts): state 2 x B x HV x K x V x sizeof(state) (read once,
 // written once; more writes with per-token states) + q, k, v, g, beta, out once each. The extra
 // traffic of the redundant q/k/g reads (V/32 tiles per head, HV/H heads per q/k head) hits L2.
-// Prediction (persistent kernel): per SM 3 blocks x (S - 1) x 16 KB = 144 KB fp32 (3 x 6 x 8 KB
-// bf16) of reads in flight at all times, well above the ~25-35 KB of reads that Little's law
-// asks per SM at ~4 TB/s (read + write) and 1.5-2 us loaded latency, so DRAM-bound: ~3.7-3.9
-// TB/s at B = 256 / 1024, >= 3 TB/s at B = 32 (10 items per block; the ramp of the first stage is
-// the cost), the bf16 state at about half the fp32 time, T = 4 at about the T = 1 time (the state
-// traffic is the same; the per-token work is in the producer and the consumers' FMAs).
 //
 // Budget (ptxas 13.0, sm_90a): the tile kernel's V-first K = 128 tiles use 79 (fp32) / 80 (bf16)
 // registers and 6 KB of shared memory per 128-thread block, so 6 blocks (24 warps, 96 KB of state
-// loads in flight) fit on an SM. The persistent kernel: 160 threads, 126 (fp32) / 120 (bf16)
-// registers (3 blocks x 5 warps x 128 x 32 = 61440 <= 64 K), dynamic shared memory 128 B of
-// barriers + S stages of 16 KB (8 KB) state + T x 1792 B tokens + 80 B descriptor, S = min(8,
-// (228 KB / 3 - 1 KB) / stage) = 4 (fp32, T = 1), 7 (bf16, T = 1), 3 (fp32, T = 4), 2 (fp32,
-// T = 8). No kernel spills, except a few bytes in the bulk kernels (4-52 B outside the passes:
-// -DKDA_PTXAS_VERBOSE=ON shows them).
+// loads in flight) fit on an SM. No kernel spills, except a few bytes in the bulk kernels (4-52 B
+// outside the passes: -DKDA_PTXAS_VERBOSE=ON shows them).
 //
 // Kernels (one family per header of decode/): decode_bulk_kernel<StateT, kSlots, kLatency> (6
-// instantiations), decode_staged_kernel<StateT, kLatency> (4), decode_persistent_kernel<StateT>
-// (2), decode_tile_kernel<kMaxK, StateT, kKFirst> (12), and decode_baseline_kernel, the tested
-// reference. choose_kernel (heuristics/decode.h, host only, tested in the CPU build) is the one
-// heuristic; Tuning::decode_kernel (KDA_CUDA_DECODE_KERNEL) overrides it where eligible and
-// Tuning::decode_grid (KDA_CUDA_DECODE_GRID) caps the persistent grid (docs/tuning.md).
-// Nothing is allocated on the device and nothing synchronizes, except check_indices, which#include
-// <cuda_runtime.h>
+// instantiations), decode_staged_kernel<StateT, kLatency> (4), decode_tile_kernel<kMaxK, StateT,
+// kKFirst> (12), and decode_baseline_kernel, the tested reference. choose_kernel
+// (heuristics/decode.h, host only, tested in the CPU build) is the one heuristic;
+// Tuning::decode_kernel (KDA_CUDA_DECODE_KERNEL) overrides it where eligible (docs/tuning.md). A
+// persistent, software-pipelined kernel was measured slower and removed (docs/perf_decode.md).
+// Nothing is allocated on the device and nothing synchronizes, except check_indices, which copies
+// the index tensors to the host and waits for them.
+#include <cuda_runtime.h>
 
 #include <cstdint>
 #include <string>
@@ -108,7 +81,6 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/decode/baseline.cuh"
 #include "cuda/decode/bulk.cuh"
-#include "cuda/decode/persistent.cuh"
 #include "cuda/decode/staged.cuh"
 #include "cuda/decode/tile.cuh"
 #include "cuda/heuristics/decode.h"
@@ -214,19 +186,6 @@ Status dispatch_tile(const DecodeArgs& a, bool k_first, int64_t blocks, cudaStre
           "the CUDA decode supports K up to 256, got K = " + std::to_string(a.K)};
 }
 
-// Dynamic shared memory one persistent block may use: kPersistBlocksPerSM blocks per SM.
-int persist_block_smem(const DeviceAttributes& d) {
-  return d.smem_per_sm / kPersistBlocksPerSM - d.smem_reserved;
-}
-
-// Ring stages of the persistent kernel for T tokens per item (0: it does not fit).
-int persist_stages(const DeviceAttributes& d, int state_elem_bytes, int64_t T) {
-  if (T < 0 || T > kPersistMaxT) return 0;
-  const int per_stage = persist_stage_bytes(state_elem_bytes, static_cast<int>(T));
-  const int s = (persist_block_smem(d) - kPersistBarrierBytes) / per_stage;
-  return s < 2 ? 0 : (s > kPersistMaxStages ? kPersistMaxStages : s);
-}
-
 // Launches a 128-thread decode kernel with static shared memory, with the whole unified L1 /
 // shared array as shared memory (set once per kernel and device).
 Status launch_max_shared(void (*kernel)(DecodeArgs), DeviceAttributes& d, int slot_offset,
@@ -262,26 +221,6 @@ Status launch_bulk(const DecodeArgs& a, DeviceAttributes& d, int64_t blocks, boo
                            d, which, KernelSlot::kBulk, blocks, stream, a);
 }
 
-template <typename StateT>
-Status launch_persistent(const DecodeArgs& a, DeviceAttributes& d, int stages, int grid_cap,
-                         cudaStream_t stream) {
-  auto* kernel = decode_persistent_kernel<StateT>;
-  KDA_RETURN_IF_ERROR(configure_once(d, KernelSlot::kPersistent, sizeof(StateT) == 2 ? 1 : 0, [&] {
-    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                persist_block_smem(d));
-  }));
-  const int stage_bytes =
-      persist_stage_bytes(static_cast<int>(sizeof(StateT)), static_cast<int>(a.T));
-  const int smem = kPersistBarrierBytes + stages * stage_bytes;
-  const int64_t items = a.N * a.HV * (kPersistK / kPersistTileV);
-  int64_t grid = static_cast<int64_t>(d.sms) * kPersistBlocksPerSM;
-  if (grid_cap > 0) grid = grid_cap;  // Tuning::decode_grid: a smaller grid (many items per block)
-  if (grid > items) grid = items;
-  KDA_CUDA_CHECK(launch_kernel(kernel, dim3(static_cast<unsigned>(grid)), dim3(kPersistThreads),
-                               static_cast<size_t>(smem), stream, a, items, stages, stage_bytes));
-  return Status::Ok();
-}
-
 }  // namespace
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices) {
@@ -311,8 +250,7 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   DeviceAttributes* info = nullptr;
   KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &info));
   const detail::Tuning& tuning = detail::tuning();
-  const int stages = persist_stages(*info, bf16_state ? 2 : 4, pr.d.T);
-  const DecodeKernel kernel = choose_kernel(pr, stages, info->sms, tuning);
+  const DecodeKernel kernel = choose_kernel(pr, info->sms, tuning);
   if (kernel == DecodeKernel::kBaseline) {
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)
@@ -322,10 +260,6 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                                  dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first));
     return Status::Ok();
   }
-  if (kernel == DecodeKernel::kPersistent)
-    return bf16_state
-               ? launch_persistent<__nv_bfloat16>(a, *info, stages, tuning.decode_grid, stream)
-               : launch_persistent<float>(a, *info, stages, tuning.decode_grid, stream);
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "q",

@@ -30,7 +30,7 @@ namespace kda::cuda::dec {
 // token follows, back to shared memory), so only a few values per thread are live: ~40 registers
 // instead of 79, 10 blocks (160 KB of state loads) resident per SM instead of 6 (96 KB).
 // Token preprocessing is done once per block by warp 0 (load_raw_token / prep_token, as the
-// persistent kernel: bitwise the same as stage_token) into one of two PreparedToken slots
+// tile kernel's stage_token: bitwise the same) into one of two PreparedToken slots
 // (alternating by token parity, so one block barrier per token suffices). Token 0's input loads
 // of a dense row are issued before the index loads are consumed, and preprocessed while the
 // state copies are in flight.

@@ -1,6 +1,6 @@
 // token.cuh — per-token preprocessing of the decode kernels: l2 norms, scale, gate -> decay,
 // beta activation. stage_token (one copy per warp, the tile kernel), load_raw_token / prep_token
-// (raw loads issued early, converted late; one copy per block, the staged, bulk and persistent
+// (raw loads issued early, converted late; one copy per block, the staged and bulk
 // kernels), and the L2 prefetch of a row's later tokens.
 #pragma once
 

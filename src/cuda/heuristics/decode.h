@@ -11,23 +11,14 @@
 
 namespace kda::cuda {
 
-// K = V of the staged, bulk and persistent kernels (their headers assert it).
+// K = V of the staged and bulk kernels (their headers assert it).
 inline constexpr int64_t kDecodeFastK = 128;
 
 // kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per
 // SM.
-enum class DecodeKernel {
-  kBaseline,
-  kTile,
-  kPersistent,
-  kStaged,
-  kStagedLatency,
-  kBulk,
-  kBulkLatency
-};
+enum class DecodeKernel { kBaseline, kTile, kStaged, kStagedLatency, kBulk, kBulkLatency };
 
-// The one kernel heuristic. `stages`: ring stages the persistent kernel would have (0: it does not
-// fit), `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
+// The one kernel heuristic. `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
 //   V-first, K = V = 128, pool rows 16-byte aligned (and every state tensor the bulk kernels
 //   write):
 //     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
@@ -42,11 +33,10 @@ enum class DecodeKernel {
 // waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy
 // has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us); the bulk latency variant
 // (bulk copy in, s' stored from registers) at B = 1 in a 20-call graph 4.53 us against 5.06 for the
-// staged latency variant, bf16 state at B = 256 193 vs 233 us. The persistent kernel (V-first,
-// K = V = 128, aligned pool, dense tokens, T <= 8, >= 2 ring stages) and the baseline kernel run
-// only when Tuning::decode_kernel asks for them; any override applies where the kernel is eligible
-// (otherwise the default choice).
-inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, int sms,
+// staged latency variant, bf16 state at B = 256 193 vs 233 us. The baseline kernel runs only when
+// Tuning::decode_kernel asks for it; any override applies where the kernel is eligible (otherwise
+// the default choice).
+inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
                                   const detail::Tuning& tuning) {
   using Override = detail::DecodeKernelOverride;
   const Override want = tuning.decode_kernel;
@@ -54,8 +44,6 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int stages, i
   if (want == Override::kTile) return DecodeKernel::kTile;
   const bool staged_ok = pr.layout == StateLayout::kVFirst && pr.d.K == kDecodeFastK &&
                          pr.d.V == kDecodeFastK && rows_aligned16(pr.state);
-  const bool persistent_ok = staged_ok && !pr.d.varlen && stages >= 2;
-  if (want == Override::kPersistent && persistent_ok) return DecodeKernel::kPersistent;
   if (!staged_ok) return DecodeKernel::kTile;
   if (want == Override::kStaged) return DecodeKernel::kStaged;
   // The bulk kernel stores whole rows with the copy engine: every state tensor it may write needs
