@@ -831,6 +831,44 @@ TEST(GpuPrefill, WorkspaceTooSmall) {
   EXPECT_TRUE(bitwise_equal(out, d.out));
 }
 
+// check_indices on CUDA tensors: the indices are copied to the host and checked before anything
+// runs; a slot >= P or one slot shared by two sequences is an error naming state_indices, and
+// nothing is written (output and pool untouched). A valid call with the check passes.
+TEST(GpuPrefill, CheckIndicesOnCudaTensors) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.varlen = true;
+  c.seqlens = {40, 70, 30};
+  c.pool = true;
+  PrefillData d = make_prefill(c);
+  const int64_t P = d.pool.shape[0];
+  for (int bad = 0; bad < 3; ++bad) {
+    PrefillData e = d;
+    e.idx.set(0, 0);
+    e.idx.set(1, 1);
+    e.idx.set(2, bad == 0 ? P : (bad == 1 ? 0 : 2));  // out of range, shared with sequence 0, valid
+    DeviceData dd(e);
+    dd.p.check_indices = true;
+    size_t bytes = 0;
+    ASSERT_TRUE(prefill_workspace_size(dd.p, &bytes).ok());
+    DeviceBuffer ws(bytes);
+    dd.p.exec.workspace = ws.ptr;
+    dd.p.exec.workspace_bytes = bytes;
+    const Status s = prefill(dd.p);
+    if (bad == 2) {
+      EXPECT_TRUE(s.ok()) << s.to_string();
+      continue;
+    }
+    EXPECT_EQ(s.code(), StatusCode::kInvalidArgument) << s.to_string();
+    EXPECT_EQ(s.argument(), "state_indices") << s.message();
+    HostTensor out = e.out, pool = e.pool;
+    dd.out->download(out);
+    dd.pool->download(pool);
+    EXPECT_TRUE(bitwise_equal(out, e.out)) << "output written by a refused call";
+    EXPECT_TRUE(bitwise_equal(pool, e.pool)) << "pool written by a refused call";
+  }
+}
+
 TEST(GpuPrefill, UnsupportedHeadDim) {
   KDA_SKIP_WITHOUT_SM90();
   PrefillCase c = base_case();
