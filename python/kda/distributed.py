@@ -66,6 +66,10 @@ def prefill(q: Any, k: Any, v: Any, g: Any, beta: Any, *, group: Any = None,
     slice, one ``all_gather`` of lengths and two of states (``N * HV * (K + V) * K`` floats per
     rank); the gather of ``S_local`` overlaps the ``M`` pass.
 
+    Every rank validates the same things before the first exchange; an argument that is wrong on
+    some ranks only (a slice's shape) raises there and leaves the other ranks waiting in the
+    collective, as any collective does.
+
     Raises:
         TypeError: q is not a torch tensor.
         ValueError: a bad shape (named), cu_seqlens not covering the ranks' tokens (CPU
@@ -79,9 +83,10 @@ def prefill(q: Any, k: Any, v: Any, g: Any, beta: Any, *, group: Any = None,
                                   "by kda.distributed.prefill (pass 0)")
     for name in _UNSUPPORTED:
         if options.get(name) is not None:
-            raise NotImplementedError(f"argument '{name}': not implemented by "
-                                      "kda.distributed.prefill" +
-                                      (" (checkpoint_every)" if "checkpoint" in name else ""))
+            what = ("checkpoints across ranks (checkpoint_every) are" if "checkpoint" in name
+                    else "it is")
+            raise NotImplementedError(f"argument '{name}': {what} not implemented by "
+                                      "kda.distributed.prefill")
     options.pop("checkpoint_every", None)
     for name in _UNSUPPORTED:
         options.pop(name, None)

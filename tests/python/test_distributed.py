@@ -20,29 +20,36 @@ mp = pytest.importorskip("torch.multiprocessing")
 
 H, HV, K, V = 2, 4, 32, 32  # GVA: HV = 2H
 
-# name, token counts per rank (None: even split), sequence lengths (None: dense), gate, initial
-# state, state layout. Every list of rank slices sums to the total tokens.
+# name, token counts per rank, sequence lengths (None: dense), gate, initial state, state layout,
+# form ("": fp32 [1, T, ...]; "rank3": varlen [T, ...]; "bf16": bf16 inputs and initial state;
+# "B3": dense, three sequences of the same length split at the same tokens).
 CASES = {
     2: [
         ("dense uneven", [37, 113], None, "softplus", True, "v_first"),
         ("dense precomputed k_first", [90, 60], None, "precomputed", False, "k_first"),
         ("varlen spanning", [61, 139], [20, 70, 0, 45, 65], "lower_bound", True, "v_first"),
-        ("varlen empty slice", [0, 150], [50, 100], "softplus", False, "k_first"),
+        ("varlen empty slice", [0, 150], [50, 100], "softplus", False, "k_first", "rank3"),
+        ("dense bf16", [70, 58], None, "softplus", True, "v_first", "bf16"),
     ],
     4: [
         ("dense uneven", [10, 70, 0, 120], None, "lower_bound", True, "k_first"),
         ("dense even", [50, 50, 50, 50], None, "precomputed", True, "v_first"),
+        ("dense batch", [20, 0, 33, 11], None, "softplus", True, "k_first", "B3"),
         ("varlen one spans all", [30, 0, 80, 90], [5, 180, 15], "softplus", True, "v_first"),
         ("varlen spanning", [64, 64, 64, 8], [1, 99, 0, 33, 67], "precomputed", False,
          "k_first"),
-        ("varlen gates", [40, 41, 42, 77], [100, 100], "lower_bound", False, "v_first"),
+        ("varlen bf16", [40, 41, 42, 77], [100, 100], "lower_bound", True, "v_first", "bf16"),
     ],
 }
 
 
-def _run_case(rank, name, counts, lengths, gate, with_h0, layout, seed):
+def _run_case(rank, name, counts, lengths, gate, with_h0, layout, form="", *, seed):
     T = sum(counts)
-    d = make_prefill(seed=seed, B=1, T=T, H=H, HV=HV, K=K, V=V, gate=gate, lengths=lengths)
+    rank3 = form == "rank3"
+    dtype = torch.bfloat16 if form == "bf16" else torch.float32
+    B = 3 if form == "B3" else 1
+    d = make_prefill(seed=seed, B=B, T=T, H=H, HV=HV, K=K, V=V, gate=gate, lengths=lengths,
+                     rank3=rank3)
     (q, k, v, g, beta), kw = split(d)
     N = d["N"]
     options = dict(gate=gate, beta_logits=kw["beta_logits"], state_layout=layout, num_threads=1)
@@ -50,20 +57,26 @@ def _run_case(rank, name, counts, lengths, gate, with_h0, layout, seed):
         options.update(A_log=torch.from_numpy(kw["A_log"]), dt_bias=torch.from_numpy(kw["dt_bias"]))
     cu = None if kw["cu_seqlens"] is None else torch.from_numpy(kw["cu_seqlens"])
     shape = (N, HV, V, K) if layout == "v_first" else (N, HV, K, V)
-    h0 = torch.from_numpy(random_state(seed + 1, shape, scale=0.5)) if with_h0 else None
-    full = [torch.from_numpy(x) for x in (q, k, v, g, beta)]
+    h0 = (torch.from_numpy(random_state(seed + 1, shape, scale=0.5)).to(dtype) if with_h0
+          else None)
+    full = [torch.from_numpy(x).to(dtype) for x in (q, k, v, g, beta)]
     ref_out, ref_final = kda.prefill(*full, cu_seqlens=cu, initial_state=h0,
                                      output_final_state=True, **options)
-    lo = sum(counts[:rank])
-    mine = [x[:, lo:lo + counts[rank]].clone() for x in full]
+    lo, hi = sum(counts[:rank]), sum(counts[:rank + 1])
+    mine = [(x[lo:hi] if rank3 else x[:, lo:hi]).clone() for x in full]
     out, final = kda.distributed.prefill(*mine, cu_seqlens=cu, initial_state=h0,
                                          output_final_state=True, **options)
     what = f"{name} (rank {rank})"
-    assert out.shape == (1, counts[rank], HV, V), what
+    assert out.shape == ((counts[rank],) if rank3 else (B, counts[rank])) + (HV, V), what
+    assert out.dtype == dtype, what
+    ref_mine = ref_out[lo:hi] if rank3 else ref_out[:, lo:hi]
     if counts[rank]:
-        assert_close(out.numpy(), ref_out[:, lo:lo + counts[rank]].numpy(), what=f"{what}: out")
-    assert final.shape == shape and final.dtype == torch.float32, what
-    assert_close(final.numpy(), ref_final.numpy(), what=f"{what}: final state")
+        assert_close(out.float().numpy(), ref_mine.float().numpy(), dtype=str(dtype)[6:],
+                     what=f"{what}: out")
+    state_dtype = dtype if with_h0 else torch.float32
+    assert final.shape == shape and final.dtype == state_dtype == ref_final.dtype, what
+    assert_close(final.float().numpy(), ref_final.float().numpy(), dtype=str(state_dtype)[6:],
+                 what=f"{what}: final state")
     # Without output_final_state: the output alone, the same values.
     again = kda.distributed.prefill(*mine, cu_seqlens=cu, initial_state=h0, **options)
     assert torch.equal(again, out), what
