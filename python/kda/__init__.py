@@ -23,7 +23,7 @@ __version__: str = _C.__version__
 
 
 def __getattr__(name: str):
-    """kda.distributed, imported on first use (it imports torch)."""
+    """kda.distributed, imported on first use (it imports torch; so it is not in __all__)."""
     if name == "distributed":
         import importlib
 
@@ -37,7 +37,6 @@ __all__ = [
     "chunk_kda",
     "cuda_available",
     "decode",
-    "distributed",
     "fla",
     "fwd",
     "gated_delta_rule_decode",
