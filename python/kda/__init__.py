@@ -11,7 +11,8 @@ One import for the three families of callers:
 
 Torch tensors run on torch's current stream; under torch.compile through the custom ops
 ``torch.ops.kda.prefill`` and ``torch.ops.kda.decode`` (torch.compile and CUDA graphs work). torch
-is imported only once a torch tensor reaches kda.
+is imported only once a torch tensor reaches kda, or :mod:`kda.distributed` (context-parallel
+prefill over ``torch.distributed``) is first used.
 """
 
 from . import _C, fla
@@ -19,6 +20,16 @@ from .api import checkpoint_offsets, cuda_available, decode, info, prefill
 from .compat import chunk_kda, fwd, gated_delta_rule_decode
 
 __version__: str = _C.__version__
+
+
+def __getattr__(name: str):
+    """kda.distributed, imported on first use (it imports torch; so it is not in __all__)."""
+    if name == "distributed":
+        import importlib
+
+        return importlib.import_module(".distributed", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "__version__",
