@@ -10,6 +10,10 @@
 // those bytes at 4.3 TB/s (targets.md).
 //
 // Usage: bench_gpu_prefill [--csv PATH] [--json PATH] [--iters N] [--case P3] [--no-check]
+//                          [--sweep]
+// --sweep: per case, also the median of 10 calls for every segment size (off, 128 .. 8192 tokens)
+// x value split (16, 32, 64, 128; chunk 64, and chunk 16 at 128), one line per configuration and
+// the fastest last: the data the segment heuristic's constants come from.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -24,6 +28,7 @@
 #include <vector>
 
 #include "bench_cuda.h"
+#include "core/tuning.h"  // the testing hook: --sweep forces segment sizes and value splits
 #include "kda/kda.h"
 #include "support.h"
 
@@ -229,7 +234,74 @@ void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<in
   res->ok = res->err_out <= 4.5e-3 && (res->err_state < 0 || res->err_state <= 3.5e-3);
 }
 
-Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t flush_bytes) {
+// Median ms of `iters` calls of p (L2 flushed before each); the workspace is grown if the current
+// tuning needs more.
+double time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_buf,
+                  size_t flush_bytes, void** ws, size_t* ws_cap) {
+  size_t need = 0;
+  if (!prefill_workspace_size(p, &need).ok()) return -1;
+  if (need > *ws_cap) {
+    BENCH_CUDA(cudaFree(*ws));
+    BENCH_CUDA(cudaMalloc(ws, need));
+    *ws_cap = need;
+  }
+  p.exec.workspace = *ws;
+  p.exec.workspace_bytes = *ws_cap;
+  for (int i = 0; i < 3; ++i)
+    if (!prefill(p).ok()) return -1;
+  cudaEvent_t e0, e1;
+  BENCH_CUDA(cudaEventCreate(&e0));
+  BENCH_CUDA(cudaEventCreate(&e1));
+  std::vector<double> ms;
+  for (int i = 0; i < iters; ++i) {
+    BENCH_CUDA(cudaMemsetAsync(flush_buf, i & 0xff, flush_bytes, stream));
+    BENCH_CUDA(cudaEventRecord(e0, stream));
+    const Status s = prefill(p);
+    BENCH_CUDA(cudaEventRecord(e1, stream));
+    BENCH_CUDA(cudaEventSynchronize(e1));
+    if (!s.ok()) return -1;
+    float t = 0;
+    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
+    ms.push_back(t);
+  }
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+  std::sort(ms.begin(), ms.end());
+  return ms[ms.size() / 2];
+}
+
+// --sweep: every segment size x value split of one case (see the usage above).
+void sweep_case(const Case& c, PrefillParams& p, cudaStream_t stream, void* flush_buf,
+                size_t flush_bytes, void** ws, size_t* ws_cap) {
+  const int64_t len = *std::max_element(c.lens.begin(), c.lens.end());
+  double best = 1e30;
+  std::string best_cfg;
+  std::vector<int> segs = {-1};
+  for (int L = 128; L <= 8192 && L < len; L *= 2) segs.push_back(L);
+  for (int seg : segs)
+    for (int vs : {16, 32, 64, 128})
+      for (int chunk : {64, 16}) {
+        if (chunk == 16 && vs != 128) continue;
+        detail::Tuning t = detail::tuning();
+        t.prefill_segment = seg;
+        t.prefill_vs = vs;
+        t.prefill_chunk = chunk;
+        const detail::ScopedTuning scope(t);
+        const double ms = time_calls(p, 10, stream, flush_buf, flush_bytes, ws, ws_cap);
+        const std::string cfg = (seg < 0 ? std::string("seg off") : "seg " + std::to_string(seg)) +
+                                " vs " + std::to_string(vs) + " chunk " + std::to_string(chunk);
+        std::printf("sweep %-4s %-28s %9.3f ms\n", c.name, cfg.c_str(), ms);
+        if (ms > 0 && ms < best) {
+          best = ms;
+          best_cfg = cfg;
+        }
+      }
+  std::printf("sweep %-4s best: %s %.3f ms\n", c.name, best_cfg.c_str(), best);
+  std::fflush(stdout);
+}
+
+Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_buf,
+                size_t flush_bytes) {
   const int64_t H = c.H, HV = c.H, K = 128, V = 128;
   const int64_t N = static_cast<int64_t>(c.lens.size());
   int64_t T_total = 0;
@@ -346,6 +418,7 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
   std::sort(ms.begin(), ms.end());
   res.median_ms = ms[ms.size() / 2];
   res.min_ms = ms.front();
+  if (sweep) sweep_case(c, p, stream, flush_buf, flush_bytes, &ws, &ws_bytes);
   const double bytes = static_cast<double>(ntok) *
                            (2.0 * H * K + 2.0 * HV * V + 2.0 * HV * K + 2.0 * HV * V + 2.0 * HV) +
                        2.0 * N * HV * V * K * 4;
@@ -368,7 +441,7 @@ Result run_case(const Case& c, int iters, bool check, void* flush_buf, size_t fl
 int main(int argc, char** argv) {
   std::string csv, json, only;
   int iters = 30;
-  bool check = true;
+  bool check = true, sweep = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--csv" && i + 1 < argc)
@@ -381,10 +454,12 @@ int main(int argc, char** argv) {
       only = argv[++i];
     else if (a == "--no-check")
       check = false;
+    else if (a == "--sweep")
+      sweep = true;
     else {
       std::fprintf(stderr,
                    "usage: %s [--csv PATH] [--json PATH] [--iters N>=20] [--case P1..S11] "
-                   "[--no-check]\n",
+                   "[--no-check] [--sweep]\n",
                    argv[0]);
       return 2;
     }
@@ -427,7 +502,7 @@ int main(int argc, char** argv) {
     } else {
       seqs = std::to_string(c.lens.size()) + " x " + std::to_string(c.lens[0]);
     }
-    const Result r = run_case(c, iters, check, flush, flush_bytes);
+    const Result r = run_case(c, iters, check, sweep, flush, flush_bytes);
     const double speedup = c.flashkda_ms / r.median_ms;
     if (c.name[0] == 'S') {
       log_sum_s += std::log(speedup);

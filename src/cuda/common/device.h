@@ -58,8 +58,9 @@ enum class KernelSlot : int {
   kRecurrence16F16,
   kRecurrence16Bf16,
   kRecurrenceSeg,  // + 2 path + fp16: the segmented passes (path: mma, K split, wgmma, chunk 16)
+  kSegmentScan = kRecurrenceSeg + 8,
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
-  kStaged = kRecurrenceSeg + 8,
+  kStaged,
   kBulk = kStaged + 4,
   kCount = kBulk + 8,
 };

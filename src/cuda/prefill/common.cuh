@@ -265,8 +265,11 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 // Segments
 // ---------------------------------------------------------------------------------------------
 
-// The segment scan (segments.cuh): blocks of kScanThreads threads, one warp per row of S^T.
-inline constexpr int kScanThreads = 256, kScanBlocksPerHead = kHeadDim / (kScanThreads / 32);
+// The segment scan (segments.cuh): blocks of kScanThreads threads over kScanRows rows of S^T, two
+// shared-memory stages of (Mt, the local rows) and the start rows.
+inline constexpr int kScanThreads = 128, kScanRows = 8, kScanBlocksPerHead = kHeadDim / kScanRows;
+inline constexpr int kScanSmemBytes = (2 * (kHeadDim * kHeadDim + kScanRows * kHeadDim) +
+                                       kScanRows * kHeadDim) * 4;  // 143,360
 
 // Sequence n's segment slots [first, first + count) (heuristics/prefill.h prefill_segment_slots):
 // count = max(1, ceil(len / seg_tokens)), so an empty sequence keeps one segment (its final state

@@ -109,6 +109,7 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
         break;
       case pf::PrefillKernel::kSegmentScan:
         kernel = pf::segment_scan_kernel;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kSegmentScan, kernel, pf::kScanSmemBytes));
         break;
     }
     KDA_CUDA_CHECK(launch_kernel(kernel, grid, block, static_cast<size_t>(l.smem), stream, pass));
