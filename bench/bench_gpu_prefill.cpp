@@ -512,14 +512,15 @@ int main(int argc, char** argv) {
     all_ok = all_ok && r.ok;
     char fla[16] = "-";
     if (c.fla_ms > 0) std::snprintf(fla, sizeof fla, "%.3f", c.fla_ms);
-    std::printf("%-4s %-24s %3lld %8.3f %8.3f %6.0f %5.0f%% %9.2e %9.2e %8.3f %8.3f %7s %6.2fx %s%s\n",
-                c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
-                100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms, c.must_ms,
-                fla, speedup, must ? "" : "ABOVE-MUST ", r.ok ? "" : "INACCURATE");
+    std::printf(
+        "%-4s %-24s %3lld %8.3f %8.3f %6.0f %5.0f%% %9.2e %9.2e %8.3f %8.3f %7s %6.2fx %s%s\n",
+        c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
+        100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms, c.must_ms, fla,
+        speedup, must ? "" : "ABOVE-MUST ", r.ok ? "" : "INACCURATE");
     std::fflush(stdout);
     if (f)
-      std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f,%.3f\n",
-                   c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
+      std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f,%.3f\n", c.name,
+                   seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
                    100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms,
                    c.fla_ms, c.must_ms, speedup);
     if (js)
@@ -528,9 +529,9 @@ int main(int argc, char** argv) {
                    "\"min_ms\": %.4f, \"gbps\": %.1f, \"floor_ms\": %.4f, \"err_out\": %.3e, "
                    "\"err_state\": %.3e, \"flashkda_ms\": %.3f, \"fla_target_ms\": %.3f, "
                    "\"must_ms\": %.3f}",
-                   first ? "" : ",", c.name, seqs.c_str(), static_cast<long long>(c.H),
-                   r.median_ms, r.min_ms, r.gbps, r.floor_ms, r.err_out, r.err_state,
-                   c.flashkda_ms, c.fla_ms, c.must_ms);
+                   first ? "" : ",", c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms,
+                   r.min_ms, r.gbps, r.floor_ms, r.err_out, r.err_state, c.flashkda_ms, c.fla_ms,
+                   c.must_ms);
     first = false;
   }
   if (js) {
@@ -538,9 +539,10 @@ int main(int argc, char** argv) {
     std::fclose(js);
   }
   if (count_s > 0)
-    std::printf("S cases: geomean %.2fx FlashKDA over %d cases (must: every case >= 2x, geomean "
-                ">= 3x)\n",
-                std::exp(log_sum_s / count_s), count_s);
+    std::printf(
+        "S cases: geomean %.2fx FlashKDA over %d cases (must: every case >= 2x, geomean "
+        ">= 3x)\n",
+        std::exp(log_sum_s / count_s), count_s);
   if (f) std::fclose(f);
   cudaFree(flush);
   std::printf(

@@ -455,18 +455,21 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
   for (bool split : {true, false}) {  // the default (split), then off
     SCOPED_TRACE(split ? "K split on" : "K split off");
-    const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) { t.prefill_ksplit = split; }));
     PrefillCase c = base_case();
     c.gate = GateForm::kLowerBound;
     c.lower_bound = -0.05;
     c.seqlens = {300};
     {
       SCOPED_TRACE("vs = 16, weak decay");
+      const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) {
+        t.prefill_ksplit = split;
+        t.prefill_vs = 16;
+      }));
       check_against_reference(c);
     }
     c = base_case();
     c.H = 4;
-    c.HV = 16;  // 2 sequences x 16 value heads: vs = 32 on 132 SMs (heuristics.h)
+    c.HV = 16;
     c.varlen = true;
     c.seqlens = {129, 0};
     c.pool = true;
@@ -476,6 +479,10 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
     c.gate = GateForm::kPrecomputed;
     {
       SCOPED_TRACE("vs = 32, pool, checkpoints, K-first, varlen");
+      const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) {
+        t.prefill_ksplit = split;
+        t.prefill_vs = 32;
+      }));
       check_against_reference(c);
     }
   }
@@ -484,14 +491,21 @@ TEST(GpuPrefillKSplit, MatchesReferenceWithAndWithout) {
 // The configurations of the wgmma recurrence's tests, against the fp64 reference: 96 heads dense
 // (vs = 128 on 132 SMs: two warpgroups), 48 value heads of 12 grouped ones over the sequences
 // `lens` (vs = 128; varlen, pool, checkpoints, K-first, bf16 state, weak decay), 48 heads fp16
-// (vs = 64: one warpgroup).
+// (vs = 64: one warpgroup); each value split forced, one segment per sequence.
 void check_wgmma_configs(const std::vector<int64_t>& lens) {
+  auto split = [](int vs) {
+    return tuned([vs](detail::Tuning& t) {
+      t.prefill_vs = vs;
+      t.prefill_segment = -1;
+    });
+  };
   PrefillCase c = base_case();
   c.H = c.HV = 96;
   c.seqlens = {150};
   c.gate = GateForm::kLowerBound;
   {
     SCOPED_TRACE("96 heads (vs = 128), dense");
+    const detail::ScopedTuning scope(split(128));
     check_against_reference(c);
   }
   c = base_case();
@@ -509,6 +523,7 @@ void check_wgmma_configs(const std::vector<int64_t>& lens) {
     SCOPED_TRACE(std::to_string(lens.size()) +
                  " sequences x 48 value heads (vs = 128), grouped, varlen, pool, checkpoints, "
                  "K-first, bf16 state");
+    const detail::ScopedTuning scope(split(128));
     check_against_reference(c);
   }
   c = base_case();
@@ -517,15 +532,16 @@ void check_wgmma_configs(const std::vector<int64_t>& lens) {
   c.seqlens = {200};
   {
     SCOPED_TRACE("48 heads (vs = 64: one warpgroup), fp16");
+    const detail::ScopedTuning scope(split(64));
     check_against_reference(c);
   }
 }
 
 // The wgmma recurrence on 64-token chunks (vs >= 64: the many-head cases; Tuning::prefill_chunk =
 // 64, since vs = 128 takes the chunk-16 path by default) and its mma.sync baseline
-// (Tuning::prefill_wgmma = false), both against the fp64 reference; the value split is the
-// heuristic's here and forced to 128 and 64 for the whole feature matrix by KDA_CUDA_PREFILL_VS in
-// the device script's second pass (chunk 16 at 128, chunk 64 at 64).
+// (Tuning::prefill_wgmma = false), both against the fp64 reference; the value split is forced
+// here, and for the whole feature matrix by KDA_CUDA_PREFILL_VS in the device script's second pass
+// (chunk 16 at 128 where one segment runs, chunk 64 at 64).
 TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   KDA_SKIP_WITHOUT_SM90();
   for (bool wgmma : {true, false}) {
@@ -547,7 +563,7 @@ TEST(GpuPrefillChunk16, MatchesReference) {
   check_wgmma_configs({129, 0, 64, 7, 15, 16, 17});
 }
 
-// The segmented recurrence (heuristics/prefill.h prefill_segments; forced by
+// The segmented recurrence (heuristics/prefill.h prefill_plan; forced by
 // Tuning::prefill_segment = tokens per segment) on every path it can take: the value split of its
 // chains (16 / 32 with the K split, 64 / 128 on wgmma, 128 on 16-token steps), against the fp64
 // reference. Segments of 64 tokens give the most segments per sequence (the scan's longest
@@ -811,7 +827,8 @@ TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
   accuracy_case_a(GateForm::kLowerBound, -0.05);
 }
 
-// The same bar on the chunk-16 path (forced: case A's 8 heads take the K split by default), whose
+// The same bar on the chunk-16 path (forced, one segment per sequence: case A takes segments on
+// 64-token steps by default), whose
 // 16-token steps multiply the state by bf16 operands four times as often as chunk 64 does. Under
 // weak decay its output misses the output bar (2.85e-3 measured on the H200): that case is held
 // to the previous bar, 4.5e-3, until the output product takes S^T in two bf16 terms
@@ -821,6 +838,7 @@ TEST(GpuPrefillAccuracy, CaseAChunk16) {
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
     t.prefill_vs = 128;
     t.prefill_chunk = 16;
+    t.prefill_segment = -1;
   }));
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");

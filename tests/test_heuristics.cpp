@@ -109,14 +109,35 @@ TEST(Tuning, ScopedOverrideNestsAndRestores) {
 // Prefill launch heuristics
 // ---------------------------------------------------------------------------------------------
 
-TEST(PrefillHeuristics, ValueSplit) {
-  using cuda::pf::recurrence_value_split;
-  EXPECT_EQ(recurrence_value_split(96, 132), 128);   // P1
-  EXPECT_EQ(recurrence_value_split(64, 132), 64);    // P2
-  EXPECT_EQ(recurrence_value_split(32, 132), 32);    // P5, P7
-  EXPECT_EQ(recurrence_value_split(512, 132), 128);  // P6
-  EXPECT_EQ(recurrence_value_split(1, 132), 16);
-  EXPECT_EQ(recurrence_value_split(0, 132), 16);
+// The plan on the reference cases (targets.md; 132 SMs): the configurations the H200 sweep
+// measured fastest (bench_gpu_prefill --sweep; docs/design.md section 6.5).
+TEST(PrefillHeuristics, PlanOnReferenceCases) {
+  using cuda::pf::prefill_plan;
+  struct Want {
+    const char* name;
+    bool varlen;
+    int64_t T, N, HV, tokens;
+    int vs;
+    bool chunk16;
+  };
+  const Want want[] = {
+      {"P1", false, 8192, 1, 96, 0, 128, true},      {"P2", false, 8192, 1, 64, 0, 64, false},
+      {"P3", true, 10192, 6, 96, 0, 128, true},      {"P4", true, 8192, 8, 96, 0, 128, true},
+      {"P5", false, 32768, 1, 32, 8192, 128, false}, {"P6", false, 4096, 16, 32, 0, 128, true},
+      {"P7", false, 2048, 1, 32, 0, 64, false},      {"S1", false, 1024, 1, 4, 256, 64, false},
+      {"S2", false, 2048, 1, 12, 512, 64, false},    {"S3", false, 4096, 1, 8, 512, 128, false},
+      {"S4", false, 8192, 1, 12, 2048, 64, false},   {"S5", false, 16384, 1, 4, 1024, 128, false},
+      {"S6", false, 8192, 2, 8, 1024, 128, false},   {"S7", false, 4096, 4, 16, 0, 64, false},
+      {"S8", false, 2048, 8, 24, 0, 128, true},      {"S9", false, 16384, 1, 16, 2048, 128, false},
+      {"S10", false, 1024, 8, 12, 0, 128, true},     {"S11", false, 65536, 1, 4, 2048, 128, false},
+  };
+  for (const Want& w : want) {
+    const cuda::pf::PrefillPlan p = prefill_plan(w.varlen, w.T, w.N, w.HV, 132, tuning({}));
+    EXPECT_EQ(p.seg.tokens, w.tokens) << w.name;
+    EXPECT_EQ(p.rec.vs, w.vs) << w.name;
+    EXPECT_EQ(p.rec.chunk16, w.chunk16) << w.name;
+    EXPECT_GT(p.predicted_us, 0) << w.name;
+  }
 }
 
 TEST(PrefillHeuristics, KSplit) {
@@ -198,40 +219,49 @@ TEST(PrefillHeuristics, ChunkSlots) {
   }
 }
 
-// The segment choice (the worked examples of heuristics/prefill.h) and what it implies.
-TEST(PrefillHeuristics, Segments) {
+// Forced dimensions, and what the plan never takes.
+TEST(PrefillHeuristics, PlanUnderTuning) {
   using cuda::pf::prefill_plan;
-  using cuda::pf::prefill_segments;
   const detail::Tuning t = tuning({});
-  EXPECT_EQ(prefill_segments(false, 1024, 1, 4, 132, t).tokens, 128);     // S1
-  EXPECT_EQ(prefill_segments(false, 65536, 1, 4, 132, t).tokens, 2048);   // S11
-  EXPECT_EQ(prefill_segments(false, 8192, 1, 96, 132, t).tokens, 0);      // P1: chains fill the SMs
-  EXPECT_EQ(prefill_segments(false, 4096, 16, 32, 132, t).tokens, 0);     // P6
-  EXPECT_EQ(prefill_segments(true, 8192, 8, 96, 132, t).tokens, 0);       // P4
-  EXPECT_EQ(prefill_segments(false, 64, 1, 4, 132, t).tokens, 0);         // one chunk: nothing to split
-  // Pass 1's chains: 1 + 2 (s - 2) per (sequence, value head) for s segments.
-  EXPECT_EQ(prefill_segments(false, 1024, 1, 4, 132, t).chains, 4 * (1 + 2 * 6));
-  // Segmented calls take 64-token steps unless 16 are forced.
-  const cuda::pf::PrefillPlan s11 = prefill_plan(false, 65536, 1, 4, 132, t);
-  EXPECT_EQ(s11.rec.vs, 128);
-  EXPECT_FALSE(s11.rec.chunk16);
-  EXPECT_TRUE(prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}}))
-                  .rec.chunk16);
-  // The plan without segments is the recurrence choice of the (sequence, value head) pairs.
-  const cuda::pf::PrefillPlan p1 = prefill_plan(false, 8192, 1, 96, 132, t);
-  EXPECT_EQ(p1.seg.tokens, 0);
-  EXPECT_TRUE(p1.rec.chunk16);
-  // Forced and disabled.
-  EXPECT_EQ(prefill_segments(false, 8192, 1, 96, 132,
-                             tuning({{"KDA_CUDA_PREFILL_SEGMENT", "256"}})).tokens, 256);
-  EXPECT_EQ(prefill_segments(false, 65536, 1, 4, 132,
-                             tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}})).tokens, 0);
+  // Nothing to split: one chunk, or no tokens.
+  EXPECT_EQ(prefill_plan(false, 64, 1, 4, 132, t).seg.tokens, 0);
+  EXPECT_EQ(prefill_plan(false, 0, 1, 4, 132, t).seg.tokens, 0);
+  // A forced segment size, value split or record length fixes that dimension only.
+  const auto forced =
+      prefill_plan(false, 8192, 1, 96, 132, tuning({{"KDA_CUDA_PREFILL_SEGMENT", "256"}}));
+  EXPECT_EQ(forced.seg.tokens, 256);
+  EXPECT_FALSE(forced.rec.chunk16);  // segmented: 64-token records unless 16 are forced
+  EXPECT_EQ(prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}}))
+                .seg.tokens,
+            0);
+  const auto vs32 = prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_VS", "32"}}));
+  EXPECT_EQ(vs32.rec.vs, 32);
+  EXPECT_TRUE(vs32.rec.ksplit);
+  EXPECT_GT(vs32.seg.tokens, 0);
+  const auto c16 =
+      prefill_plan(false, 65536, 1, 4, 132,
+                   tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}, {"KDA_CUDA_PREFILL_VS", "128"}}));
+  EXPECT_TRUE(c16.rec.chunk16);
+  EXPECT_FALSE(prefill_plan(false, 8192, 1, 96, 132, tuning({{"KDA_CUDA_PREFILL_CHUNK", "64"}}))
+                   .rec.chunk16);
+  EXPECT_FALSE(
+      prefill_plan(false, 8192, 1, 96, 132, tuning({{"KDA_CUDA_PREFILL_WGMMA", "0"}})).rec.wgmma);
+  // The plan is the least predicted time: no allowed configuration predicts less.
+  const auto best = prefill_plan(false, 16384, 1, 4, 132, t);
+  for (const char* seg : {"off", "128", "512", "4096"})
+    for (const char* vs : {"16", "64", "128"})
+      EXPECT_GE(
+          prefill_plan(false, 16384, 1, 4, 132,
+                       tuning({{"KDA_CUDA_PREFILL_SEGMENT", seg}, {"KDA_CUDA_PREFILL_VS", vs}}))
+              .predicted_us,
+          best.predicted_us)
+          << seg << " " << vs;
 }
 
 TEST(PrefillHeuristics, SegmentSlots) {
   using cuda::pf::prefill_segment_slots;
   EXPECT_EQ(prefill_segment_slots(false, 2, 1000, 2, 256), 8);
-  EXPECT_EQ(prefill_segment_slots(false, 1, 0, 1, 256), 1);  // an empty sequence keeps one
+  EXPECT_EQ(prefill_segment_slots(false, 1, 0, 1, 256), 1);   // an empty sequence keeps one
   EXPECT_EQ(prefill_segment_slots(false, 1, 1000, 1, 0), 0);  // no segments
   // Varlen: sequence n owns max(1, ceil(len / L)) slots from bos / L + n on, disjoint and below
   // the bound for any split of T tokens.

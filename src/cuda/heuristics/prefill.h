@@ -2,10 +2,12 @@
 // the device's multiprocessor count and the tuning struct (no CUDA headers, no environment reads;
 // tested in the CPU build, tests/test_heuristics.cpp).
 //
-// Worked example (132 SMs, default tuning): P1 = one sequence of 8192 tokens, HV = 96: 96
-// (sequence, value head) pairs -> value split 128 (96 blocks reach 70% of 132), no K split (vs >
-// 32), wgmma (vs >= 64), chunk 16 (vs = 128); 128 x 64-token record slots. P5 = 1 x 32768, HV =
-// 32: 32 pairs -> vs = 32 (128 blocks of 2 warps), K split on, mma.sync, chunk 64.
+// The choice (prefill_plan) is the configuration of least predicted time: segments (none, or 128,
+// 256, ... tokens) x value split (16, 32, 64, 128) x 16- or 64-token records, under a model whose
+// constants were measured on the H200 (bench_gpu_prefill --sweep; docs/design.md section 6.5).
+// Worked examples (132 SMs, default tuning): P1 = 1 x 8192, HV = 96 -> no segments, vs = 128 on
+// 16-token steps (96 blocks, one wave); P5 = 1 x 32768, HV = 32 -> segments of 8192 tokens, vs =
+// 128, 64-token steps; S11 = 1 x 65536, HV = 4 -> segments of 2048 tokens (32 per sequence).
 #pragma once
 
 #include <cstdint>
@@ -14,21 +16,10 @@
 
 namespace kda::cuda::pf {
 
-// Value columns per recurrence block. The recurrence of one (sequence, value head) is independent
-// per value column, so V = 128 may be split across 128 / vs blocks of vs / 16 warps each. Splitting
-// re-reads the chunk's shared operands (W, qg, kbT, Aqk, Tm: ~80 KB) once per slice, so split only
-// as far as needed to fill the GPU: the largest vs in {128, 64, 32, 16} whose block count reaches
-// 70% of the multiprocessors (one block per SM: ~211 KB of shared memory at vs = 128).
-// Worked examples on 132 SMs (threshold 92.4 blocks):
-//   P1 1x8192, HV=96:  96 pairs -> vs = 128 (96 blocks: one wave, 8 warps each)
-//   P2 1x8192, HV=64:  64 pairs -> vs = 64  (128 blocks)
-//   P5 1x32768, HV=32: 32 pairs -> vs = 32  (128 blocks of 2 warps)
-//   P6 16x4096, HV=32: 512 pairs -> vs = 128 (512 blocks, ~3.9 waves)
-inline int recurrence_value_split(int64_t pairs, int num_sms) {
-  for (int vs = 128; vs > 16; vs /= 2)
-    if (pairs * (128 / vs) * 10 >= static_cast<int64_t>(num_sms) * 7) return vs;
-  return 16;
-}
+// Value columns per recurrence block (vs): the recurrence of one (sequence, value head) is
+// independent per value column, so V = 128 may be split across 128 / vs blocks of vs / 16 warps
+// each (one block per SM: ~211 KB of shared memory at vs = 128). A split re-reads the chunk's
+// shared operands (W, qg, kbT, Aqk, Tm: ~80 KB) once per slice; the plan below weighs it.
 
 // The recurrence's K split (two warps per 16 value rows, each half of the key columns; see
 // recurrence.cuh) for blocks of vs <= 32 columns (2 warps otherwise: half the SM's schedulers
@@ -59,9 +50,8 @@ inline bool prefill_chunk16(bool wgmma, int vs, const detail::Tuning& t) {
   return t.prefill_chunk == 16 || vs == 128;
 }
 
-// The recurrence's configuration for a call, in one place for the host (prefill/host.h), the tests
-// and the emulator: value split (Tuning::prefill_vs, or the heuristic for `pairs` sequence x
-// value-head pairs on num_sms SMs), K split, wgmma, chunk 16.
+// The recurrence's configuration at value split vs under the tuning struct: K split, wgmma, chunk
+// 16 (the defaults of the functions above; prefill_plan may still take chunk 64 at vs = 128).
 struct RecurrenceChoice {
   int vs = 128;
   bool ksplit = false, wgmma = false, chunk16 = false;
@@ -74,10 +64,6 @@ inline RecurrenceChoice recurrence_choice_for_split(int vs, const detail::Tuning
   r.chunk16 = prefill_chunk16(r.wgmma, vs, t);
   return r;
 }
-inline RecurrenceChoice recurrence_choice(int64_t pairs, int num_sms, const detail::Tuning& t) {
-  return recurrence_choice_for_split(
-      t.prefill_vs ? t.prefill_vs : recurrence_value_split(pairs, num_sms), t);
-}
 
 // L2 prefetch distance of the prepare kernel, in blocks (0: off): each block prefetches the q, k,
 // g rows of block (its index + this). Off by default: at 2 x SMs (about one block life ahead)
@@ -89,83 +75,96 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
   return t.prefill_prefetch;
 }
 
-// ---- Segments (docs/design.md section 6.2). The state map of a token range is affine, S_end =
-// S_start Mt + S_local (S^T rows), so a sequence splits into segments of `tokens` tokens (a multiple
-// of 64) that run in parallel: pass 1 runs the first segment from the true initial state (its
-// outputs are final) and every later segment but the last from zero (S_local) and from the
-// identity with zero values (Mt: 128 more state rows); a scan gives every segment its true start;
-// pass 2 reruns the later segments from it. Chains of pass 1 per (sequence, value head): 1 + 2 (s -
-// 2); of pass 2: s - 1 (s segments).
-//
-// The choice is the fastest predicted by a model of one recurrence block per SM and 4.5 us per
-// 64-token chunk and block at any value split (measured: vs = 128 chunk 16 ~4.1, vs = 32 K split
-// ~3.1-4.4), 2 us per scan step and 6 us for the two extra launches, over segments of 128, 256, ...
-// tokens; segments only where they beat one chain per sequence by 20%. Varlen: the mean sequence
+// ---- Segments and the plan (docs/design.md sections 6.2 and 6.5). The state map of a token range
+// is affine, S_end = S_start Mt + S_local (S^T rows), so a sequence splits into segments of
+// `tokens` tokens (a multiple of 64) that run in parallel: pass 1 runs the first segment from the
+// true initial state (its outputs are final) and every later segment but the last from zero
+// (S_local) and from the identity with zero values (Mt: 128 more state rows); a scan gives every
+// segment its true start; pass 2 reruns the later segments from it. Chains of pass 1 per
+// (sequence, value head): 1 + 2 (s - 2); of pass 2: s - 1 (s segments). Varlen: the mean sequence
 // length stands in for the (device-side) lengths; any choice is exact for every length.
-// Worked examples on 132 SMs (HV = heads):
-//   S1  1 x 1024,  HV = 4:  128 tokens (8 segments; one chain: 72 us, segments ~36 us)
-//   S11 1 x 65536, HV = 4:  2048 tokens (32 segments)
-//   P1  1 x 8192,  HV = 96: none (96 chains already fill the SMs)
 struct SegmentPlan {
   int64_t tokens = 0;  // tokens per segment; 0: one segment per sequence
-  int64_t chains = 0;  // pass 1's chains (the value split's input)
 };
-inline constexpr double kModelChunkUs = 4.5, kModelScanStepUs = 2.0, kModelSegmentLaunchUs = 6.0;
-// Predicted time of `chains` chains of `chunks` 64-token chunks at value split vs on `sms` SMs.
-inline double recurrence_model_us(int64_t chains, int64_t chunks, int vs, int sms) {
-  const int64_t blocks = chains * (128 / vs);
-  return static_cast<double>((blocks + sms - 1) / sms) * static_cast<double>(chunks) *
-         kModelChunkUs;
-}
-inline int64_t segment_chains_pass1(int64_t pairs, int64_t segments) {
-  return pairs * (1 + 2 * (segments > 2 ? segments - 2 : 0));
-}
-inline SegmentPlan prefill_segments(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
-                                    const detail::Tuning& t) {
-  SegmentPlan plan;
-  if (N <= 0 || T <= 0 || HV <= 0 || sms <= 0 || t.prefill_segment < 0) return plan;
-  const int64_t len = varlen ? (T + N - 1) / N : T;  // tokens per sequence (varlen: the mean)
-  const int64_t pairs = N * HV;
-  if (t.prefill_segment > 0) {
-    plan.tokens = t.prefill_segment;
-    plan.chains = segment_chains_pass1(pairs, (len + plan.tokens - 1) / plan.tokens);
-    return plan;
-  }
-  const double one = recurrence_model_us(pairs, (len + 63) / 64,
-                                         t.prefill_vs ? t.prefill_vs : recurrence_value_split(pairs, sms), sms);
-  double best = 0.8 * one;
-  for (int64_t L = 128; L < len; L *= 2) {
-    const int64_t segs = (len + L - 1) / L;
-    const int64_t c1 = segment_chains_pass1(pairs, segs), c2 = pairs * (segs - 1);
-    const int vs = t.prefill_vs ? t.prefill_vs : recurrence_value_split(c1, sms);
-    const double us = recurrence_model_us(c1, L / 64, vs, sms) +
-                      recurrence_model_us(c2, L / 64, vs, sms) +
-                      static_cast<double>(segs > 2 ? segs - 2 : 0) * kModelScanStepUs +
-                      kModelSegmentLaunchUs;
-    if (us < best) {
-      best = us;
-      plan.tokens = L;
-      plan.chains = c1;
-    }
-  }
-  return plan;
-}
-
-// The whole launch choice of a call: segments, then the value split for their chains. Segmented
-// calls stay on 64-token steps unless Tuning::prefill_chunk = 16 forces 16-token ones: the few-head
-// cases that take segments gain little from the 16-token records' cheaper prepare kernel, and
-// 16-token steps miss the output bar under weak decay (docs/design.md section 6.2, accuracy).
 struct PrefillPlan {
   SegmentPlan seg;
   RecurrenceChoice rec;
+  double predicted_us = 0;
 };
+
+// The segment scan (prefill/segments.cuh): blocks of kScanRows rows of S^T, kScanBlocksPerHead
+// per (sequence, value head).
+inline constexpr int kScanRows = 16, kScanBlocksPerHead = 128 / kScanRows;
+
+// The model (us; H200, fitted to bench_gpu_prefill --sweep over P1-P7 and S1-S11, where it picks
+// configurations within 0.3% of the fastest measured on geomean): one recurrence block per SM, a
+// 64-token chunk per block in 2.3 us on the one-warpgroup wgmma path (vs = 64), 2.9 us on two
+// warpgroups (vs = 128), 4.0 us as four 16-token steps, 3.5 us on mma.sync; 12 us per recurrence
+// pass beyond that; the prepare kernel 72 ns per 64-token record and value head (53 ns for four
+// 16-token ones), at least 25 us; 3 us per scan step and wave of scan blocks.
+inline constexpr double kModelPassUs = 12, kModelScanStepUs = 3, kModelPrepareMinUs = 25;
+inline double model_chunk_us(const RecurrenceChoice& r) {
+  if (r.chunk16) return 4.0;
+  if (r.wgmma) return r.vs == 128 ? 2.9 : 2.3;
+  return 3.5;
+}
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+// Predicted time of a call: `len` tokens per sequence, `records` 64-token record slots per value
+// head, N x HV (sequence, value head) pairs, segments of `tokens` (0: none).
+inline double predicted_prefill_us(int64_t len, int64_t records, int64_t N, int64_t HV,
+                                   int64_t tokens, const RecurrenceChoice& r, int sms) {
+  const double prep = static_cast<double>(records * HV) * (r.chunk16 ? 0.053 : 0.072);
+  const double prepare = prep > kModelPrepareMinUs ? prep : kModelPrepareMinUs;
+  const int64_t pairs = N * HV, slices = 128 / r.vs;
+  auto pass = [&](int64_t chains, int64_t chunks) {
+    return static_cast<double>(ceil_div(chains * slices, sms) * chunks) * model_chunk_us(r) +
+           kModelPassUs;
+  };
+  if (tokens <= 0) return prepare + pass(pairs, ceil_div(len, 64));
+  const int64_t segs = ceil_div(len, tokens), chunks = tokens / 64;
+  const int64_t inner = segs > 2 ? segs - 2 : 0;
+  const double scan =
+      static_cast<double>(inner * ceil_div(pairs * kScanBlocksPerHead, sms)) * kModelScanStepUs;
+  return prepare + pass(pairs * (1 + 2 * inner), chunks) + scan + pass(pairs * (segs - 1), chunks);
+}
+
+// The plan of least predicted time over the configurations the tuning struct allows: a forced
+// segment size (Tuning::prefill_segment; -1: none), value split (prefill_vs) or record length
+// (prefill_chunk) fixes that dimension. Segmented calls take 64-token records unless 16 are forced:
+// 16-token steps miss the output bar under weak decay (docs/design.md section 6.2, accuracy).
 inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
                                 const detail::Tuning& t) {
-  PrefillPlan p;
-  p.seg = prefill_segments(varlen, T, N, HV, sms, t);
-  p.rec = recurrence_choice(p.seg.tokens > 0 ? p.seg.chains : N * HV, sms, t);
-  if (p.seg.tokens > 0 && t.prefill_chunk != 16) p.rec.chunk16 = false;
-  return p;
+  PrefillPlan best;
+  best.rec = recurrence_choice_for_split(t.prefill_vs ? t.prefill_vs : 128, t);
+  if (N <= 0 || T <= 0 || HV <= 0 || sms <= 0) return best;
+  const int64_t len = varlen ? ceil_div(T, N) : T;  // tokens per sequence (varlen: the mean)
+  const int64_t records = varlen ? T / 64 + N : N * ceil_div(T, 64);
+  bool found = false;
+  for (int64_t tokens = 0; tokens < len || tokens == 0; tokens = tokens == 0 ? 128 : 2 * tokens) {
+    int64_t seg = tokens;
+    if (t.prefill_segment < 0) seg = 0;
+    if (t.prefill_segment > 0) seg = t.prefill_segment;
+    for (int vs = 16; vs <= 128; vs *= 2) {
+      if (t.prefill_vs && vs != t.prefill_vs) continue;
+      for (int alt = 0; alt < 2; ++alt) {
+        RecurrenceChoice r = recurrence_choice_for_split(vs, t);
+        if (alt == 1) {  // 64-token records where 16 are the default (vs = 128), unless forced
+          if (!r.chunk16 || t.prefill_chunk == 16) continue;
+          r.chunk16 = false;
+        }
+        if (r.chunk16 && seg > 0 && t.prefill_chunk != 16) continue;
+        const double us = predicted_prefill_us(len, records, N, HV, seg, r, sms);
+        if (!found || us < best.predicted_us) {
+          found = true;
+          best.seg.tokens = seg;
+          best.rec = r;
+          best.predicted_us = us;
+        }
+      }
+    }
+    if (t.prefill_segment != 0 || len <= 128) break;  // forced, or nothing to split
+  }
+  return best;
 }
 
 // Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);

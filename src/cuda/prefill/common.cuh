@@ -23,6 +23,7 @@
 #include "core/kda_math.h"
 #include "cuda/common/ptx.cuh"
 #include "cuda/common/view.cuh"
+#include "cuda/heuristics/prefill.h"
 
 namespace kda::cuda::pf {
 
@@ -207,7 +208,7 @@ struct Params {
   bool chunk16 = false;       // both kernels on 16-token records (wgmma only; heuristics.h)
   int prefetch_blocks = 0;    // prepare: opt-in L2 prefetch for block index + this (0: off)
 
-  // Segments (heuristics/prefill.h prefill_segments; segments.cuh): seg_tokens = 0 runs one
+  // Segments (heuristics/prefill.h prefill_plan; segments.cuh): seg_tokens = 0 runs one
   // segment per sequence. seg_start / seg_local / seg_trans: fp32 [seg_slots][HV][128][128] S^T
   // rows in the workspace (a segment's true start state, its state from zero, its transition).
   int64_t seg_tokens = 0, segs_per_seq = 0, seg_slots = 0;  // segs_per_seq: dense ceil(T / tokens)
@@ -265,11 +266,12 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 // Segments
 // ---------------------------------------------------------------------------------------------
 
-// The segment scan (segments.cuh): blocks of kScanThreads threads over kScanRows rows of S^T, two
-// shared-memory stages of (Mt, the local rows) and the start rows.
-inline constexpr int kScanThreads = 128, kScanRows = 8, kScanBlocksPerHead = kHeadDim / kScanRows;
-inline constexpr int kScanSmemBytes = (2 * (kHeadDim * kHeadDim + kScanRows * kHeadDim) +
-                                       kScanRows * kHeadDim) * 4;  // 143,360
+// The segment scan (segments.cuh): blocks of kScanThreads threads over kScanRows rows of S^T
+// (heuristics/prefill.h), kScanStages shared-memory stages of (Mt, the local rows), the start rows.
+inline constexpr int kScanThreads = 32 * kScanRows / 2, kScanStages = 3;  // two rows per warp
+inline constexpr int kScanSmemBytes =
+    (kScanStages * (kHeadDim * kHeadDim + kScanRows * kHeadDim) + kScanRows * kHeadDim) * 4;
+static_assert(kScanSmemBytes <= 232448, "segment scan shared memory");
 
 // Sequence n's segment slots [first, first + count) (heuristics/prefill.h prefill_segment_slots):
 // count = max(1, ceil(len / seg_tokens)), so an empty sequence keeps one segment (its final state

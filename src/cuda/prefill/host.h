@@ -211,7 +211,7 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
   const int64_t seg_blocks = p.seg_slots * p.HV * p.nslices;
   out[n++] = {PrefillKernel::kSegmentPass1, 2 * seg_blocks, threads, smem};
   out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads,
-                kScanSmemBytes};
+              kScanSmemBytes};
   out[n++] = {PrefillKernel::kSegmentPass2, seg_blocks, threads, smem};
   return n;
 }

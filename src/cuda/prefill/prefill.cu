@@ -5,7 +5,7 @@
 //   B. recurrence_kernel (prefill/recurrence.cuh): one block per (sequence, value head, value
 //      slice); walks the chunks with the state slice in registers, writes outputs, checkpoints,
 //      the final state and pool slots.
-//   With segments (heuristics/prefill.h prefill_segments), B is pass 1 over (segment, value head,
+//   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
@@ -95,8 +95,9 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kPrepare:
         kernel = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
         KDA_RETURN_IF_ERROR(allow_smem(d,
-                                       p.chunk16 ? slot_of(S::kPrepare16F16, S::kPrepare16Bf16, kFp16)
-                                                 : slot_of(S::kPrepareF16, S::kPrepareBf16, kFp16),
+                                       p.chunk16
+                                           ? slot_of(S::kPrepare16F16, S::kPrepare16Bf16, kFp16)
+                                           : slot_of(S::kPrepareF16, S::kPrepareBf16, kFp16),
                                        kernel, pf::kPrepareSmemBytes));
         break;
       case pf::PrefillKernel::kRecurrence:

@@ -92,8 +92,7 @@ __device__ __forceinline__ void init_segment_state(float (&acc)[NJ][4], bool ide
   for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      acc[j][e] =
-          identity && vw + g + 8 * (e >> 1) == k0 + 8 * j + 2 * c + (e & 1) ? 1.f : 0.f;
+      acc[j][e] = identity && vw + g + 8 * (e >> 1) == k0 + 8 * j + 2 * c + (e & 1) ? 1.f : 0.f;
 }
 
 // K split: the warp of key half kh computes the outputs of token pairs (16 tokens each) {0, 3}

@@ -1,4 +1,4 @@
-// segments.cuh — the scan of the segmented prefill (heuristics/prefill.h prefill_segments;
+// segments.cuh — the scan of the segmented prefill (heuristics/prefill.h prefill_plan;
 // docs/design.md section 6.2).
 //
 // Pass 1 (recurrence_kernel<..., kSeg = true>, Params::seg_pass... launched with twice the value
@@ -10,10 +10,10 @@
 // (no rounding of the operands). Pass 2 runs segments 1 .. count - 1 from seg_start.
 //
 //
-// One block per (sequence, value head, 8 rows of S^T): warp w owns rows 2w, 2w + 1, lane l their
-// columns 4 l .. 4 l + 3. Each step's Mt (64 KB) and local rows (4 KB) arrive by cp.async into one
-// of two shared-memory stages while the previous step computes; x_start rows sit in shared memory
-// (read as broadcasts). A step is 1,024 FMA per thread: ~0.6 us on one SM.
+// One block per (sequence, value head, kScanRows = 16 rows of S^T): warp w owns rows 2w, 2w + 1,
+// lane l their columns 4 l .. 4 l + 3. Each step's Mt (64 KB) and local rows (8 KB) arrive by
+// cp.async into one of three shared-memory stages, two steps ahead; x_start rows sit in shared
+// memory (read as broadcasts). A step is 1,024 FMA per thread.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -24,9 +24,11 @@ __device__ __forceinline__ float* seg_row(const StateView& v, int64_t slot, int 
   return static_cast<float*>(v.data) + slot * v.s0 + hv * v.s1 + row * v.s2;
 }
 
-__global__ void __launch_bounds__(kScanThreads) segment_scan_kernel(const __grid_constant__ Params p) {
+__global__ void __launch_bounds__(kScanThreads)
+    segment_scan_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
-  extern __shared__ __align__(16) float scan_smem[];
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  float* const scan_smem = reinterpret_cast<float*>(smem_raw);
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
   const int rb = static_cast<int>(blockIdx.x % kScanBlocksPerHead);
   const int64_t pair = blockIdx.x / kScanBlocksPerHead;
@@ -36,30 +38,35 @@ __global__ void __launch_bounds__(kScanThreads) segment_scan_kernel(const __grid
   const SegRange r = seg_range(p, n, seq_span(p, n));
   if (r.count <= 2) return;
   constexpr int kMt = kHeadDim * kHeadDim, kRows = kScanRows * kHeadDim;  // floats per stage part
-  float* const x = scan_smem + 2 * (kMt + kRows);                         // x_start [8][128]
-  // Stage b of step j: Mt[first + j] and the local rows of this block.
-  auto issue = [&](int64_t j) {
-    const int64_t s = r.first + j;
-    float* const mt = scan_smem + (j & 1) * (kMt + kRows);
-    const float* gm = seg_row(p.seg_trans, s, hv, 0);
-    const float* gl = seg_row(p.seg_local, s, hv, row0);
-    for (int i = tid; i < kMt / 4; i += kScanThreads) cp_async_16(smem_addr(mt + 4 * i), gm + 4 * i);
-    for (int i = tid; i < kRows / 4; i += kScanThreads)
-      cp_async_16(smem_addr(mt + kMt + 4 * i), gl + 4 * i);
-  };
-  const int64_t last = r.first + r.count - 1 < p.seg_slots ? r.count - 2 : p.seg_slots - r.first - 2;
+  float* const x = scan_smem + kScanStages * (kMt + kRows);               // x_start [16][128]
+  // Stage j % 3 of step j: Mt[first + j] and the local rows of this block.
+  auto stage = [&](int64_t j) { return scan_smem + (j % kScanStages) * (kMt + kRows); };
+  const int64_t last =
+      r.first + r.count - 1 < p.seg_slots ? r.count - 2 : p.seg_slots - r.first - 2;
   if (last < 1) return;
+  auto issue = [&](int64_t j) {
+    if (j <= last) {
+      const int64_t s = r.first + j;
+      float* const mt = stage(j);
+      const float* gm = seg_row(p.seg_trans, s, hv, 0);
+      const float* gl = seg_row(p.seg_local, s, hv, row0);
+      for (int i = tid; i < kMt / 4; i += kScanThreads)
+        cp_async_16(smem_addr(mt + 4 * i), gm + 4 * i);
+      for (int i = tid; i < kRows / 4; i += kScanThreads)
+        cp_async_16(smem_addr(mt + kMt + 4 * i), gl + 4 * i);
+    }
+    cp_async_commit();  // a group per step, empty past the last
+  };
   for (int i = tid; i < kRows / 4; i += kScanThreads)
     *reinterpret_cast<float4*>(x + 4 * i) =
         *reinterpret_cast<const float4*>(seg_row(p.seg_start, r.first + 1, hv, row0) + 4 * i);
   issue(1);
-  cp_async_commit();
+  issue(2);
   for (int64_t j = 1; j <= last; ++j) {
-    if (j + 1 <= last) issue(j + 1);
-    cp_async_commit();
-    cp_async_wait<1>();
+    issue(j + 2);
+    cp_async_wait<kScanStages - 1>();
     __syncthreads();  // step j's stage and the previous step's x rows visible to every thread
-    const float* mt = scan_smem + (j & 1) * (kMt + kRows);
+    const float* mt = stage(j);
     const float* x0 = x + (2 * warp) * kHeadDim;
     float4 a0 = *reinterpret_cast<const float4*>(mt + kMt + (2 * warp) * kHeadDim + 4 * lane);
     float4 a1 = *reinterpret_cast<const float4*>(mt + kMt + (2 * warp + 1) * kHeadDim + 4 * lane);

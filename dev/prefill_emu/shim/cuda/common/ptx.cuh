@@ -147,6 +147,7 @@ inline void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   std::memset(d, 0, 16);
   if (src_bytes) std::memcpy(d, src, src_bytes);
 }
+inline void cp_async_16(uint32_t dst, const void* src) { cp_async_16_zfill(dst, src, 16); }
 inline void cp_async_commit() {}
 }  // namespace kda::cuda::pf
 namespace kda::cuda {
