@@ -315,8 +315,9 @@ def test_cuda_flashkda_fwd():
 
 @needs_cuda
 def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
-    """The CUDA prefill asks for its workspace once, after validation: a failing allocator is a
-    RuntimeError naming 'workspace' that writes nothing; an invalid call never allocates."""
+    """The CUDA prefill asks for its workspace once, after validation, and keeps it for the next
+    call on the same stream: a failing allocator is a RuntimeError naming 'workspace' that writes
+    nothing; an invalid call never allocates."""
     import kda._torch_ops as ops
     dc = to_torch(cuda_prefill_case(seed=33, T=100), "cuda", torch.bfloat16)
     args, kw = args_kw(dc)
@@ -328,15 +329,22 @@ def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
         sizes.append((nbytes, index))
         return real(nbytes, index)
     monkeypatch.setattr(ops, "allocate_workspace", counting)
+    ops.release_workspaces()
     kda.prefill(*args, **kw)
     assert len(sizes) == 1 and sizes[0][0] > 0 and sizes[0][1] == args[0].get_device()
+    kda.prefill(*args, **kw)  # the kept workspace
+    assert len(sizes) == 1
+    with torch.cuda.stream(torch.cuda.Stream()):  # another stream: its own workspace
+        kda.prefill(*args, **kw)
+    assert len(sizes) == 2
     with pytest.raises(ValueError, match="argument 'k'"):
         kda.prefill(args[0], args[1][..., :64], *args[2:], **kw)
-    assert len(sizes) == 1
+    assert len(sizes) == 2
 
     def failing(nbytes, index):
         raise MemoryError("no memory")
     monkeypatch.setattr(ops, "allocate_workspace", failing)
+    ops.release_workspaces()
     out = torch.full_like(args[2], 7.0)
     with pytest.raises(RuntimeError, match=r"argument 'workspace'.*no memory"):
         kda.prefill(*args, **kw, out=out)

@@ -1,0 +1,64 @@
+// host_cost_kernels.cu — empty kernels for bench_host_cost: the host cost of a bare launch, by
+// launch API, with and without the PDL attribute and with a parameter block of the size of the
+// library's kernel parameters (the prefill Params struct is 672 bytes, decode's 592).
+#include <cuda_runtime.h>
+
+#include "host_cost_kernels.h"
+
+namespace host_cost {
+namespace {
+
+struct Block {
+  unsigned char bytes[kParamBytes];
+};
+
+__global__ void empty_kernel() {}
+
+__global__ void empty_kernel_params(const __grid_constant__ Block) {}
+
+cudaError_t launch_ex(cudaStream_t stream, bool pdl, bool params) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(1);
+  cfg.blockDim = dim3(32);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  if (params) return cudaLaunchKernelEx(&cfg, empty_kernel_params, Block{});
+  return cudaLaunchKernelEx(&cfg, empty_kernel);
+}
+
+}  // namespace
+
+cudaError_t launch_empty(Launch how, cudaStream_t stream) {
+  switch (how) {
+    case Launch::kChevron:
+      empty_kernel<<<1, 32, 0, stream>>>();
+      return cudaGetLastError();
+    case Launch::kEx:
+      return launch_ex(stream, false, false);
+    case Launch::kExPdl:
+      return launch_ex(stream, true, false);
+    case Launch::kExPdlParams:
+      return launch_ex(stream, true, true);
+  }
+  return cudaErrorInvalidValue;
+}
+
+const char* launch_name(Launch how) {
+  switch (how) {
+    case Launch::kChevron:
+      return "empty kernel <<<>>>";
+    case Launch::kEx:
+      return "empty kernel LaunchKernelEx";
+    case Launch::kExPdl:
+      return "empty kernel LaunchKernelEx+PDL";
+    case Launch::kExPdlParams:
+      return "empty kernel Ex+PDL, 672 B param";
+  }
+  return "unknown";
+}
+
+}  // namespace host_cost
