@@ -70,7 +70,12 @@ def prefill_device(q: torch.Tensor, workspace: OptTensor) -> tuple:
     if workspace is not None or _capturing():
         return s, workspace, allocate_workspace, None
     key = (index, s)
-    return s, _workspaces.pop(key, None), allocate_workspace, key
+    return s, take_workspace(key), allocate_workspace, key
+
+
+def take_workspace(key: Tuple[int, int]) -> OptTensor:
+    """The workspace kept for (device index, stream), removed from the cache, or None."""
+    return _workspaces.pop(key, None)
 
 
 def keep_workspace(key: Tuple[int, int], used: OptTensor, allocated: OptTensor) -> None:
