@@ -244,8 +244,10 @@ int main(int argc, char** argv) {
                  const std::function<void()>& wait) {
     rows.push_back({call, where, time_calls(o, fn, wait)});
   };
-  add("kda::validate(PrefillParams)", "-", [&] { return validate(p); }, [] {});
-  add("kda::validate(DecodeParams)", "-", [&] { return validate(d); }, [] {});
+  add(
+      "kda::validate(PrefillParams)", "-", [&] { return validate(p); }, [] {});
+  add(
+      "kda::validate(DecodeParams)", "-", [&] { return validate(d); }, [] {});
   struct Where {
     const char* name;
     void* stream;
@@ -270,8 +272,10 @@ int main(int argc, char** argv) {
     }
 #endif
     p.exec.stream = d.exec.stream = w.stream;
-    add("kda::prefill", w.name, [&] { return prefill(p); }, wait);
-    add("kda::decode", w.name, [&] { return decode(d); }, wait);
+    add(
+        "kda::prefill", w.name, [&] { return prefill(p); }, wait);
+    add(
+        "kda::decode", w.name, [&] { return decode(d); }, wait);
   }
 #ifdef KDA_BENCH_CUDA
   if (cs != nullptr) cudaStreamDestroy(cs);
@@ -282,8 +286,9 @@ int main(int argc, char** argv) {
                   ", \"repeats\": " + std::to_string(o.repeats) + ", \"results\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
     char buf[200];
-    std::snprintf(buf, sizeof buf, "%s{\"call\": \"%s\", \"stream\": \"%s\", \"us_per_call\": %.3f}",
-                  i ? ", " : "", rows[i].call.c_str(), rows[i].stream.c_str(), rows[i].us);
+    std::snprintf(buf, sizeof buf,
+                  "%s{\"call\": \"%s\", \"stream\": \"%s\", \"us_per_call\": %.3f}", i ? ", " : "",
+                  rows[i].call.c_str(), rows[i].stream.c_str(), rows[i].us);
     j += buf;
   }
   j += "]}";

@@ -64,14 +64,17 @@ class Args {
                             std::to_string(PyTuple_GET_SIZE(args.ptr())))
                                .c_str());
   }
+  // (The names are literals of this file, which the compiler merges: the pointers compare equal
+  // and strcmp runs only for a name at the wrong position.)
   nb::handle next(const char* name) {
-    if (next_ >= N || std::strcmp(names_[next_], name) != 0)
+    if (next_ >= N || (names_[next_] != name && std::strcmp(names_[next_], name) != 0))
       throw nb::type_error((std::string("kda._C: argument '") + name + "' out of order").c_str());
     return PyTuple_GET_ITEM(args_.ptr(), next_++);
   }
   nb::handle find(const char* name) const {
-    for (size_t i = 0; i < N; ++i)
-      if (std::strcmp(names_[i], name) == 0) return PyTuple_GET_ITEM(args_.ptr(), i);
+    for (size_t i = N; i-- > 0;)  // from the end: "names" is the last argument
+      if (names_[i] == name || std::strcmp(names_[i], name) == 0)
+        return PyTuple_GET_ITEM(args_.ptr(), i);
     throw nb::type_error((std::string("kda._C: no argument '") + name + "'").c_str());
   }
 

@@ -29,7 +29,7 @@ def tensors(d, dtype=None):
     return out
 
 
-# --- outputs allocated per call follow each call's dtypes and shapes -------------------------------
+# --- outputs allocated per call follow each call's dtypes and shapes ---------------------------
 
 @pytest.mark.parametrize("layout", ["v_first", "k_first"])
 def test_allocated_outputs_follow_each_calls_dtypes(layout):
@@ -84,13 +84,13 @@ def test_decode_output_dtype_per_call():
 def test_a_non_tensor_value_argument_is_the_extensions_error():
     d = tensors(make_prefill(seed=45))
     args, kw = split(d)
-    with pytest.raises(TypeError, match="argument 'v': expected a torch.Tensor"):
+    with pytest.raises(TypeError, match=r"argument 'v': expected a torch\.Tensor"):
         kda.prefill(args[0], args[1], args[2].numpy(), *args[3:], **kw)
     with pytest.raises(TypeError, match="argument 'v'"):
         kda.prefill(args[0], args[1], [1.0], *args[3:], **kw)
 
 
-# --- the workspace kept per (device, stream) -------------------------------------------------------
+# --- the workspace kept per (device, stream) ---------------------------------------------------
 
 @pytest.fixture
 def cache(monkeypatch):
