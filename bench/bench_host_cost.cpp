@@ -10,11 +10,12 @@
 // Only the public header is used (and, on CUDA, the empty kernels of host_cost_kernels.cu).
 //
 // The breakdown, one row each: kda::validate alone; on CUDA, a bare launch of an empty kernel
-// with <<<>>>, with cudaLaunchKernelEx, with the PDL attribute (as the library launches), and with
-// a 672-byte parameter block (the size of the prefill's Params); the whole kda::prefill (two
-// launches) and kda::decode (one). The launches and calls run on a stream of the benchmark's own
-// (non-blocking) and on the legacy default stream, which is torch's default current stream. The
-// table comes last, after its JSON.
+// with <<<>>>, with cudaLaunchKernelEx, with the PDL attribute (as the library launches), with
+// a 672-byte parameter block (the size of the prefill's Params), and with the driver's
+// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (two launches) and kda::decode
+// (one). The launches and calls run on a stream of the benchmark's own (non-blocking) and on the
+// legacy default stream, which is torch's default current stream. The table comes last, after
+// its JSON.
 //
 // Usage: bench_host_cost [--cpu] [--T n] [--H n] [--K n] [--decode-B n] [--decode-H n]
 //                        [--calls n] [--repeats n] [--threads n] [--json path]

@@ -12,8 +12,9 @@ enum class Launch {
   kEx,           // cudaLaunchKernelEx, no attribute
   kExPdl,        // cudaLaunchKernelEx with the PDL attribute (the library's launch helper)
   kExPdlParams,  // the same with a kParamBytes parameter passed by value
+  kDriverPdl,    // cuLaunchKernelEx (driver API) with the PDL attribute, CUfunction looked up once
 };
-constexpr int kNumLaunches = 4;
+constexpr int kNumLaunches = 5;
 
 // One launch of 1 block x 32 threads on `stream`; returns the launch's error.
 cudaError_t launch_empty(Launch how, cudaStream_t stream);

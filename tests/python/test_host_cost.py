@@ -90,6 +90,39 @@ def test_a_non_tensor_value_argument_is_the_extensions_error():
         kda.prefill(args[0], args[1], [1.0], *args[3:], **kw)
 
 
+class Tagged(torch.Tensor):
+    """A torch.Tensor subclass (read through the attribute lookup, not the type's descriptors)."""
+
+
+def test_tensor_subclasses_and_parameters_read_as_plain_tensors():
+    d = tensors(make_prefill(seed=49, B=2, T=20))
+    args, kw = split(d)
+    want = kda.prefill(*args, **kw)
+    sub = [a.as_subclass(Tagged) for a in args]
+    kw_p = dict(kw, A_log=torch.nn.Parameter(kw["A_log"]),
+                dt_bias=torch.nn.Parameter(kw["dt_bias"]))
+    with torch.no_grad():
+        got = kda.prefill(*sub, **kw_p)
+    assert torch.equal(got.as_subclass(torch.Tensor), want)
+
+
+class Shaped(torch.Tensor):
+    """A subclass whose `shape` says something else than the tensor: honoured, so the call fails
+    validation naming the argument."""
+
+    @property
+    def shape(self):
+        return (1, 2, 3)
+
+
+def test_a_subclass_attribute_override_is_honoured():
+    d = tensors(make_prefill(seed=50, B=2, T=20))
+    args, kw = split(d)
+    k = args[1].as_subclass(Shaped)
+    with pytest.raises(ValueError, match="argument 'k'"):
+        kda.prefill(args[0], k, *args[2:], **kw)
+
+
 # --- the workspace kept per (device, stream) ---------------------------------------------------
 
 @pytest.fixture
