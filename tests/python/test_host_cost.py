@@ -9,25 +9,11 @@ import numpy as np
 import pytest
 
 import kda
-from kdatest import assert_close, make_decode, make_prefill, random_state, split
+from kdatest import assert_close, make_decode, make_prefill, random_state, split, to_torch
 
 torch = pytest.importorskip("torch")
 
 import kda._torch_ops as ops  # noqa: E402  (needs torch)
-
-
-def tensors(d, dtype=None):
-    out = {}
-    for name, x in d.items():
-        if isinstance(x, np.ndarray):
-            t = torch.from_numpy(x)
-            if dtype is not None and t.is_floating_point() and name not in ("A_log", "dt_bias"):
-                t = t.to(dtype)
-            out[name] = t
-        else:
-            out[name] = x
-    return out
-
 
 # --- outputs allocated per call follow each call's dtypes and shapes ---------------------------
 
@@ -39,7 +25,7 @@ def test_allocated_outputs_follow_each_calls_dtypes(layout):
     h0 = random_state(41, (2, 4, 32, 32))
     for dt, h0_dt in ((torch.float32, None), (torch.bfloat16, torch.bfloat16),
                       (torch.float32, torch.float32), (torch.bfloat16, None)):
-        t = tensors(d, dt)
+        t = to_torch(d, dtype=dt)
         args, kw = split(t)
         init = None if h0_dt is None else torch.from_numpy(h0).to(h0_dt)
         out, ht = kda.prefill(*args, **kw, initial_state=init, output_final_state=True,
@@ -59,7 +45,7 @@ def test_allocated_outputs_follow_each_calls_dtypes(layout):
 def test_allocated_output_of_a_permuted_value_tensor_is_contiguous():
     """v dense but permuted (its last dimension contiguous): out is a new contiguous tensor, not
     a copy of v's layout."""
-    d = tensors(make_prefill(seed=42, B=2, T=20))
+    d = to_torch(make_prefill(seed=42, B=2, T=20))
     args, kw = split(d)
     v = args[2]
     vp = v.permute(1, 0, 2, 3).contiguous().permute(1, 0, 2, 3)  # dense, batch stride 32 * 4
@@ -70,7 +56,7 @@ def test_allocated_output_of_a_permuted_value_tensor_is_contiguous():
 
 
 def test_decode_output_dtype_per_call():
-    d = tensors(make_decode(seed=43, N=3), torch.bfloat16)
+    d = to_torch(make_decode(seed=43, N=3), dtype=torch.bfloat16)
     args, kw = split(d)
     pool = torch.from_numpy(random_state(44, (5, 4, 32, 32)))
     kw["state_indices"] = torch.tensor([4, 0, 2], dtype=torch.int32)
@@ -82,7 +68,7 @@ def test_decode_output_dtype_per_call():
 
 
 def test_a_non_tensor_value_argument_is_the_extensions_error():
-    d = tensors(make_prefill(seed=45))
+    d = to_torch(make_prefill(seed=45))
     args, kw = split(d)
     with pytest.raises(TypeError, match=r"argument 'v': expected a torch\.Tensor"):
         kda.prefill(args[0], args[1], args[2].numpy(), *args[3:], **kw)
@@ -95,7 +81,7 @@ class Tagged(torch.Tensor):
 
 
 def test_tensor_subclasses_and_parameters_read_as_plain_tensors():
-    d = tensors(make_prefill(seed=49, B=2, T=20))
+    d = to_torch(make_prefill(seed=49, B=2, T=20))
     args, kw = split(d)
     want = kda.prefill(*args, **kw)
     sub = [a.as_subclass(Tagged) for a in args]
@@ -116,7 +102,7 @@ class Shaped(torch.Tensor):
 
 
 def test_a_subclass_attribute_override_is_honoured():
-    d = tensors(make_prefill(seed=50, B=2, T=20))
+    d = to_torch(make_prefill(seed=50, B=2, T=20))
     args, kw = split(d)
     k = args[1].as_subclass(Shaped)
     with pytest.raises(ValueError, match="argument 'k'"):
@@ -202,7 +188,7 @@ def test_workspace_is_not_kept_while_capturing_or_when_given(cache):
 
 def test_read_prefill_and_read_decode_validate_and_write_nothing():
     from kda import _C
-    d = tensors(make_prefill(seed=46, B=1, T=20))
+    d = to_torch(make_prefill(seed=46, B=1, T=20))
     args, kw = split(d)
     out = torch.full_like(args[2], 7.0)
     call = dict(zip(("q", "k", "v", "g", "beta"), args), **kw, out=out, initial_state=None,
@@ -216,7 +202,7 @@ def test_read_prefill_and_read_decode_validate_and_write_nothing():
     call["k"] = args[1][..., :16]
     with pytest.raises(ValueError, match="argument 'k'"):
         _C.read_prefill(*[call[n] for n in _C.prefill_arguments])
-    dd = tensors(make_decode(seed=47, N=2))
+    dd = to_torch(make_decode(seed=47, N=2))
     dargs, dkw = split(dd)
     pool = torch.from_numpy(random_state(48, (2, 4, 32, 32)))
     before = pool.clone()

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kda
-from kdatest import assert_close, make_decode, make_prefill, random_state, split
+from kdatest import assert_close, make_decode, make_prefill, random_state, split, to_torch
 
 torch = pytest.importorskip("torch")
 
@@ -19,20 +19,6 @@ HAS_CUDA = torch.cuda.is_available() and kda.cuda_available()
 CUDA_TOL = 2e-2
 needs_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="needs torch with CUDA, a CUDA build of kda and an sm_90 GPU")
-
-
-def to_torch(d, device="cpu", dtype=None):
-    """The arrays of a kdatest dict as torch tensors (float arrays cast to `dtype` if given)."""
-    out = {}
-    for name, x in d.items():
-        if isinstance(x, np.ndarray):
-            t = torch.from_numpy(x).to(device)
-            if dtype is not None and t.is_floating_point() and name not in ("A_log", "dt_bias"):
-                t = t.to(dtype)
-            out[name] = t
-        else:
-            out[name] = x
-    return out
 
 
 def args_kw(d):
