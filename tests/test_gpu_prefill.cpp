@@ -401,8 +401,11 @@ class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 bool takes_chunk16(const PrefillCase& c) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
-  const int64_t pairs = static_cast<int64_t>(c.seqlens.size()) * c.HV;
-  return cuda::pf::recurrence_choice(pairs, prop.multiProcessorCount, detail::tuning()).chunk16;
+  int64_t T = 0;
+  for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+  return cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV,
+                                prop.multiProcessorCount, detail::tuning())
+      .rec.chunk16;
 }
 
 // The full check of one case against the fp64 reference.
@@ -542,6 +545,75 @@ TEST(GpuPrefillChunk16, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_chunk = 16; }));
   check_wgmma_configs({129, 0, 64, 7, 15, 16, 17});
+}
+
+// The segmented recurrence (heuristics/prefill.h prefill_segments; forced by
+// Tuning::prefill_segment = tokens per segment) on every path it can take: the value split of its
+// chains (16 / 32 with the K split, 64 / 128 on wgmma, 128 on 16-token steps), against the fp64
+// reference. Segments of 64 tokens give the most segments per sequence (the scan's longest
+// chain); the cases span empty, 1-15-token and exact-multiple sequences (one segment, two, many),
+// pools and checkpoints (on and between segment boundaries), grouped values, K-first bf16
+// states, fp16, every gate form (-1000 gates included), weak decay, negative eigenvalues and
+// strided inputs.
+std::vector<PrefillCase> segment_cases() {
+  std::vector<PrefillCase> v;
+  PrefillCase c = base_case();
+  c.seqlens = {700};
+  c.H = c.HV = 1;
+  c.gate = GateForm::kLowerBound;
+  v.push_back(c);
+  c = base_case();
+  c.varlen = true;
+  c.seqlens = {0, 1, 15, 64, 65, 128, 450};
+  c.pool = true;
+  c.checkpoint_every = 64;
+  v.push_back(c);
+  c = base_case();
+  c.H = 2;
+  c.HV = 6;
+  c.seqlens = {200, 200};
+  c.checkpoint_every = 128;
+  c.layout = StateLayout::kKFirst;
+  c.state_dtype = DType::kBFloat16;
+  c.dtype = DType::kFloat16;
+  v.push_back(c);
+  c = base_case();
+  c.seqlens = {333};
+  c.gate = GateForm::kPrecomputed;
+  c.gate_extreme = -1000;
+  c.allow_neg_eigval = true;
+  c.strided = true;
+  v.push_back(c);
+  c = base_case();
+  c.seqlens = {400};
+  c.gate = GateForm::kPrecomputed;
+  c.weak_decay = true;
+  c.beta_logits = false;
+  c.l2norm = false;
+  c.init = InitState::kNone;
+  v.push_back(c);
+  return v;
+}
+
+TEST(GpuPrefillSegments, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  struct Config {
+    int tokens, vs, chunk;
+  };
+  for (const Config cfg : {Config{64, 16, 0}, Config{128, 32, 0}, Config{64, 64, 0},
+                           Config{192, 128, 0}, Config{64, 128, 16}}) {
+    SCOPED_TRACE("segments of " + std::to_string(cfg.tokens) + " tokens, vs = " +
+                 std::to_string(cfg.vs) + (cfg.chunk == 16 ? ", 16-token steps" : ""));
+    const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) {
+      t.prefill_segment = cfg.tokens;
+      t.prefill_vs = cfg.vs;
+      t.prefill_chunk = cfg.chunk;
+    }));
+    for (const PrefillCase& c : segment_cases()) {
+      SCOPED_TRACE(c.name());
+      check_against_reference(c);
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
@@ -699,11 +771,12 @@ TEST(GpuPrefill, BitwiseDeterministic) {
 // recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), the softplus form, weak decay.
 constexpr double kOutputBar = 2.5e-3, kStateBar = 2.0e-3;
 
-void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "") {
+void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
+                     int64_t tokens = 8192, int64_t heads = 8) {
   PrefillCase c = base_case();
-  c.seqlens = {8192};
-  c.H = 8;
-  c.HV = 8;
+  c.seqlens = {tokens};
+  c.H = heads;
+  c.HV = heads;
   c.gate = gate;
   c.lower_bound = lower_bound;
   c.beta_logits = true;
@@ -752,6 +825,14 @@ TEST(GpuPrefillAccuracy, CaseAChunk16) {
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
+}
+
+// One sequence of 65536 tokens on two heads: many segments by default (heuristics/prefill.h),
+// every segment's start through the scan; the bars of case A.
+TEST(GpuPrefillAccuracy, LongSequenceManySegments) {
+  KDA_SKIP_WITHOUT_SM90();
+  accuracy_case_a(GateForm::kLowerBound, -5.0, ", 64k tokens", 65536, 2);
+  accuracy_case_a(GateForm::kLowerBound, -0.05, ", 64k tokens", 65536, 2);
 }
 
 // Error does not grow with the sequence length (the state stays fp32).

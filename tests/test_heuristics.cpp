@@ -36,6 +36,7 @@ TEST(Tuning, Defaults) {
   EXPECT_TRUE(t.prefill_wgmma);
   EXPECT_EQ(t.prefill_chunk, 0);
   EXPECT_EQ(t.prefill_prefetch, 0);
+  EXPECT_EQ(t.prefill_segment, 0);
   EXPECT_EQ(t.num_threads, 0);
 }
 
@@ -47,6 +48,7 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_CUDA_PREFILL_WGMMA", "0"},
                                    {"KDA_CUDA_PREFILL_CHUNK", "16"},
                                    {"KDA_CUDA_PREFILL_PREFETCH", "auto"},
+                                   {"KDA_CUDA_PREFILL_SEGMENT", "192"},
                                    {"KDA_NUM_THREADS", "3"}});
   EXPECT_FALSE(t.pdl);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);
@@ -55,6 +57,8 @@ TEST(Tuning, ParsesEveryKnob) {
   EXPECT_FALSE(t.prefill_wgmma);
   EXPECT_EQ(t.prefill_chunk, 16);
   EXPECT_EQ(t.prefill_prefetch, -1);
+  EXPECT_EQ(t.prefill_segment, 192);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}}).prefill_segment, -1);
   EXPECT_EQ(t.num_threads, 3);
   using O = detail::DecodeKernelOverride;
   const std::vector<std::pair<const char*, O>> kernels = {{"baseline", O::kBaseline},
@@ -77,6 +81,8 @@ TEST(Tuning, InvalidValuesAreIgnored) {
     EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_CHUNK", bad}}).prefill_chunk, 0) << bad;
   for (const char* bad : {"", "0", "-2", "many"})
     EXPECT_EQ(tuning({{"KDA_NUM_THREADS", bad}}).num_threads, 0) << bad;
+  for (const char* bad : {"", "0", "32", "100", "-64", "64x", "Off"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_SEGMENT", bad}}).prefill_segment, 0) << bad;
 }
 
 TEST(Tuning, ScopedOverrideNestsAndRestores) {
@@ -189,6 +195,60 @@ TEST(PrefillHeuristics, ChunkSlots) {
     EXPECT_LE(base + chunks, slots);
     prev_end = base + chunks;
     bos += lens[n];
+  }
+}
+
+// The segment choice (the worked examples of heuristics/prefill.h) and what it implies.
+TEST(PrefillHeuristics, Segments) {
+  using cuda::pf::prefill_plan;
+  using cuda::pf::prefill_segments;
+  const detail::Tuning t = tuning({});
+  EXPECT_EQ(prefill_segments(false, 1024, 1, 4, 132, t).tokens, 128);     // S1
+  EXPECT_EQ(prefill_segments(false, 65536, 1, 4, 132, t).tokens, 2048);   // S11
+  EXPECT_EQ(prefill_segments(false, 8192, 1, 96, 132, t).tokens, 0);      // P1: chains fill the SMs
+  EXPECT_EQ(prefill_segments(false, 4096, 16, 32, 132, t).tokens, 0);     // P6
+  EXPECT_EQ(prefill_segments(true, 8192, 8, 96, 132, t).tokens, 0);       // P4
+  EXPECT_EQ(prefill_segments(false, 64, 1, 4, 132, t).tokens, 0);         // one chunk: nothing to split
+  // Pass 1's chains: 1 + 2 (s - 2) per (sequence, value head) for s segments.
+  EXPECT_EQ(prefill_segments(false, 1024, 1, 4, 132, t).chains, 4 * (1 + 2 * 6));
+  // Segmented calls take 64-token steps unless 16 are forced.
+  const cuda::pf::PrefillPlan s11 = prefill_plan(false, 65536, 1, 4, 132, t);
+  EXPECT_EQ(s11.rec.vs, 128);
+  EXPECT_FALSE(s11.rec.chunk16);
+  EXPECT_TRUE(prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}}))
+                  .rec.chunk16);
+  // The plan without segments is the recurrence choice of the (sequence, value head) pairs.
+  const cuda::pf::PrefillPlan p1 = prefill_plan(false, 8192, 1, 96, 132, t);
+  EXPECT_EQ(p1.seg.tokens, 0);
+  EXPECT_TRUE(p1.rec.chunk16);
+  // Forced and disabled.
+  EXPECT_EQ(prefill_segments(false, 8192, 1, 96, 132,
+                             tuning({{"KDA_CUDA_PREFILL_SEGMENT", "256"}})).tokens, 256);
+  EXPECT_EQ(prefill_segments(false, 65536, 1, 4, 132,
+                             tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}})).tokens, 0);
+}
+
+TEST(PrefillHeuristics, SegmentSlots) {
+  using cuda::pf::prefill_segment_slots;
+  EXPECT_EQ(prefill_segment_slots(false, 2, 1000, 2, 256), 8);
+  EXPECT_EQ(prefill_segment_slots(false, 1, 0, 1, 256), 1);  // an empty sequence keeps one
+  EXPECT_EQ(prefill_segment_slots(false, 1, 1000, 1, 0), 0);  // no segments
+  // Varlen: sequence n owns max(1, ceil(len / L)) slots from bos / L + n on, disjoint and below
+  // the bound for any split of T tokens.
+  for (int64_t L : {64, 128, 192, 256}) {
+    const std::vector<int64_t> lens = {1, 63, 64, 65, 0, 127, 129, 5, 700, 0};
+    int64_t T = 0;
+    for (int64_t l : lens) T += l;
+    const int64_t slots = prefill_segment_slots(true, 1, T, static_cast<int64_t>(lens.size()), L);
+    int64_t bos = 0, prev_end = 0;
+    for (size_t n = 0; n < lens.size(); ++n) {
+      const int64_t first = bos / L + static_cast<int64_t>(n);
+      const int64_t count = lens[n] > 0 ? (lens[n] + L - 1) / L : 1;
+      EXPECT_GE(first, prev_end) << "L " << L << " sequence " << n;
+      EXPECT_LE(first + count, slots) << "L " << L << " sequence " << n;
+      prev_end = first + count;
+      bos += lens[n];
+    }
   }
 }
 

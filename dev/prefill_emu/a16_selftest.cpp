@@ -54,7 +54,7 @@ void run(const PrefillCase& c) {
     ++failures;
     return;
   }
-  const size_t need = workspace_bytes(pr);
+  const size_t need = workspace_bytes(pr, 132, detail::tuning());
   std::vector<uint8_t> ws(need + 256, 0xff);  // poisoned: a record part not written reads as NaN
   Params p;
   int64_t pb = 0, rb = 0;

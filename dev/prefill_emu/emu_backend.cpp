@@ -16,7 +16,7 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
   *bytes = 0;
   Status s = pf::check_supported(pr);
   if (!s.ok()) return s;
-  *bytes = pf::workspace_bytes(pr);
+  *bytes = pf::workspace_bytes(pr, 132, detail::tuning());
   return Status::Ok();
 }
 // Emulated device memory is host memory: the indices are checked where they are.
@@ -26,7 +26,7 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   Status s = pf::check_supported(pr);
   if (!s.ok()) return s;
-  const size_t need = pf::workspace_bytes(pr);
+  const size_t need = pf::workspace_bytes(pr, 132, detail::tuning());
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
   if (need)

@@ -34,6 +34,7 @@
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
+#include "cuda/prefill/segments.cuh"
 #include "fibers.h"
 
 namespace kda::cuda::pf {
@@ -59,10 +60,19 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
   }
 }
 
-// The value split forced to vs_override (0: the heuristic's), then both kernels as the host
-// launches them (K split included).
+// The recurrence kernel of a path (as prefill.cu's recurrence_for).
+template <bool kFp16, bool kSeg>
+static void (*recurrence_of(const Params& p))(Params) {
+  if (p.chunk16) return recurrence_kernel<kFp16, false, true, true, kSeg>;
+  if (p.ksplit) return recurrence_kernel<kFp16, true, false, false, kSeg>;
+  if (p.wgmma) return recurrence_kernel<kFp16, false, true, false, kSeg>;
+  return recurrence_kernel<kFp16, false, false, false, kSeg>;
+}
+// The value split forced to vs_override (0: the heuristic's), then the kernels as the host
+// launches them (plan_launches).
+template <bool kFp16>
 static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr,
-                        int vs_override, bool fp16) {
+                        int vs_override) {
   if (vs_override) {
     const RecurrenceChoice rc = recurrence_choice_for_split(vs_override, detail::tuning());
     p.vs = rc.vs;
@@ -72,38 +82,37 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     p.wgmma = rc.wgmma;
     p.chunk16 = rc.chunk16;
   }
-  if (p.chunk16) {  // the chunk-16 path
-    const int t16 = 32 * recurrence_warps(p.vs, false), s16 = recurrence_smem_bytes16(p.vs);
-    if (fp16) {
-      launch(prepare_kernel<true, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-      launch(recurrence_kernel<true, false, true, true>, rb, t16, s16, p);
-    } else {
-      launch(prepare_kernel<false, true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-      launch(recurrence_kernel<false, false, true, true>, rb, t16, s16, p);
+  Launch plan[4];
+  const int count = plan_launches(p, pb, rb, plan);
+  for (int i = 0; i < count; ++i) {
+    const Launch& l = plan[i];
+    Params pass = p;
+    switch (l.kernel) {
+      case PrefillKernel::kPrepare:
+        launch(p.chunk16 ? prepare_kernel<kFp16, true> : prepare_kernel<kFp16, false>, l.blocks,
+               l.threads, l.smem, p);
+        break;
+      case PrefillKernel::kRecurrence:
+        launch(recurrence_of<kFp16, false>(p), l.blocks, l.threads, l.smem, p);
+        break;
+      case PrefillKernel::kSegmentPass1:
+      case PrefillKernel::kSegmentPass2:
+        pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1 ? 1 : 2;
+        launch(recurrence_of<kFp16, true>(p), l.blocks, l.threads, l.smem, pass);
+        break;
+      case PrefillKernel::kSegmentScan:
+        launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);
+        break;
     }
-    return;
-  }
-  const int threads = 32 * recurrence_warps(p.vs, p.ksplit),
-            smem = recurrence_smem_bytes(p.vs, p.ksplit);
-  if (fp16) {
-    launch(prepare_kernel<true>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit)
-      launch(recurrence_kernel<true, true, false>, rb, threads, smem, p);
-    else if (p.wgmma)
-      launch(recurrence_kernel<true, false, true>, rb, threads, smem, p);
-    else
-      launch(recurrence_kernel<true, false, false>, rb, threads, smem, p);
-  } else {
-    launch(prepare_kernel<false>, pb, kPrepareThreads, kPrepareSmemBytes, p);
-    if (p.ksplit)
-      launch(recurrence_kernel<false, true, false>, rb, threads, smem, p);
-    else if (p.wgmma)
-      launch(recurrence_kernel<false, false, true>, rb, threads, smem, p);
-    else
-      launch(recurrence_kernel<false, false, false>, rb, threads, smem, p);
   }
 }
-
+static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr,
+                        int vs_override, bool fp16) {
+  if (fp16)
+    run_kernels<true>(p, pb, rb, pr, vs_override);
+  else
+    run_kernels<false>(p, pb, rb, pr, vs_override);
+}
 // Runs the emulated CUDA prefill on host tensors (params: CPU views). vs_override: 0 = heuristic.
 static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
   Params p;
@@ -119,7 +128,7 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   if (!s.ok()) return s;
   s = check_supported(pr);
   if (!s.ok()) return s;
-  const size_t need = workspace_bytes(pr);
+  const size_t need = workspace_bytes(pr, 132, detail::tuning());
   std::vector<uint8_t> ws(need + 256, 0xff);
   Params p;
   int64_t pb = 0, rb = 0;

@@ -32,6 +32,8 @@ struct Tuning {
   bool prefill_wgmma = true;   // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
   int prefill_chunk = 0;       // KDA_CUDA_PREFILL_CHUNK: 16 or 64 forces (0: heuristic)
   int prefill_prefetch = 0;    // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
+  int prefill_segment = 0;     // KDA_CUDA_PREFILL_SEGMENT: tokens per segment (0: heuristic;
+                               // -1: one segment per sequence)
   int num_threads = 0;         // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
 
@@ -76,6 +78,12 @@ Tuning parse_tuning(Get&& get) {
     t.prefill_prefetch = -1;
   else if (pf > 0)
     t.prefill_prefetch = static_cast<int>(pf);
+  s = get("KDA_CUDA_PREFILL_SEGMENT");
+  const long seg = tuning_digits(s);
+  if (is(s, "off"))
+    t.prefill_segment = -1;
+  else if (seg >= 64 && seg % 64 == 0 && seg < 1000000)
+    t.prefill_segment = static_cast<int>(seg);
   if ((s = get("KDA_NUM_THREADS")) != nullptr) {
     const int n = std::atoi(s);
     if (n > 0) t.num_threads = n;

@@ -57,8 +57,9 @@ enum class KernelSlot : int {
   kRecurrenceWgmmaBf16,
   kRecurrence16F16,
   kRecurrence16Bf16,
+  kRecurrenceSeg,  // + 2 path + fp16: the segmented passes (path: mma, K split, wgmma, chunk 16)
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
-  kStaged = 16,
+  kStaged = kRecurrenceSeg + 8,
   kBulk = kStaged + 4,
   kCount = kBulk + 8,
 };

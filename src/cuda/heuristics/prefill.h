@@ -89,6 +89,94 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
   return t.prefill_prefetch;
 }
 
+// ---- Segments (docs/design.md section 6.2). The state map of a token range is affine, S_end =
+// S_start Mt + S_local (S^T rows), so a sequence splits into segments of `tokens` tokens (a multiple
+// of 64) that run in parallel: pass 1 runs the first segment from the true initial state (its
+// outputs are final) and every later segment but the last from zero (S_local) and from the
+// identity with zero values (Mt: 128 more state rows); a scan gives every segment its true start;
+// pass 2 reruns the later segments from it. Chains of pass 1 per (sequence, value head): 1 + 2 (s -
+// 2); of pass 2: s - 1 (s segments).
+//
+// The choice is the fastest predicted by a model of one recurrence block per SM and 4.5 us per
+// 64-token chunk and block at any value split (measured: vs = 128 chunk 16 ~4.1, vs = 32 K split
+// ~3.1-4.4), 2 us per scan step and 6 us for the two extra launches, over segments of 128, 256, ...
+// tokens; segments only where they beat one chain per sequence by 20%. Varlen: the mean sequence
+// length stands in for the (device-side) lengths; any choice is exact for every length.
+// Worked examples on 132 SMs (HV = heads):
+//   S1  1 x 1024,  HV = 4:  128 tokens (8 segments; one chain: 72 us, segments ~36 us)
+//   S11 1 x 65536, HV = 4:  2048 tokens (32 segments)
+//   P1  1 x 8192,  HV = 96: none (96 chains already fill the SMs)
+struct SegmentPlan {
+  int64_t tokens = 0;  // tokens per segment; 0: one segment per sequence
+  int64_t chains = 0;  // pass 1's chains (the value split's input)
+};
+inline constexpr double kModelChunkUs = 4.5, kModelScanStepUs = 2.0, kModelSegmentLaunchUs = 6.0;
+// Predicted time of `chains` chains of `chunks` 64-token chunks at value split vs on `sms` SMs.
+inline double recurrence_model_us(int64_t chains, int64_t chunks, int vs, int sms) {
+  const int64_t blocks = chains * (128 / vs);
+  return static_cast<double>((blocks + sms - 1) / sms) * static_cast<double>(chunks) *
+         kModelChunkUs;
+}
+inline int64_t segment_chains_pass1(int64_t pairs, int64_t segments) {
+  return pairs * (1 + 2 * (segments > 2 ? segments - 2 : 0));
+}
+inline SegmentPlan prefill_segments(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
+                                    const detail::Tuning& t) {
+  SegmentPlan plan;
+  if (N <= 0 || T <= 0 || HV <= 0 || sms <= 0 || t.prefill_segment < 0) return plan;
+  const int64_t len = varlen ? (T + N - 1) / N : T;  // tokens per sequence (varlen: the mean)
+  const int64_t pairs = N * HV;
+  if (t.prefill_segment > 0) {
+    plan.tokens = t.prefill_segment;
+    plan.chains = segment_chains_pass1(pairs, (len + plan.tokens - 1) / plan.tokens);
+    return plan;
+  }
+  const double one = recurrence_model_us(pairs, (len + 63) / 64,
+                                         t.prefill_vs ? t.prefill_vs : recurrence_value_split(pairs, sms), sms);
+  double best = 0.8 * one;
+  for (int64_t L = 128; L < len; L *= 2) {
+    const int64_t segs = (len + L - 1) / L;
+    const int64_t c1 = segment_chains_pass1(pairs, segs), c2 = pairs * (segs - 1);
+    const int vs = t.prefill_vs ? t.prefill_vs : recurrence_value_split(c1, sms);
+    const double us = recurrence_model_us(c1, L / 64, vs, sms) +
+                      recurrence_model_us(c2, L / 64, vs, sms) +
+                      static_cast<double>(segs > 2 ? segs - 2 : 0) * kModelScanStepUs +
+                      kModelSegmentLaunchUs;
+    if (us < best) {
+      best = us;
+      plan.tokens = L;
+      plan.chains = c1;
+    }
+  }
+  return plan;
+}
+
+// The whole launch choice of a call: segments, then the value split for their chains. Segmented
+// calls stay on 64-token steps unless Tuning::prefill_chunk = 16 forces 16-token ones: the few-head
+// cases that take segments gain little from the 16-token records' cheaper prepare kernel, and
+// 16-token steps miss the output bar under weak decay (docs/design.md section 6.2, accuracy).
+struct PrefillPlan {
+  SegmentPlan seg;
+  RecurrenceChoice rec;
+};
+inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
+                                const detail::Tuning& t) {
+  PrefillPlan p;
+  p.seg = prefill_segments(varlen, T, N, HV, sms, t);
+  p.rec = recurrence_choice(p.seg.tokens > 0 ? p.seg.chains : N * HV, sms, t);
+  if (p.seg.tokens > 0 && t.prefill_chunk != 16) p.rec.chunk16 = false;
+  return p;
+}
+
+// Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);
+// varlen, sequence n owns max(1, ceil(len / tokens)) slots from bos / tokens + n on, below T /
+// tokens + N whatever the cu_seqlens values are.
+inline int64_t prefill_segment_slots(bool varlen, int64_t B, int64_t T, int64_t N, int64_t tokens) {
+  if (tokens <= 0 || N <= 0) return 0;
+  if (varlen) return T / tokens + N;
+  return B * ((T + tokens - 1) / tokens > 0 ? (T + tokens - 1) / tokens : 1);
+}
+
 // Chunk slots of the workspace (records of one chunk per value head): dense, every sequence owns
 // ceil(T / 64) slots; varlen, sequence n owns slots from cu[n] / 64 + n on, which stays below
 // T / 64 + N whatever the (device-side, unread) cu_seqlens values are.

@@ -206,6 +206,13 @@ struct Params {
   bool wgmma = false;         // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
   bool chunk16 = false;       // both kernels on 16-token records (wgmma only; heuristics.h)
   int prefetch_blocks = 0;    // prepare: opt-in L2 prefetch for block index + this (0: off)
+
+  // Segments (heuristics/prefill.h prefill_segments; segments.cuh): seg_tokens = 0 runs one
+  // segment per sequence. seg_start / seg_local / seg_trans: fp32 [seg_slots][HV][128][128] S^T
+  // rows in the workspace (a segment's true start state, its state from zero, its transition).
+  int64_t seg_tokens = 0, segs_per_seq = 0, seg_slots = 0;  // segs_per_seq: dense ceil(T / tokens)
+  int seg_pass = 0;  // the launch: 1 = pass 1, 2 = pass 2 (set per launch by the host)
+  StateView seg_start, seg_local, seg_trans;
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read
@@ -251,6 +258,115 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
   } else {
     s = varlen_span(p, n, p.cu_seqlens.load(n), p.cu_seqlens.load(n + 1));
   }
+  return s;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Segments
+// ---------------------------------------------------------------------------------------------
+
+// The segment scan (segments.cuh): blocks of kScanThreads threads, one warp per row of S^T.
+inline constexpr int kScanThreads = 256, kScanBlocksPerHead = kHeadDim / (kScanThreads / 32);
+
+// Sequence n's segment slots [first, first + count) (heuristics/prefill.h prefill_segment_slots):
+// count = max(1, ceil(len / seg_tokens)), so an empty sequence keeps one segment (its final state
+// is its initial state).
+struct SegRange {
+  int64_t first, count;
+};
+__device__ __forceinline__ SegRange seg_range(const Params& p, int64_t n, const SeqSpan& sp) {
+  SegRange r;
+  if (!p.varlen) {
+    r.first = n * p.segs_per_seq;
+    r.count = p.segs_per_seq;
+  } else {
+    r.first = sp.bos / p.seg_tokens + n;
+    r.count = sp.len > 0 ? (sp.len + p.seg_tokens - 1) / p.seg_tokens : 1;
+  }
+  return r;
+}
+
+// The segment of slot `slot`: its sequence n and index j (valid = false for a slot no sequence
+// owns). Varlen: the last n whose first slot is <= slot (first slots strictly increase in n for
+// any cu_seqlens values: bos / tokens + n), by binary search.
+struct SegTask {
+  int64_t n = 0, j = 0, count = 1;
+  SeqSpan seq;  // the whole sequence
+  bool valid = false;
+};
+__device__ __forceinline__ SegTask seg_task(const Params& p, int64_t slot) {
+  SegTask t;
+  if (!p.varlen) {
+    t.n = slot / p.segs_per_seq;
+  } else {
+    int64_t lo = 0, hi = p.N - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (clamp64(p.cu_seqlens.load(mid), 0, p.T) / p.seg_tokens + mid <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    t.n = lo;
+  }
+  t.seq = seq_span(p, t.n);
+  const SegRange r = seg_range(p, t.n, t.seq);
+  t.j = slot - r.first;
+  t.count = r.count;
+  t.valid = t.n < p.N && t.j >= 0 && t.j < r.count;
+  return t;
+}
+
+// What one recurrence block does with its segment (the defaults: the whole sequence, as without
+// segments). Pass 1: segment 0 from the sequence's initial state, outputs final, its end state
+// the start of segment 1 (or the final state when it is the only one); segments 1 .. count - 2
+// from zero (value slices) or the identity with zero values (transition slices, `trans`), no
+// outputs, their end states to seg_local / seg_trans; the last segment idle. Pass 2: segments
+// 1 .. count - 1 from seg_start, outputs and checkpoints; the last one's end state is the final.
+struct SegRole {
+  bool idle = false;
+  bool first = true;        // starts from the sequence's initial state (pool / initial / zero)
+  bool last = true;         // its end state is the sequence's final state
+  bool outputs = true;      // writes outputs and checkpoints
+  bool trans = false;       // the transition's rows (pass 1)
+  bool from_start = false;  // starts from seg_start[slot] (pass 2); else zero / identity
+  int64_t slot = 0;         // the segment slot
+  int64_t tok0 = 0;         // the segment's first token within the sequence
+  int64_t end_row = -1;     // segment slot of a non-final end state (seg_start / local / trans)
+};
+__device__ __forceinline__ SegRole segment_role(const Params& p, const SegTask& t, int64_t slot,
+                                                bool trans_half) {
+  SegRole r;
+  const bool last_seg = t.j == t.count - 1;
+  if (!t.valid || (p.seg_pass == 1 && (t.j == 0 ? trans_half : last_seg)) ||
+      (p.seg_pass == 2 && t.j == 0)) {
+    r.idle = true;
+    return r;
+  }
+  r.slot = slot;
+  r.tok0 = t.j * p.seg_tokens;
+  r.last = last_seg;
+  if (p.seg_pass == 1 && t.j == 0) {
+    r.end_row = !last_seg && slot + 1 < p.seg_slots ? slot + 1 : -1;
+  } else if (p.seg_pass == 1) {
+    r.first = r.outputs = false;
+    r.trans = trans_half;
+    r.end_row = slot;
+  } else {
+    r.first = false;
+    r.from_start = true;
+  }
+  return r;
+}
+
+// Segment j of sequence span `sp`: its tokens and chunk slots.
+__device__ __forceinline__ SeqSpan segment_span(const Params& p, const SeqSpan& sp, int64_t j) {
+  SeqSpan s = sp;
+  const int64_t t0 = j * p.seg_tokens;
+  s.bos = sp.bos + t0;
+  s.base = sp.base + t0 / kChunk;
+  const int64_t rest = sp.len - t0;
+  s.len = rest < 0 ? 0 : (rest < p.seg_tokens ? rest : p.seg_tokens);
   return s;
 }
 

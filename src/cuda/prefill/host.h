@@ -9,6 +9,8 @@
 #include "core/tuning.h"
 #include "cuda/heuristics/prefill.h"
 #include "cuda/prefill/common.cuh"
+#include "cuda/prefill/prepare_smem.cuh"
+#include "cuda/prefill/recurrence_steps.cuh"
 
 namespace kda::cuda::pf {
 
@@ -58,13 +60,37 @@ inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
 inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
   return pr.d.varlen && pr.d.N > 1;
 }
-inline size_t workspace_bytes(const detail::PrefillProblem& pr) {
+// The launch plan of a call (heuristics/prefill.h), on `num_sms` multiprocessors.
+inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
+                               const detail::Tuning& tuning) {
+  return prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning);
+}
+// One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
+inline constexpr size_t kSegStateBytes = size_t{kHeadDim} * kHeadDim * 4;
+inline int64_t segment_slots(const detail::PrefillProblem& pr, const SegmentPlan& plan) {
+  return prefill_segment_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N, plan.tokens);
+}
+
+// Workspace: [records][sequence order][segment states], each part 128-byte aligned.
+struct WorkspaceLayout {
+  size_t records = 0, order = 0, segments = 0, total = 0;  // byte offsets of the parts; total
+};
+inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, const SegmentPlan& plan) {
+  WorkspaceLayout w;
   const int64_t records = chunk_slots(pr) * pr.d.HV;
-  if (records <= 0 || pr.d.N <= 0) return 0;
+  if (records <= 0 || pr.d.N <= 0) return w;
+  w.order = static_cast<size_t>(records) * kRecordBytes;
   const size_t order = uses_sequence_order(pr)
                            ? (static_cast<size_t>(pr.d.N) * 4 + 127) & ~static_cast<size_t>(127)
                            : 0;
-  return static_cast<size_t>(records) * kRecordBytes + order + 128;  // + alignment slack
+  w.segments = w.order + order;
+  const size_t segs = static_cast<size_t>(segment_slots(pr, plan)) * pr.d.HV * 3 * kSegStateBytes;
+  w.total = w.segments + segs + 128;  // + alignment slack
+  return w;
+}
+inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
+                              const detail::Tuning& tuning) {
+  return workspace_layout(pr, launch_plan(pr, num_sms, tuning).seg).total;
 }
 
 // Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
@@ -73,11 +99,14 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
                           const detail::Tuning& tuning, Params* out, int64_t* prep_blocks_out,
                           int64_t* rec_blocks_out) {
   const auto& d = pr.d;
-  const size_t need = workspace_bytes(pr);
+  const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
+  const SegmentPlan& plan = lp.seg;
+  const WorkspaceLayout layout = workspace_layout(pr, plan);
   const int64_t slots = chunk_slots(pr);
   const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
   const int64_t pairs = d.N * d.HV;
-  if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX)
+  const int64_t seg_slots = segment_slots(pr, plan);
+  if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX || seg_slots * d.HV * 16 > INT32_MAX)
     return {StatusCode::kUnsupported, "q",
             "problem too large for one CUDA prefill launch (" + std::to_string(prep_blocks) +
                 " chunk blocks)"};
@@ -114,11 +143,25 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.use_qk_l2norm = pr.math.use_qk_l2norm;
   p.scale = static_cast<float>(pr.math.scale);
   p.lower_bound = pr.math.lower_bound;
-  if (need > 0) {
+  if (layout.total > 0) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
     p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));
-    if (uses_sequence_order(pr))
-      p.order = reinterpret_cast<int32_t*>(p.ws + static_cast<size_t>(slots * d.HV) * kRecordBytes);
+    if (uses_sequence_order(pr)) p.order = reinterpret_cast<int32_t*>(p.ws + layout.order);
+  }
+  if (seg_slots > 0 && layout.total > 0) {
+    p.seg_tokens = plan.tokens;
+    p.segs_per_seq = d.varlen ? 0 : seg_slots / d.B;
+    p.seg_slots = seg_slots;
+    StateView* views[3] = {&p.seg_start, &p.seg_local, &p.seg_trans};
+    for (int i = 0; i < 3; ++i) {
+      StateView& v = *views[i];
+      v.data = p.ws + layout.segments + static_cast<size_t>(i) * seg_slots * d.HV * kSegStateBytes;
+      v.rows = seg_slots;
+      v.s0 = d.HV * kHeadDim * kHeadDim;
+      v.s1 = kHeadDim * kHeadDim;
+      v.s2 = kHeadDim;
+      v.dtype = kF32;
+    }
   }
   p.initial_state = state_view(pr.initial_state);
   p.final_state = state_view(pr.final_state);
@@ -129,7 +172,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.checkpoint_offsets = index_view(pr.checkpoint_offsets);
   p.checkpoint_every = pr.checkpoint_every;
   p.kfirst = pr.layout == StateLayout::kKFirst;
-  const RecurrenceChoice rc = recurrence_choice(pairs, num_sms, tuning);
+  const RecurrenceChoice& rc = lp.rec;
   p.vs = rc.vs;
   p.nslices = kHeadDim / p.vs;
   p.ksplit = rc.ksplit;
@@ -140,6 +183,36 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;
   return Status::Ok();
+}
+
+// The launches of a call, in stream order: the prepare kernel, then either the recurrence (one
+// segment per sequence) or pass 1, the segment scan and pass 2 (segments.cuh). `run` launches one
+// kernel: run(Kernel k, int64_t blocks, int threads, int smem) -> Status; the kernels are named
+// by their role so that the CUDA launcher and the CPU emulator launch the same sequence.
+enum class PrefillKernel { kPrepare, kRecurrence, kSegmentPass1, kSegmentScan, kSegmentPass2 };
+struct Launch {
+  PrefillKernel kernel;
+  int64_t blocks;
+  int threads, smem;
+};
+inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_blocks,
+                         Launch (&out)[4]) {
+  int n = 0;
+  if (prep_blocks > 0)
+    out[n++] = {PrefillKernel::kPrepare, prep_blocks, kPrepareThreads, kPrepareSmemBytes};
+  if (rec_blocks <= 0) return n;
+  const int threads = 32 * recurrence_warps(p.vs, p.ksplit);
+  const int smem =
+      p.chunk16 ? recurrence_smem_bytes16(p.vs) : recurrence_smem_bytes(p.vs, p.ksplit);
+  if (p.seg_tokens <= 0) {
+    out[n++] = {PrefillKernel::kRecurrence, rec_blocks, threads, smem};
+    return n;
+  }
+  const int64_t seg_blocks = p.seg_slots * p.HV * p.nslices;
+  out[n++] = {PrefillKernel::kSegmentPass1, 2 * seg_blocks, threads, smem};
+  out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads, 0};
+  out[n++] = {PrefillKernel::kSegmentPass2, seg_blocks, threads, smem};
+  return n;
 }
 
 }  // namespace kda::cuda::pf

@@ -1,10 +1,12 @@
-// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call, both on exec.stream,
-// no allocation, no synchronization (CUDA-graph capturable):
+// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call (four with segments), all
+// on exec.stream, no allocation, no synchronization (CUDA-graph capturable):
 //   A. prepare_kernel   (prefill/prepare.cuh): one block per (64-token chunk, value head); builds
 //      the chunk's state-independent operands into a workspace record.
 //   B. recurrence_kernel (prefill/recurrence.cuh): one block per (sequence, value head, value
 //      slice); walks the chunks with the state slice in registers, writes outputs, checkpoints,
 //      the final state and pool slots.
+//   With segments (heuristics/prefill.h prefill_segments), B is pass 1 over (segment, value head,
+//   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -22,6 +24,7 @@
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
+#include "cuda/prefill/segments.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -45,43 +48,70 @@ Status allow_smem(DeviceAttributes& d, KernelSlot slot, Kernel kernel, int bytes
 
 KernelSlot slot_of(KernelSlot f16, KernelSlot bf16, bool fp16) { return fp16 ? f16 : bf16; }
 
+// The recurrence kernel of a path (K split, wgmma, chunk 16, or mma.sync) and kSeg, with its
+// attribute slot.
+template <bool kFp16, bool kSeg>
+Status recurrence_for(const Params& p, DeviceAttributes& d, void (**kernel)(Params)) {
+  using S = KernelSlot;
+  int path;
+  S slot;
+  int max_smem = pf::recurrence_smem_bytes(pf::kHeadDim);
+  if (p.chunk16) {
+    *kernel = pf::recurrence_kernel<kFp16, false, true, true, kSeg>;
+    path = 3;
+    slot = slot_of(S::kRecurrence16F16, S::kRecurrence16Bf16, kFp16);
+    max_smem = pf::recurrence_smem_bytes16(pf::kHeadDim);
+  } else if (p.ksplit) {
+    *kernel = pf::recurrence_kernel<kFp16, true, false, false, kSeg>;
+    path = 1;
+    slot = slot_of(S::kRecurrenceKSplitF16, S::kRecurrenceKSplitBf16, kFp16);
+    max_smem = pf::recurrence_smem_bytes(32, true);
+  } else if (p.wgmma) {
+    *kernel = pf::recurrence_kernel<kFp16, false, true, false, kSeg>;
+    path = 2;
+    slot = slot_of(S::kRecurrenceWgmmaF16, S::kRecurrenceWgmmaBf16, kFp16);
+  } else {
+    *kernel = pf::recurrence_kernel<kFp16, false, false, false, kSeg>;
+    path = 0;
+    slot = slot_of(S::kRecurrenceMmaF16, S::kRecurrenceMmaBf16, kFp16);
+  }
+  if (kSeg) slot = static_cast<S>(static_cast<int>(S::kRecurrenceSeg) + 2 * path + (kFp16 ? 1 : 0));
+  // The limit is raised to the path's largest configuration once.
+  return allow_smem(d, slot, *kernel, max_smem);
+}
+
 template <bool kFp16>
 Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAttributes& d,
               cudaStream_t stream) {
   using S = KernelSlot;
-  if (prep_blocks > 0) {
-    auto* prep = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
-    const S slot = p.chunk16 ? slot_of(S::kPrepare16F16, S::kPrepare16Bf16, kFp16)
-                             : slot_of(S::kPrepareF16, S::kPrepareBf16, kFp16);
-    KDA_RETURN_IF_ERROR(allow_smem(d, slot, prep, pf::kPrepareSmemBytes));
-    KDA_CUDA_CHECK(launch_kernel(prep, dim3(static_cast<unsigned>(prep_blocks)),
-                                 dim3(pf::kPrepareThreads), pf::kPrepareSmemBytes, stream, p));
-  }
-  if (rec_blocks > 0 && p.chunk16) {
-    auto* kernel = pf::recurrence_kernel<kFp16, false, true, true>;
-    KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kRecurrence16F16, S::kRecurrence16Bf16, kFp16),
-                                   kernel, pf::recurrence_smem_bytes16(pf::kHeadDim)));
-    KDA_CUDA_CHECK(
-        launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
-                      dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, false))),
-                      pf::recurrence_smem_bytes16(p.vs), stream, p));
-    return Status::Ok();
-  }
-  if (rec_blocks > 0) {
-    // The limit is raised to the largest configuration (vs = 128; vs = 32 with the K split) once.
-    auto* kernel = p.ksplit  ? pf::recurrence_kernel<kFp16, true, false>
-                   : p.wgmma ? pf::recurrence_kernel<kFp16, false, true>
-                             : pf::recurrence_kernel<kFp16, false, false>;
-    const S slot = p.ksplit  ? slot_of(S::kRecurrenceKSplitF16, S::kRecurrenceKSplitBf16, kFp16)
-                   : p.wgmma ? slot_of(S::kRecurrenceWgmmaF16, S::kRecurrenceWgmmaBf16, kFp16)
-                             : slot_of(S::kRecurrenceMmaF16, S::kRecurrenceMmaBf16, kFp16);
-    const int max_smem =
-        p.ksplit ? pf::recurrence_smem_bytes(32, true) : pf::recurrence_smem_bytes(pf::kHeadDim);
-    KDA_RETURN_IF_ERROR(allow_smem(d, slot, kernel, max_smem));
-    KDA_CUDA_CHECK(
-        launch_kernel(kernel, dim3(static_cast<unsigned>(rec_blocks)),
-                      dim3(static_cast<unsigned>(32 * pf::recurrence_warps(p.vs, p.ksplit))),
-                      pf::recurrence_smem_bytes(p.vs, p.ksplit), stream, p));
+  pf::Launch plan[4];
+  const int count = pf::plan_launches(p, prep_blocks, rec_blocks, plan);
+  for (int i = 0; i < count; ++i) {
+    const pf::Launch& l = plan[i];
+    const dim3 grid(static_cast<unsigned>(l.blocks)), block(static_cast<unsigned>(l.threads));
+    void (*kernel)(Params) = nullptr;
+    Params pass = p;
+    switch (l.kernel) {
+      case pf::PrefillKernel::kPrepare:
+        kernel = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
+        KDA_RETURN_IF_ERROR(allow_smem(d,
+                                       p.chunk16 ? slot_of(S::kPrepare16F16, S::kPrepare16Bf16, kFp16)
+                                                 : slot_of(S::kPrepareF16, S::kPrepareBf16, kFp16),
+                                       kernel, pf::kPrepareSmemBytes));
+        break;
+      case pf::PrefillKernel::kRecurrence:
+        KDA_RETURN_IF_ERROR((recurrence_for<kFp16, false>(p, d, &kernel)));
+        break;
+      case pf::PrefillKernel::kSegmentPass1:
+      case pf::PrefillKernel::kSegmentPass2:
+        pass.seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1 ? 1 : 2;
+        KDA_RETURN_IF_ERROR((recurrence_for<kFp16, true>(p, d, &kernel)));
+        break;
+      case pf::PrefillKernel::kSegmentScan:
+        kernel = pf::segment_scan_kernel;
+        break;
+    }
+    KDA_CUDA_CHECK(launch_kernel(kernel, grid, block, static_cast<size_t>(l.smem), stream, pass));
   }
   return Status::Ok();
 }
@@ -91,7 +121,9 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
 Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
   *bytes = 0;
   KDA_RETURN_IF_ERROR(pf::check_supported(pr));
-  *bytes = pf::workspace_bytes(pr);
+  DeviceAttributes* d = nullptr;
+  KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &d));
+  *bytes = pf::workspace_bytes(pr, d->sms, detail::tuning());
   return Status::Ok();
 }
 
@@ -112,19 +144,18 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   KDA_RETURN_IF_ERROR(pf::check_supported(pr));
 
+  DeviceGuard guard(pr.q.device_index);
+  KDA_CUDA_CHECK(guard.status());
+  DeviceAttributes* d = nullptr;
+  KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &d));
   // Workspace: caller memory, at least workspace_bytes(); records start 128-byte aligned.
-  const size_t need = pf::workspace_bytes(pr);
+  const size_t need = pf::workspace_bytes(pr, d->sms, detail::tuning());
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace",
             "expected at least " + std::to_string(need) +
                 " bytes of device memory (kda::prefill_workspace_size), got " +
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
-
-  DeviceGuard guard(pr.q.device_index);
-  KDA_CUDA_CHECK(guard.status());
-  DeviceAttributes* d = nullptr;
-  KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &d));
   Params p;
   int64_t prep_blocks = 0, rec_blocks = 0;
   KDA_RETURN_IF_ERROR(

@@ -39,8 +39,10 @@
 
 namespace kda::cuda::pf {
 
-// kC16: the chunk-16 path: 16-token steps over 16-token records (wgmma only).
-template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false>
+// kC16: the chunk-16 path: 16-token steps over 16-token records (wgmma only). kSeg: a pass of the
+// segmented prefill (Params::seg_pass; segments.cuh), one block per (segment slot, value head,
+// value slice), pass 1 with twice the value slices (the second half: the transition's rows).
+template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false, bool kSeg = false>
 __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
   static_assert(!kC16 || kWgmma, "16-token steps run on wgmma");
@@ -61,12 +63,24 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   const int rg = kKSplit ? warp >> 1 : warp;  // 16-row group of S^T
   const int kh = kKSplit ? warp & 1 : 0;      // key half (K split)
   const int k0 = kh * (kNJ * 8);              // first key column held
-  const int slice = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.nslices));
-  const int64_t pair = blockIdx.x / static_cast<unsigned>(p.nslices);
+  const unsigned nsl = static_cast<unsigned>(kSeg && p.seg_pass == 1 ? 2 * p.nslices : p.nslices);
+  const int vslice = static_cast<int>(blockIdx.x % nsl);
+  const int slice = vslice % p.nslices;
+  const int64_t pair = blockIdx.x / nsl;
   const int hv = static_cast<int>(pair % p.HV);
-  const int64_t n =
-      p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
-  const SeqSpan sp = seq_span(p, n);
+  SegRole role;  // one segment per sequence unless kSeg
+  int64_t n;
+  SeqSpan sp;
+  if constexpr (kSeg) {
+    const SegTask task = seg_task(p, pair / p.HV);
+    role = segment_role(p, task, pair / p.HV, vslice >= p.nslices);
+    if (role.idle) return;
+    n = task.n;
+    sp = segment_span(p, task.seq, task.j);
+  } else {
+    n = p.order != nullptr ? p.order[pair / p.HV] : pair / p.HV;  // longest first (varlen)
+    sp = seq_span(p, n);
+  }
   const int64_t nchunks = (sp.len + kLc - 1) / kLc;
   const int vcol0 = slice * vs;    // first value column of this block
   const int vw = vcol0 + 16 * rg;  // first value row of S^T owned by this warp
@@ -92,7 +106,12 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   float accS[kNJ][4];
   int64_t slot = rules::kNoSlot;
   if (p.has_state_pool) slot = rules::pool_slot(p.state_indices.load(n), p.state_pool.rows);
-  if (slot >= 0) {
+  if (!role.first) {
+    if (role.from_start)
+      load_state(accS, p.seg_start, false, role.slot, hv, vw, k0, g, c);
+    else
+      init_segment_state(accS, role.trans, vw, k0, g, c);
+  } else if (slot >= 0) {
     load_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
   } else if (!p.has_state_pool && p.initial_state.data != nullptr) {
     load_state(accS, p.initial_state, p.kfirst, n, hv, vw, k0, g, c);
@@ -103,7 +122,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       for (int e = 0; e < 4; ++e) accS[j][e] = 0.f;
   }
   int64_t ck_lo = 0, ck_hi = 0;
-  if (p.checkpoint_every > 0) {
+  if (role.outputs && p.checkpoint_every > 0) {
     ck_lo = p.checkpoint_offsets.load(n);
     const int64_t hi = p.checkpoint_offsets.load(n + 1);
     ck_hi = hi < p.checkpoints.rows ? hi : p.checkpoints.rows;
@@ -181,7 +200,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     const uint16_t* vbase = static_cast<const uint16_t*>(p.v.data);
     for (int r = vr0; r < kLc; r += vrs) {
       const int64_t tl = ci * kLc + r;
-      const bool valid = tl < sp.len;
+      const bool valid = tl < sp.len && !role.trans;  // the transition's rows: zero values
       const int soff = vsoff0 + (r - vr0) * (vs * 2);
       const int64_t goff = valid ? voff0 + (tl - vr0) * p.v.s1 : 0;
       if (p.v.vec) {
@@ -401,7 +420,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     if constexpr (kKSplit) fence_proxy_async();
 
     // ---- Output: O^T -> this warp's tile [t][16] (stmatrix.trans) -> out, 32 bytes per token row.
-    {
+    if (role.outputs) {
       __syncwarp();  // the previous chunk's copy-out of this tile is done
       const uint32_t o_base = smem_addr(otile);
 #pragma unroll
@@ -460,8 +479,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
 
     // ---- Checkpoint: state after every ckpt_every tokens (only at full chunks).
-    if (p.checkpoint_every > 0 && L == kLc) {
-      const int64_t done = (ci + 1) * kLc;
+    if (role.outputs && p.checkpoint_every > 0 && L == kLc) {
+      const int64_t done = role.tok0 + (ci + 1) * kLc;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
         if (row >= 0 && row < ck_hi)
@@ -470,10 +489,15 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
   }
 
-  // ---- Final state.
-  if (!p.has_state_pool && p.final_state.data != nullptr)
-    store_state(accS, p.final_state, p.kfirst, n, hv, vw, k0, g, c);
-  if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
+  // ---- Final state (a segment's end state that is not the sequence's: to the workspace).
+  if (role.last) {
+    if (!p.has_state_pool && p.final_state.data != nullptr)
+      store_state(accS, p.final_state, p.kfirst, n, hv, vw, k0, g, c);
+    if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, hv, vw, k0, g, c);
+  } else if (role.end_row >= 0) {
+    store_state(accS, role.trans ? p.seg_trans : (role.first ? p.seg_start : p.seg_local), false,
+                role.end_row, hv, vw, k0, g, c);
+  }
 }
 
 }  // namespace kda::cuda::pf

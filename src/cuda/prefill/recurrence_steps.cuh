@@ -84,6 +84,18 @@ __device__ __forceinline__ void store_state(const float (&acc)[NJ][4], const Sta
           acc[j][e]);
 }
 
+// A segment's start from zero, or from the identity (the transition's rows: S^T[v][k] = [v == k]).
+template <int NJ>
+__device__ __forceinline__ void init_segment_state(float (&acc)[NJ][4], bool identity, int vw,
+                                                   int k0, int g, int c) {
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[j][e] =
+          identity && vw + g + 8 * (e >> 1) == k0 + 8 * j + 2 * c + (e & 1) ? 1.f : 0.f;
+}
+
 // K split: the warp of key half kh computes the outputs of token pairs (16 tokens each) {0, 3}
 // (kh = 0) or {1, 2} (kh = 1): 18 of the 36 triangular U^T Aqk^T mma each.
 __device__ __forceinline__ bool owns_token_pair(int jj, int kh) {
