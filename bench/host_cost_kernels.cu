@@ -1,6 +1,6 @@
 // host_cost_kernels.cu — empty kernels for bench_host_cost: the host cost of a bare launch, by
 // launch API, with and without the PDL attribute and with a parameter block of the size of the
-// library's kernel parameters (the prefill Params struct is 672 bytes, decode's 592).
+// library's kernel parameters (the prefill Params struct is 848 bytes, decode's 592).
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
@@ -93,7 +93,7 @@ const char* launch_name(Launch how) {
     case Launch::kExPdl:
       return "empty kernel LaunchKernelEx+PDL";
     case Launch::kExPdlParams:
-      return "empty kernel Ex+PDL, 672 B param";
+      return "empty kernel Ex+PDL, 848 B param";
     case Launch::kDriverPdl:
       return "empty kernel cuLaunchKernelEx+PDL";
   }

@@ -5,7 +5,7 @@
 
 namespace host_cost {
 
-constexpr int kParamBytes = 672;  // sizeof the prefill kernels' Params
+constexpr int kParamBytes = 848;  // sizeof the prefill kernels' Params
 
 enum class Launch {
   kChevron,      // empty_kernel<<<1, 32, 0, stream>>>() and cudaGetLastError()
