@@ -16,7 +16,6 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 
 from . import _C
-from .api import _num_sequences, _state_shape
 
 Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
@@ -114,10 +113,15 @@ def empty_state(q: Any, v: Any, initial_state: Any, cu_seqlens: Any, layout: Any
     extension reports them)."""
     if isinstance(initial_state, Tensor):
         return torch.empty_like(initial_state, memory_format=_contiguous)
-    shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, layout)
-    if shape is None:
+    try:
+        n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+        K, HV, V = q.shape[-1], v.shape[-2], v.shape[-1]
+    except (AttributeError, IndexError, TypeError):
         return None
-    return torch.empty(shape, dtype=torch.float32, device=q.device)
+    if not isinstance(n, int) or n < 0:
+        return None
+    return q.new_empty((n, HV, V, K) if layout != "k_first" else (n, HV, K, V),
+                       dtype=torch.float32)
 
 
 def dtype(name: Optional[str], like: torch.Tensor) -> torch.dtype:
