@@ -5,6 +5,8 @@ The workspace cache is exercised on the CPU through its functions (the stream lo
 capture check replaced); the CUDA end-to-end checks are in test_torch.py.
 """
 
+from contextlib import nullcontext
+
 import numpy as np
 import pytest
 
@@ -218,3 +220,21 @@ def test_read_prefill_and_read_decode_validate_and_write_nothing():
     dcall["state"] = pool[..., :16]  # K = 32
     with pytest.raises(ValueError, match="argument 'state'"):
         _C.read_decode(*[dcall[n] for n in _C.decode_arguments])
+
+
+def test_fwd_names_its_arguments_inside_another_callers_names():
+    """kda.fwd skips the name table when none is set, and inside another caller's table (a
+    wrapper of its own) still names its arguments as FlashKDA does."""
+    d = to_torch(make_prefill(seed=51, B=1, T=20, H=2, HV=2, gate="lower_bound"))
+    args, kw = split(d)
+    out = torch.empty_like(args[2])
+    bad_out = out[..., :16]
+    for outer in (None, {"q": "query", "out": "output"}):
+        ctx = kda.api.caller_names(outer) if outer else nullcontext()
+        with ctx, pytest.raises(ValueError, match="argument 'out'"):
+            kda.fwd(*args, None, bad_out, kw["A_log"], kw["dt_bias"], -5.0)
+        with ctx:
+            kda.fwd(*args, None, out, kw["A_log"], kw["dt_bias"], -5.0)
+        ref = kda.prefill(*args, A_log=kw["A_log"], dt_bias=kw["dt_bias"], gate="lower_bound",
+                          beta_logits=True)
+        assert torch.equal(out, ref)
