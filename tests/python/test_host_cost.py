@@ -238,3 +238,36 @@ def test_fwd_names_its_arguments_inside_another_callers_names():
         ref = kda.prefill(*args, A_log=kw["A_log"], dt_bias=kw["dt_bias"], gate="lower_bound",
                           beta_logits=True)
         assert torch.equal(out, ref)
+
+
+@pytest.mark.skipif(not (torch.cuda.is_available() and kda.cuda_available()),
+                    reason="needs torch with CUDA, a CUDA build of kda and an sm_90 GPU")
+def test_cuda_graph_capture_neither_takes_nor_keeps_a_workspace():
+    """A warm-up on a side stream keeps its workspace; the capture allocates its own from the
+    graph's pool and keeps none; replays match eager calls."""
+    d = to_torch(make_prefill(seed=52, B=1, T=130, H=2, HV=4, K=128, V=128, gate="lower_bound"),
+                 "cuda", torch.bfloat16)
+    args, kw = split(d)
+    out = torch.empty_like(args[2])
+    ops.release_workspaces()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        try:
+            kda.prefill(*args, **kw, out=out)
+        except NotImplementedError as e:
+            pytest.skip(f"CUDA prefill not available: {e}")
+    torch.cuda.current_stream().wait_stream(side)
+    kept = dict(ops._workspaces)
+    assert list(kept) == [(args[0].get_device(), side.cuda_stream)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):  # even on the warm-up's stream
+        kda.prefill(*args, **kw, out=out)
+    assert ops._workspaces.keys() == kept.keys()
+    assert all(ops._workspaces[k] is kept[k] for k in kept)
+    gen = torch.Generator(device="cuda").manual_seed(53)
+    for x in args[:3]:
+        x.copy_(torch.randn(x.shape, generator=gen, device="cuda", dtype=x.dtype))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, kda.prefill(*args, **kw))
