@@ -6,8 +6,16 @@
 // (1 x 1024 tokens, H = 4, K = V = 128, bf16, lower-bound gate, beta logits, fp32 initial and
 // final state) and B = 1, H = 32, K = V = 128 for decode (fp32 V-first pool of 2B slots): the
 // GPU queue never fills, so the figure is the host time per call. On the CPU the shapes are tiny
-// (1 x 16 tokens, H = 1, K = V = 32, one thread) and the figure includes the kernels' own time;
-// kda::validate alone is timed as well. Only the public header is used.
+// (1 x 16 tokens, H = 1, K = V = 32, one thread) and the figure includes the kernels' own time.
+// Only the public header is used (and, on CUDA, the empty kernels of host_cost_kernels.cu).
+//
+// The breakdown, one row each: kda::validate alone; on CUDA, a bare launch of an empty kernel
+// with <<<>>>, with cudaLaunchKernelEx, with the PDL attribute (as the library launches), with
+// an 848-byte parameter block (the size of the prefill's Params), and with the driver's
+// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (two launches, four when the
+// sequence is split into segments) and kda::decode (one). The launches and calls run on a stream of
+// the benchmark's own (non-blocking) and on the legacy default stream, which is torch's default
+// current stream. The table comes last, after its JSON.
 //
 // Usage: bench_host_cost [--cpu] [--T n] [--H n] [--K n] [--decode-B n] [--decode-H n]
 //                        [--calls n] [--repeats n] [--threads n] [--json path]
@@ -24,6 +32,8 @@
 
 #ifdef KDA_BENCH_CUDA
 #include <cuda_runtime.h>
+
+#include "host_cost_kernels.h"
 #endif
 
 using namespace kda;
@@ -223,38 +233,63 @@ int main(int argc, char** argv) {
   d.exec.stream = stream;
   d.exec.num_threads = o.threads;
 
+  // Rows: the bare launches (CUDA), the validation alone, the whole calls; the launches and the
+  // calls on the benchmark's own non-blocking stream and on the legacy default stream (what
+  // torch's default current stream is).
   struct Row {
-    const char* call;
+    std::string call, stream;
     double us;
   };
-  std::vector<Row> rows = {
-      {"kda::validate(PrefillParams)", time_calls(
-                                           o, [&] { return validate(p); }, [] {})},
-      {"kda::prefill", time_calls(
-                           o, [&] { return prefill(p); }, sync)},
-      {"kda::validate(DecodeParams)", time_calls(
-                                          o, [&] { return validate(d); }, [] {})},
-      {"kda::decode", time_calls(
-                          o, [&] { return decode(d); }, sync)},
+  std::vector<Row> rows;
+  auto add = [&](const std::string& call, const char* where, const std::function<Status()>& fn,
+                 const std::function<void()>& wait) {
+    rows.push_back({call, where, time_calls(o, fn, wait)});
   };
+  add(
+      "kda::validate(PrefillParams)", "-", [&] { return validate(p); }, [] {});
+  add(
+      "kda::validate(DecodeParams)", "-", [&] { return validate(d); }, [] {});
+  struct Where {
+    const char* name;
+    void* stream;
+  };
+  std::vector<Where> streams = {{cuda ? "own" : "-", stream}};
+  if (cuda) streams.push_back({"legacy", nullptr});
+  for (const Where& w : streams) {
+    std::function<void()> wait = sync;
+#ifdef KDA_BENCH_CUDA
+    cudaStream_t here = static_cast<cudaStream_t>(w.stream);
+    if (cuda) wait = [here] { cudaStreamSynchronize(here); };
+    for (int l = 0; cuda && l < host_cost::kNumLaunches; ++l) {
+      const auto how = static_cast<host_cost::Launch>(l);
+      add(
+          host_cost::launch_name(how), w.name,
+          [how, here] {
+            const cudaError_t e = host_cost::launch_empty(how, here);
+            return e == cudaSuccess ? Status::Ok()
+                                    : Status(StatusCode::kCudaError, cudaGetErrorString(e));
+          },
+          wait);
+    }
+#endif
+    p.exec.stream = d.exec.stream = w.stream;
+    add(
+        "kda::prefill", w.name, [&] { return prefill(p); }, wait);
+    add(
+        "kda::decode", w.name, [&] { return decode(d); }, wait);
+  }
 #ifdef KDA_BENCH_CUDA
   if (cs != nullptr) cudaStreamDestroy(cs);
 #endif
 
-  std::printf(
-      "host cost per call (%s, %s, %d calls, median of %d); prefill 1 x %lld, H = %lld, "
-      "K = V = %lld; decode B = %lld, H = %lld, K = V = %lld\n",
-      cuda ? "cuda" : "cpu", dtype_name(dt), o.calls, o.repeats, (long long)o.T, (long long)o.H,
-      (long long)K, (long long)B, (long long)HD, (long long)K);
-  std::printf("%-32s %10s\n", "call", "us/call");
-  for (const Row& r : rows) std::printf("%-32s %10.2f\n", r.call, r.us);
   std::string j = std::string("{\"device\": \"") + (cuda ? "cuda" : "cpu") +
                   "\", \"calls\": " + std::to_string(o.calls) +
                   ", \"repeats\": " + std::to_string(o.repeats) + ", \"results\": [";
   for (size_t i = 0; i < rows.size(); ++i) {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%s{\"call\": \"%s\", \"us_per_call\": %.3f}", i ? ", " : "",
-                  rows[i].call, rows[i].us);
+    char buf[200];
+    std::snprintf(buf, sizeof buf,
+                  "%s{\"call\": \"%s\", \"stream\": \"%s\", \"us_per_call\": %.3f}", i ? ", " : "",
+                  rows[i].call.c_str(), rows[i].stream.c_str(), rows[i].us);
     j += buf;
   }
   j += "]}";
@@ -266,5 +301,13 @@ int main(int argc, char** argv) {
     std::fprintf(f, "%s\n", j.c_str());
     std::fclose(f);
   }
+  std::printf(
+      "host cost per call (%s, %s, %d calls, median of %d); prefill 1 x %lld, H = %lld, "
+      "K = V = %lld (2-4 launches on CUDA); decode B = %lld, H = %lld, K = V = %lld\n",
+      cuda ? "cuda" : "cpu", dtype_name(dt), o.calls, o.repeats, (long long)o.T, (long long)o.H,
+      (long long)K, (long long)B, (long long)HD, (long long)K);
+  std::printf("%-34s %-7s %10s\n", "call", "stream", "us/call");
+  for (const Row& r : rows)
+    std::printf("%-34s %-7s %10.2f\n", r.call.c_str(), r.stream.c_str(), r.us);
   return 0;
 }

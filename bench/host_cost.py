@@ -1,7 +1,10 @@
 """Host cost of one call from Python: wall time of back-to-back calls, no synchronization.
 
-Prints microseconds per call for kda.prefill, kda.fwd and kda.decode, and for FLA's chunk_kda /
-fused_recurrent_kda_fwd and FlashKDA's fwd when they are importable, as a table and as JSON.
+Prints microseconds per call for kda.prefill, kda.fwd and kda.decode (on CUDA also on a side
+stream), for the parts of one call (an output allocation, the stream lookup, a no-op extension
+call, the extension's argument reading and validation alone, the extension call with everything
+preallocated), and for FLA's chunk_kda / fused_recurrent_kda_fwd and FlashKDA's fwd when they are
+importable; as JSON, then as a table.
 
 Protocol (targets.md, "Host cost of one call"): warm up, then time `--calls` calls in a row without
 synchronizing and divide by the number of calls; repeat `--repeats` times and report the median.
@@ -89,6 +92,65 @@ def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, C
     return {"kda.prefill": prefill, "kda.fwd": fwd, "kda.decode": decode}
 
 
+def breakdown_calls(p: Dict[str, Any], d: Dict[str, Any],
+                    threads: int) -> Dict[str, Callable[[], Any]]:
+    """The parts of one call: an output allocation, the stream lookup, a no-op extension call,
+    the extension's argument reading and validation alone (validate_*), and the extension call
+    with every output and the workspace preallocated (_C.prefill / _C.decode)."""
+    from kda import _C, _torch_ops
+
+    q, v = p["q"], p["v"]
+    cuda = q.is_cuda
+    stream = _torch_ops.stream(q) if cuda else 0
+    out, ht, dout = torch.empty_like(v), torch.empty_like(p["h0"]), torch.empty_like(d["v"])
+    pre = dict(q=q, k=p["k"], v=v, g=p["g"], beta=p["beta"], A_log=p["A_log"],
+               dt_bias=p["dt_bias"], cu_seqlens=None, out=out, initial_state=p["h0"],
+               final_state=ht, state_pool=None, state_indices=None, checkpoints=None,
+               checkpoint_offsets=None, workspace=None, checkpoint_every=0, check_indices=False,
+               state_layout="v_first", use_qk_l2norm=True, scale=None, gate="lower_bound",
+               lower_bound=-5.0, beta_logits=True, allow_neg_eigval=False, backend="auto",
+               num_threads=threads, stream=stream,
+               allocate=_torch_ops.allocate_workspace if cuda else None, names=None)
+    pre["workspace"] = _C.prefill(*[pre[n] for n in _C.prefill_arguments])
+    pre["allocate"] = None
+    pre_args = tuple(pre[n] for n in _C.prefill_arguments)
+    dec = dict(q=d["q"], k=d["k"], v=d["v"], g=d["g"], beta=d["beta"], A_log=d["A_log"],
+               dt_bias=d["dt_bias"], cu_seqlens=None, out=dout, state=d["pool"],
+               state_indices=d["slots"], num_accepted_tokens=None, final_state=None,
+               intermediate_states=None, use_initial_state=True, store_final_state=True,
+               check_indices=False, state_layout="v_first", use_qk_l2norm=True, scale=None,
+               gate="softplus", lower_bound=-5.0, beta_logits=True, allow_neg_eigval=False,
+               backend="auto", num_threads=threads, stream=stream, names=None)
+    dec_args = tuple(dec[n] for n in _C.decode_arguments)
+    shape = tuple(v.shape)
+    calls: Dict[str, Callable[[], Any]] = {
+        "torch.empty(out shape)": lambda: torch.empty(shape, dtype=q.dtype, device=q.device),
+        "torch.empty_like(v) (as kda)": lambda: torch.empty_like(
+            v, dtype=q.dtype, memory_format=torch.contiguous_format),
+        "no-op extension call": _C.cuda_compiled,
+        "_C.read_prefill (read, validate)": lambda: _C.read_prefill(*pre_args),
+        "_C.prefill (all preallocated)": lambda: _C.prefill(*pre_args),
+        "_C.read_decode (read, validate)": lambda: _C.read_decode(*dec_args),
+        "_C.decode (out preallocated)": lambda: _C.decode(*dec_args),
+    }
+    if cuda:
+        calls["stream lookup (raw)"] = lambda: _torch_ops.stream(q)
+        calls["torch.cuda.current_stream()"] = torch.cuda.current_stream
+    return calls
+
+
+def side_stream_calls(calls: Dict[str, Callable[[], Any]]) -> Dict[str, Callable[[], Any]]:
+    """kda's calls again on a side stream (torch.cuda.Stream) instead of the legacy default one."""
+    side = torch.cuda.Stream()
+
+    def on_side(fn: Callable[[], Any]) -> Callable[[], Any]:
+        def call() -> Any:
+            with torch.cuda.stream(side):
+                return fn()
+        return call
+    return {f"{name} (side stream)": on_side(fn) for name, fn in calls.items()}
+
+
 def peer_calls(p: Dict[str, Any], d: Dict[str, Any]) -> Dict[str, Callable[[], Any]]:
     """FLA's and FlashKDA's entries on the same inputs, where importable (CUDA only)."""
     calls: Dict[str, Callable[[], Any]] = {}
@@ -156,7 +218,11 @@ def main() -> None:
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     p = prefill_inputs(dev, a.T, a.H, a.K, a.K, dtype)
     d = decode_inputs(dev, a.decode_B, a.decode_H, a.K, dtype)
-    calls = {**kda_calls(p, d, a.threads), **peer_calls(p, d)}
+    kda_fns = kda_calls(p, d, a.threads)
+    calls = {**breakdown_calls(p, d, a.threads), **kda_fns}
+    if cuda:
+        calls.update(side_stream_calls(kda_fns))
+    calls.update(peer_calls(p, d))
 
     rows: List[Dict[str, Any]] = []
     for name, fn in calls.items():
@@ -169,18 +235,18 @@ def main() -> None:
 
     shapes = {"prefill": f"1 x {a.T}, H = {a.H}, K = V = {a.K}",
               "decode": f"B = {a.decode_B}, H = {a.decode_H}, K = V = {a.K}"}
-    print(f"host cost per call ({dev}, {str(dtype).split('.')[-1]}, {a.calls} calls, median of "
-          f"{a.repeats}); prefill {shapes['prefill']}; decode {shapes['decode']}")
-    print(f"{'call':<32} {'us/call':>10}")
-    for r in rows:
-        fig = f"{r['us_per_call']:.2f}" if r["us_per_call"] is not None else "error"
-        print(f"{r['call']:<32} {fig:>10}" + (f"  ({r['error'][:60]})" if "error" in r else ""))
     doc = {"device": torch.cuda.get_device_name() if cuda else "cpu", "dtype": str(dtype),
            "calls": a.calls, "repeats": a.repeats, "shapes": shapes, "results": rows}
     print(json.dumps(doc))
     if a.json:
         with open(a.json, "w") as f:
             json.dump(doc, f, indent=1)
+    print(f"host cost per call ({dev}, {str(dtype).split('.')[-1]}, {a.calls} calls, median of "
+          f"{a.repeats}); prefill {shapes['prefill']}; decode {shapes['decode']}")
+    print(f"{'call':<44} {'us/call':>10}")
+    for r in rows:
+        fig = f"{r['us_per_call']:.2f}" if r["us_per_call"] is not None else "error"
+        print(f"{r['call']:<44} {fig:>10}" + (f"  ({r['error'][:60]})" if "error" in r else ""))
 
 
 if __name__ == "__main__":

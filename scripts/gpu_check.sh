@@ -192,15 +192,18 @@ fi
 if has hostcost; then
   # Host time of one call (targets.md "Host cost of one call"): the C++ API and Python with torch
   # CUDA tensors (kda, and FLA / FlashKDA where importable: carry .whl for FLA).
+  # Both print a breakdown table last (bare launches, validation, argument reading, allocation,
+  # streams); the summary keeps the whole calls.
   [ -x ./$B/bench/bench_host_cost ] && timeout 120 ./$B/bench/bench_host_cost >"$OUT/host_cost_cpp.log" 2>&1
-  note "host cost, C++ rc=$?: $(grep -E 'prefill|decode' "$OUT/host_cost_cpp.log" 2>/dev/null | tr -s ' ' | tr '\n' ';')"
-  PYTHONPATH=$site timeout 180 python3 bench/host_cost.py >"$OUT/host_cost_py.log" 2>&1
-  note "host cost, Python rc=$?"
+  note "host cost, C++ rc=$?: $(grep -E '^kda::(prefill|decode) ' "$OUT/host_cost_cpp.log" 2>/dev/null | tr -s ' ' | tr '\n' ';')"
+  PYTHONPATH=$site timeout 240 python3 bench/host_cost.py >"$OUT/host_cost_py.log" 2>&1
+  note "host cost, Python rc=$?: $(grep -E '^kda\.(prefill|fwd|decode) ' "$OUT/host_cost_py.log" 2>/dev/null | tr -s ' ' | tr '\n' ';')"
 fi
 
 echo
 for f in bench_decode bench_prefill fla_decode fla_prefill host_cost_cpp host_cost_py; do
-  [ -f "$OUT/$f.log" ] && { echo "---- $f"; tail -14 "$OUT/$f.log"; }
+  n=14; [[ $f == host_cost_* ]] && n=24  # the breakdown tables
+  [ -f "$OUT/$f.log" ] && { echo "---- $f"; tail -$n "$OUT/$f.log"; }
 done
 echo "---- summary"
 printf '%s\n' "${summary[@]}"

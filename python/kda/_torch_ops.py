@@ -11,7 +11,7 @@ op with declared mutations, and CUDA-graph capture records the kernel launches o
 stream. The ops run the same extension call as eager mode.
 """
 
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 
@@ -46,11 +46,82 @@ def allocate_workspace(nbytes: int, index: int) -> torch.Tensor:
     return torch.empty((nbytes + 7) // 8, dtype=torch.int64, device=dev)
 
 
-def cuda_call(q: torch.Tensor) -> tuple:
-    """(stream, allocate) for a call on `q`'s device."""
-    if q.is_cuda:
-        return stream(q), allocate_workspace
-    return 0, None
+# Workspaces kept between eager CUDA prefill calls, {(device index, stream address): int64
+# tensor}. A call on the same device and stream reuses the last one (the stream orders the calls,
+# so they never overlap), which saves an allocation per call once warm. A call takes its entry out
+# while it runs (a concurrent call on the same stream then allocates its own) and puts back the
+# larger of the two. Nothing is kept of more than WORKSPACE_KEEP_BYTES, for more than
+# _WORKSPACE_STREAMS streams, or while the current stream captures a CUDA graph (a captured
+# workspace belongs to the graph's memory pool); release_workspaces() drops them all.
+WORKSPACE_KEEP_BYTES = 64 << 20
+_WORKSPACE_STREAMS = 8
+_workspaces: Dict[Tuple[int, int], torch.Tensor] = {}
+_capturing = getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) or (lambda: False)
+
+
+def prefill_device(q: torch.Tensor, workspace: OptTensor) -> tuple:
+    """(stream, workspace, allocate, key) of a prefill on `q`'s CUDA device: torch's current
+    stream, the caller's workspace or the one kept for this device and stream (None: allocated
+    through `allocate` when the call needs one), and the key to keep it under after the call
+    (None: keep nothing)."""
+    index = q.get_device()
+    s = int(_raw_stream(index)) if _raw_stream is not None else stream(q)
+    if workspace is not None or _capturing():
+        return s, workspace, allocate_workspace, None
+    key = (index, s)
+    return s, take_workspace(key), allocate_workspace, key
+
+
+def take_workspace(key: Tuple[int, int]) -> OptTensor:
+    """The workspace kept for (device index, stream), removed from the cache, or None."""
+    return _workspaces.pop(key, None)
+
+
+def keep_workspace(key: Tuple[int, int], used: OptTensor, allocated: OptTensor) -> None:
+    """Keeps the workspace of a call for the next call on its device and stream: the one the
+    extension `allocated` for it, else the one it `used`."""
+    ws = allocated if allocated is not None else used
+    if ws is None or ws.numel() * ws.element_size() > WORKSPACE_KEEP_BYTES:
+        return
+    held = _workspaces.get(key)
+    if held is not None and held.numel() >= ws.numel():
+        return
+    if held is None and len(_workspaces) >= _WORKSPACE_STREAMS:
+        del _workspaces[next(iter(_workspaces))]  # the oldest entry
+    _workspaces[key] = ws
+
+
+def release_workspaces() -> None:
+    """Drops every kept workspace (their memory returns to torch's caching allocator)."""
+    _workspaces.clear()
+
+
+_contiguous = torch.contiguous_format
+
+
+def empty_out(v: Any, dt: torch.dtype) -> Any:
+    """The output [B, T, HV, V] of dtype `dt`, like v (on v's device: a v on another device than
+    q is reported before out); None when v is not a tensor (the extension reports it)."""
+    if isinstance(v, Tensor):
+        return torch.empty_like(v, dtype=dt, memory_format=_contiguous)
+    return None
+
+
+def empty_state(q: Any, v: Any, initial_state: Any, cu_seqlens: Any, layout: Any) -> Any:
+    """The final state of a prefill: initial_state's shape and dtype (it is validated before the
+    final state), else [N, HV, V, K] (or K-first) fp32; None when q or v is malformed (the
+    extension reports them)."""
+    if isinstance(initial_state, Tensor):
+        return torch.empty_like(initial_state, memory_format=_contiguous)
+    try:
+        n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
+        K, HV, V = q.shape[-1], v.shape[-2], v.shape[-1]
+    except (AttributeError, IndexError, TypeError):
+        return None
+    if not isinstance(n, int) or n < 0:
+        return None
+    return q.new_empty((n, HV, V, K) if layout != "k_first" else (n, HV, K, V),
+                       dtype=torch.float32)
 
 
 def dtype(name: Optional[str], like: torch.Tensor) -> torch.dtype:
@@ -66,12 +137,16 @@ def _prefill_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out:
                   use_qk_l2norm: bool, scale: Optional[float], gate: str, lower_bound: float,
                   beta_logits: bool, allow_neg_eigval: bool, backend: str,
                   num_threads: int) -> None:
-    s, allocate = cuda_call(q)
-    _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
-               state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
-               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
-               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, s, allocate,
-               None)
+    s, allocate, key = 0, None, None
+    if q.is_cuda:
+        s, workspace, allocate, key = prefill_device(q, workspace)
+    allocated = _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state,
+                           final_state, state_pool, state_indices, checkpoints,
+                           checkpoint_offsets, workspace, checkpoint_every, check_indices,
+                           state_layout, use_qk_l2norm, scale, gate, lower_bound, beta_logits,
+                           allow_neg_eigval, backend, num_threads, s, allocate, None)
+    if key is not None:
+        keep_workspace(key, workspace, allocated)
 
 
 def _decode_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, out: Tensor,

@@ -93,17 +93,11 @@ def _num_sequences(q: Any, cu_seqlens: Any) -> int:
         return -1
 
 
-def _device_call(q: Any, torch: bool) -> Tuple[int, Any]:
-    """(stream, workspace allocator) of a call on q's device: torch's current stream and caching
-    allocator, the current stream of another CUDA array library, or (0, None) on the CPU."""
-    if torch:
-        return _TORCH_OPS.cuda_call(q)
-    if not _arrays.on_cuda(q):
-        return 0, None
-
+def _array_workspace(q: Any) -> Any:
+    """The workspace allocator of a CUDA prefill on arrays of another library than torch."""
     def allocate(nbytes: int, index: int) -> Any:
         return _arrays.empty(q, (nbytes,), "uint8", "workspace")
-    return _arrays.current_stream(q), allocate
+    return allocate
 
 
 # ---------------------------------------------------------------------------------------------
@@ -178,7 +172,7 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     """
     torch = _arrays.is_torch(q)
     if torch:
-        ops = _torch_module()
+        ops = _TORCH_OPS if _TORCH_OPS is not None else _torch_module()
         if ops.compiling():  # traced by torch.compile: straight to the op
             arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,
@@ -203,34 +197,37 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
         raise ValueError(f"argument '{_name('output_final_state', names)}': expected False in "
                          "pool mode (state_pool is updated in place through state_indices)")
     want_final = allocate_final or final_state is not None
-    if out is None and hasattr(v, "shape") and _arrays.is_array(q):
-        out = (_torch_empty(q, v.shape, q.dtype) if torch
-               else _arrays.empty(q, tuple(v.shape), None, _name("out", names)))
-    if allocate_final and _arrays.is_array(q):
-        shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, state_layout)
-        if shape is not None:  # fp32, or initial_state's dtype (a non-array: the extension
-            h0 = initial_state if _arrays.is_array(initial_state) else None  # reports it)
-            if torch:
-                final_state = _torch_empty(q, shape, _TORCH_OPS.torch.float32
-                                          if not _arrays.is_torch(h0) else h0.dtype)
-            else:
+    if torch:
+        if out is None:
+            out = ops.empty_out(v, q.dtype)
+        if allocate_final:  # initial_state's shape and dtype, else [N, HV, ...] fp32
+            final_state = ops.empty_state(q, v, initial_state, cu_seqlens, state_layout)
+    else:
+        if out is None and hasattr(v, "shape") and _arrays.is_array(q):
+            out = _arrays.empty(q, tuple(v.shape), None, _name("out", names))
+        if allocate_final and _arrays.is_array(q):
+            shape = _state_shape(_num_sequences(q, cu_seqlens), q, v, state_layout)
+            if shape is not None:  # fp32, or initial_state's dtype (a non-array: the extension
+                h0 = initial_state if _arrays.is_array(initial_state) else None  # reports it)
                 dt = "fp32" if h0 is None else _arrays.dtype_name(h0)
                 final_state = _arrays.empty(q, shape, dt, _name("final_state", names))
     if (checkpoints is not None and checkpoint_offsets is None
             and isinstance(checkpoint_every, int) and checkpoint_every > 0):
         checkpoint_offsets = _host_checkpoint_offsets(q, cu_seqlens, checkpoint_every)
-    stream, allocate = _device_call(q, torch) if torch or _arrays.is_array(q) else (0, None)
-    _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state, final_state,
-               state_pool, state_indices, checkpoints, checkpoint_offsets, workspace,
-               checkpoint_every, check_indices, state_layout, use_qk_l2norm, scale, gate,
-               lower_bound, beta_logits, allow_neg_eigval, backend, num_threads, stream, allocate,
-               names)
+    stream, allocate, key = 0, None, None
+    if torch:
+        if q.is_cuda:  # torch's stream and allocator; the workspace kept from the last call
+            stream, workspace, allocate, key = ops.prefill_device(q, workspace)
+    elif _arrays.is_array(q) and _arrays.on_cuda(q):
+        stream, allocate = _arrays.current_stream(q), _array_workspace(q)
+    allocated = _C.prefill(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, initial_state,
+                           final_state, state_pool, state_indices, checkpoints,
+                           checkpoint_offsets, workspace, checkpoint_every, check_indices,
+                           state_layout, use_qk_l2norm, scale, gate, lower_bound, beta_logits,
+                           allow_neg_eigval, backend, num_threads, stream, allocate, names)
+    if key is not None:
+        ops.keep_workspace(key, workspace, allocated)
     return (out, final_state) if want_final else out
-
-
-def _torch_empty(like: Any, shape: Any, dtype: Any) -> Any:
-    """torch.empty(shape) of `dtype` on `like`'s device."""
-    return _TORCH_OPS.torch.empty(shape, dtype=dtype, device=like.device)
 
 
 def _host_checkpoint_offsets(q: Any, cu_seqlens: Any, every: int) -> Any:
@@ -300,7 +297,7 @@ def decode(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
     """
     torch = _arrays.is_torch(q)
     if torch:
-        ops = _torch_module()
+        ops = _TORCH_OPS if _TORCH_OPS is not None else _torch_module()
         if ops.compiling():  # traced by torch.compile: straight to the op
             arrays = dict(q=q, k=k, v=v, g=g, beta=beta, state=state, A_log=A_log,
                           dt_bias=dt_bias, cu_seqlens=cu_seqlens, state_indices=state_indices,
@@ -318,16 +315,17 @@ def decode(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
     odt = (None if out_dtype is None
            else _arrays.canonical_dtype(out_dtype, _name("out_dtype", names)))
     if out is None:
-        if hasattr(v, "shape") and _arrays.is_array(q):
-            out = (_torch_empty(q, v.shape, _TORCH_OPS.dtype(odt, q)) if torch
-                   else _arrays.empty(q, tuple(v.shape), odt, _name("out", names)))
+        if torch:
+            out = ops.empty_out(v, ops.dtype(odt, q))
+        elif hasattr(v, "shape") and _arrays.is_array(q):
+            out = _arrays.empty(q, tuple(v.shape), odt, _name("out", names))
     elif odt is not None and _arrays.dtype_name(out) != odt:
         raise ValueError(f"argument '{_name('out_dtype', names)}': expected "
                          f"{_arrays.dtype_name(out)} (as out) or None, got {out_dtype!r}")
     stream = 0
     if torch:
         if q.is_cuda:
-            stream = _TORCH_OPS.stream(q)
+            stream = ops.stream(q)
     elif _arrays.is_array(q) and _arrays.on_cuda(q):
         stream = _arrays.current_stream(q)
     _C.decode(q, k, v, g, beta, A_log, dt_bias, cu_seqlens, out, state, state_indices,

@@ -9,7 +9,7 @@ docstring.
 from typing import Any, Optional, Tuple, Union
 
 from . import _arrays
-from .api import Array, caller_names, decode, prefill
+from .api import NAMES, Array, caller_names, decode, prefill
 
 __all__ = ["chunk_kda", "fwd", "gated_delta_rule_decode"]
 
@@ -57,14 +57,17 @@ def fwd(q: Array, k: Array, v: Array, g: Array, beta: Array, scale: Optional[flo
     workspace is allocated per call on CUDA (torch's caching allocator); ``lower_bound = 0`` is
     rejected (the contract is ``[-5, 0)``).
     """
-    with caller_names({}):
-        if not _arrays.is_array(out):
-            raise TypeError("argument 'out': expected a preallocated array [B, T, H, V], got "
-                            f"{type(out).__name__}")
-        prefill(q, k, v, g, beta, A_log=A_log, dt_bias=_dt_bias_2d(dt_bias, q, v),
-                cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=True, gate="lower_bound",
-                lower_bound=lower_bound, beta_logits=True, initial_state=initial_state,
-                final_state=final_state, out=out, state_layout="v_first")
+    if NAMES.get() is not None:  # inside another caller's names: the API's own names here
+        with caller_names({}):
+            return fwd(q, k, v, g, beta, scale, out, A_log, dt_bias, lower_bound, initial_state,
+                       final_state, cu_seqlens)
+    if not _arrays.is_array(out):
+        raise TypeError("argument 'out': expected a preallocated array [B, T, H, V], got "
+                        f"{type(out).__name__}")
+    prefill(q, k, v, g, beta, A_log=A_log, dt_bias=_dt_bias_2d(dt_bias, q, v),
+            cu_seqlens=cu_seqlens, scale=scale, use_qk_l2norm=True, gate="lower_bound",
+            lower_bound=lower_bound, beta_logits=True, initial_state=initial_state,
+            final_state=final_state, out=out, state_layout="v_first")
     return None
 
 

@@ -8,6 +8,8 @@
 //             when the call needs device workspace that `workspace` does not provide;
 //   names     None, or a dict {argument: the caller's name for it} applied to every message.
 // Each call validates once (in kda::prefill / kda::decode) and releases the GIL while it runs.
+// read_prefill() / read_decode() take the same arguments and stop after the validation:
+// the host cost of reading the arguments, without the run.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/vector.h>
@@ -62,14 +64,17 @@ class Args {
                             std::to_string(PyTuple_GET_SIZE(args.ptr())))
                                .c_str());
   }
+  // (The names are literals of this file, which the compiler merges: the pointers compare equal
+  // and strcmp runs only for a name at the wrong position.)
   nb::handle next(const char* name) {
-    if (next_ >= N || std::strcmp(names_[next_], name) != 0)
+    if (next_ >= N || (names_[next_] != name && std::strcmp(names_[next_], name) != 0))
       throw nb::type_error((std::string("kda._C: argument '") + name + "' out of order").c_str());
     return PyTuple_GET_ITEM(args_.ptr(), next_++);
   }
   nb::handle find(const char* name) const {
-    for (size_t i = 0; i < N; ++i)
-      if (std::strcmp(names_[i], name) == 0) return PyTuple_GET_ITEM(args_.ptr(), i);
+    for (size_t i = N; i-- > 0;)  // from the end: "names" is the last argument
+      if (names_[i] == name || std::strcmp(names_[i], name) == 0)
+        return PyTuple_GET_ITEM(args_.ptr(), i);
     throw nb::type_error((std::string("kda._C: no argument '") + name + "'").c_str());
   }
 
@@ -155,7 +160,11 @@ Status without_gil(Op&& op) {
   return op();
 }
 
-void run_prefill(const nb::args& args) {
+// kRun: kda::prefill; else only kda::validate (the host-cost benchmark's split of one call).
+// Returns the workspace array allocated for the call, or None, so that the caller can keep it
+// for its next call on the same stream.
+template <bool kRun>
+nb::object run_prefill(const nb::args& args) {
   Args<std::size(kPrefillArguments)> c(args, kPrefillArguments, "prefill");
   Reader r(c.find("names"));
   PrefillParams p;
@@ -181,7 +190,7 @@ void run_prefill(const nb::args& args) {
     p.exec.allocate_workspace = allocate_workspace;
     p.exec.allocate_context = &alloc;
   }
-  const Status s = without_gil([&] { return kda::prefill(p); });
+  const Status s = without_gil([&] { return kRun ? kda::prefill(p) : kda::validate(p); });
   if (!alloc.error.empty()) {
     const std::string msg = "argument '" + r.name("workspace") +
                             "': allocating the device workspace failed: " + alloc.error;
@@ -189,8 +198,11 @@ void run_prefill(const nb::args& args) {
     throw nb::python_error();
   }
   if (!s.ok()) r.raise(s);
+  return alloc.array.is_valid() ? std::move(alloc.array) : nb::none();
 }
 
+// kRun: kda::decode; else only kda::validate.
+template <bool kRun>
 void run_decode(const nb::args& args) {
   Args<std::size(kDecodeArguments)> c(args, kDecodeArguments, "decode");
   Reader r(c.find("names"));
@@ -212,7 +224,7 @@ void run_decode(const nb::args& args) {
       r.choice("state_layout", c.next("state_layout"), state_layout_name, kNumStateLayouts);
   read_math(c, r, &p.math);
   read_exec(c, r, &p.exec);
-  const Status s = without_gil([&] { return kda::decode(p); });
+  const Status s = without_gil([&] { return kRun ? kda::decode(p) : kda::validate(p); });
   if (!s.ok()) r.raise(s);
 }
 
@@ -263,12 +275,16 @@ NB_MODULE(_C, m) {
   m.attr("decode_arguments") = kp::names_tuple(kp::kDecodeArguments);
   m.attr("enum_values") = kp::enum_values();
 
-  m.def("prefill", &kp::run_prefill,
+  m.def("prefill", &kp::run_prefill<true>,
         "kda::prefill over the arguments of prefill_arguments, positionally (writes out and the "
-        "states in place).");
-  m.def("decode", &kp::run_decode,
+        "states in place); returns the workspace array allocated for the call, or None.");
+  m.def("decode", &kp::run_decode<true>,
         "kda::decode over the arguments of decode_arguments, positionally (writes out and the "
         "state in place).");
+  m.def("read_prefill", &kp::run_prefill<false>,
+        "prefill's argument reading and kda::validate only: writes nothing, launches nothing.");
+  m.def("read_decode", &kp::run_decode<false>,
+        "decode's argument reading and kda::validate only: writes nothing, launches nothing.");
   m.def("register_torch", &kp::register_torch, "tensor_type"_a, "dtypes"_a,
         "Registers torch.Tensor and (fp32, fp16, bf16, int32, int64) for reading tensors "
         "without DLPack.");

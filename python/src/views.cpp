@@ -20,15 +20,36 @@ std::string py_str(nb::handle obj) {
   return r;
 }
 
-// torch.Tensor, its dtypes in kda::DType code order, and the attribute names read per tensor;
-// set once by register_torch and kept for the life of the process.
+// One attribute of torch.Tensor read per tensor: its name and its descriptor on the type (a
+// getset descriptor for properties, a method descriptor for methods), or nullptr when the type
+// does not hold a descriptor of that kind (then only the name is used).
+struct Attribute {
+  PyObject* name = nullptr;
+  PyObject* descriptor = nullptr;
+};
+
+// torch.Tensor, its dtypes in kda::DType code order, and the attributes read per tensor; set once
+// by register_torch and kept for the life of the process.
 struct Torch {
   PyObject* tensor = nullptr;
   PyObject* dtypes[5] = {};
-  PyObject *data_ptr = nullptr, *shape = nullptr, *stride = nullptr, *dtype = nullptr,
-           *is_cuda = nullptr, *is_cpu = nullptr, *get_device = nullptr, *device = nullptr;
+  Attribute data_ptr, shape, stride, dtype, is_cuda, is_cpu, get_device, device;
 };
 Torch g_torch;
+
+Attribute attribute(PyObject* type, const char* name, PyTypeObject* kind) {
+  Attribute a;
+  a.name = PyUnicode_InternFromString(name);
+  PyObject* d = PyObject_GetAttr(type, a.name);
+  if (d == nullptr) {
+    PyErr_Clear();
+  } else if (Py_TYPE(d) == kind) {
+    a.descriptor = d;  // kept (one reference) for the life of the process
+  } else {
+    Py_DECREF(d);
+  }
+  return a;
+}
 
 // DLPack dtype -> kda::DType; nullopt for anything else.
 std::optional<DType> to_dtype(nb::dlpack::dtype dt) {
@@ -106,14 +127,15 @@ void register_torch(nb::handle tensor_type, nb::handle dtypes) {
   t.tensor = tensor_type.inc_ref().ptr();
   for (int i = 0; i < 5; ++i)
     t.dtypes[i] = nb::handle(PyTuple_GET_ITEM(dtypes.ptr(), i)).inc_ref().ptr();
-  t.data_ptr = PyUnicode_InternFromString("data_ptr");
-  t.shape = PyUnicode_InternFromString("shape");
-  t.stride = PyUnicode_InternFromString("stride");
-  t.dtype = PyUnicode_InternFromString("dtype");
-  t.is_cuda = PyUnicode_InternFromString("is_cuda");
-  t.is_cpu = PyUnicode_InternFromString("is_cpu");
-  t.get_device = PyUnicode_InternFromString("get_device");
-  t.device = PyUnicode_InternFromString("device");
+  PyObject* type = tensor_type.ptr();
+  t.data_ptr = attribute(type, "data_ptr", &PyMethodDescr_Type);
+  t.shape = attribute(type, "shape", &PyGetSetDescr_Type);
+  t.stride = attribute(type, "stride", &PyMethodDescr_Type);
+  t.dtype = attribute(type, "dtype", &PyGetSetDescr_Type);
+  t.is_cuda = attribute(type, "is_cuda", &PyGetSetDescr_Type);
+  t.is_cpu = attribute(type, "is_cpu", &PyGetSetDescr_Type);
+  t.get_device = attribute(type, "get_device", &PyMethodDescr_Type);
+  t.device = attribute(type, "device", &PyGetSetDescr_Type);
   g_torch = t;
 }
 
@@ -137,22 +159,31 @@ void Reader::value_error(const char* arg, const std::string& what) const {
   throw nb::value_error(("argument '" + name(arg) + "': " + what).c_str());
 }
 
-// A torch tensor through its Python attributes: five to six attribute reads, no DLPack capsule.
+// A torch tensor through its Python attributes: six attribute reads, no DLPack capsule. A plain
+// torch.Tensor (not a subclass, which may override an attribute) has them read through the
+// type's descriptors directly, without the attribute lookup on the instance.
 TensorView Reader::torch_view(const char* arg, nb::handle obj) {
   PyObject* o = obj.ptr();
+  PyTypeObject* type = Py_TYPE(o);
+  const bool plain = type == reinterpret_cast<PyTypeObject*>(g_torch.tensor);
   auto fail = [&](const char* what) {
     nb::python_error e;  // fetches (and clears) the Python error of the failed attribute read
     value_error(arg, std::string("expected a strided CPU or CUDA tensor with storage (") + what +
                          " failed: " + e.what() + ")");
   };
-  auto get = [&](PyObject* attr) {
-    PyObject* r = PyObject_GetAttr(o, attr);
-    if (r == nullptr) fail(PyUnicode_AsUTF8(attr));
+  auto get = [&](const Attribute& a) {
+    PyObject* d = a.descriptor;
+    PyObject* r = plain && d != nullptr
+                      ? Py_TYPE(d)->tp_descr_get(d, o, reinterpret_cast<PyObject*>(type))
+                      : PyObject_GetAttr(o, a.name);
+    if (r == nullptr) fail(PyUnicode_AsUTF8(a.name));
     return nb::steal(r);
   };
-  auto call = [&](PyObject* method) {
-    PyObject* r = PyObject_CallMethodNoArgs(o, method);
-    if (r == nullptr) fail(PyUnicode_AsUTF8(method));
+  auto call = [&](const Attribute& a) {
+    PyObject* r = plain && a.descriptor != nullptr
+                      ? PyObject_Vectorcall(a.descriptor, &o, 1, nullptr)
+                      : PyObject_CallMethodNoArgs(o, a.name);
+    if (r == nullptr) fail(PyUnicode_AsUTF8(a.name));
     return nb::steal(r);
   };
   TensorView t;

@@ -155,3 +155,19 @@ __all__ = [
     "state_shape",
     "tolerance",
 ]
+
+
+def to_torch(d, device="cpu", dtype=None):
+    """The arrays of a make_prefill/make_decode dict as torch tensors (float arrays but A_log and
+    dt_bias cast to `dtype` if given); other entries as they are."""
+    import torch
+    out = {}
+    for name, x in d.items():
+        if isinstance(x, np.ndarray):
+            t = torch.from_numpy(x).to(device)
+            if dtype is not None and t.is_floating_point() and name not in ("A_log", "dt_bias"):
+                t = t.to(dtype)
+            out[name] = t
+        else:
+            out[name] = x
+    return out

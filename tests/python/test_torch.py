@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import kda
-from kdatest import assert_close, make_decode, make_prefill, random_state, split
+from kdatest import assert_close, make_decode, make_prefill, random_state, split, to_torch
 
 torch = pytest.importorskip("torch")
 
@@ -19,20 +19,6 @@ HAS_CUDA = torch.cuda.is_available() and kda.cuda_available()
 CUDA_TOL = 2e-2
 needs_cuda = pytest.mark.skipif(
     not HAS_CUDA, reason="needs torch with CUDA, a CUDA build of kda and an sm_90 GPU")
-
-
-def to_torch(d, device="cpu", dtype=None):
-    """The arrays of a kdatest dict as torch tensors (float arrays cast to `dtype` if given)."""
-    out = {}
-    for name, x in d.items():
-        if isinstance(x, np.ndarray):
-            t = torch.from_numpy(x).to(device)
-            if dtype is not None and t.is_floating_point() and name not in ("A_log", "dt_bias"):
-                t = t.to(dtype)
-            out[name] = t
-        else:
-            out[name] = x
-    return out
 
 
 def args_kw(d):
@@ -315,8 +301,9 @@ def test_cuda_flashkda_fwd():
 
 @needs_cuda
 def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
-    """The CUDA prefill asks for its workspace once, after validation: a failing allocator is a
-    RuntimeError naming 'workspace' that writes nothing; an invalid call never allocates."""
+    """The CUDA prefill asks for its workspace once, after validation, and keeps it for the next
+    call on the same stream: a failing allocator is a RuntimeError naming 'workspace' that writes
+    nothing; an invalid call never allocates."""
     import kda._torch_ops as ops
     dc = to_torch(cuda_prefill_case(seed=33, T=100), "cuda", torch.bfloat16)
     args, kw = args_kw(dc)
@@ -328,15 +315,22 @@ def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
         sizes.append((nbytes, index))
         return real(nbytes, index)
     monkeypatch.setattr(ops, "allocate_workspace", counting)
+    ops.release_workspaces()
     kda.prefill(*args, **kw)
     assert len(sizes) == 1 and sizes[0][0] > 0 and sizes[0][1] == args[0].get_device()
+    kda.prefill(*args, **kw)  # the kept workspace
+    assert len(sizes) == 1
+    with torch.cuda.stream(torch.cuda.Stream()):  # another stream: its own workspace
+        kda.prefill(*args, **kw)
+    assert len(sizes) == 2
     with pytest.raises(ValueError, match="argument 'k'"):
         kda.prefill(args[0], args[1][..., :64], *args[2:], **kw)
-    assert len(sizes) == 1
+    assert len(sizes) == 2
 
     def failing(nbytes, index):
         raise MemoryError("no memory")
     monkeypatch.setattr(ops, "allocate_workspace", failing)
+    ops.release_workspaces()
     out = torch.full_like(args[2], 7.0)
     with pytest.raises(RuntimeError, match=r"argument 'workspace'.*no memory"):
         kda.prefill(*args, **kw, out=out)
