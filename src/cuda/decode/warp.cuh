@@ -16,7 +16,8 @@
 // PDL: the kernel parameters are read into the constant caches before griddepcontrol.wait
 // (warm_params: legal, they are not written by any grid), so that the dependent loads after the
 // wait do not each wait on a cold constant line; nothing in global memory is touched before the
-// wait (the previous grid may write the same pool rows, or the token inputs).
+// wait (the previous grid writes the same pool rows, and the kernel before it may have written
+// the token inputs: q, k, v, g, beta, even state_indices, are read only after the wait).
 //
 // Same math per element as the other kernels (s * decay, then fmaf(k, u, .)); the k sums run in a
 // different order (4-term chains per lane, then the shuffle tree), so results agree with them
@@ -47,16 +48,19 @@ constexpr int warp_min_blocks() {
   return kRows == 16 ? 3 : 5;
 }
 
-// Reads the kernel parameters once, so that the SM's constant caches hold them: lane l reads the
-// 4-byte word at byte 32 l (the struct spans at most 32 such pieces) and the warp leaves the
-// result in `sink` (shared memory), which keeps the load alive. Parameters only: legal before
-// pdl_wait().
-__device__ __forceinline__ void warm_params(const DecodeArgs& a, volatile uint32_t* sink) {
-  constexpr int kWords = static_cast<int>(sizeof(DecodeArgs) / 4);
-  static_assert(sizeof(DecodeArgs) <= 32 * 32, "one 32-byte piece per lane");
-  const int i = lane_id() * 8;
-  const uint32_t x = i < kWords ? reinterpret_cast<const uint32_t*>(&a)[i] : 0u;
-  *sink = x;
+// Reads the kernel parameters once, so that the SM's constant caches hold them when the code
+// after pdl_wait() uses them: one 4-byte word per 64-byte piece of the struct, the pieces spread
+// over the block's warps (piece lane * kWarps + warp: 3 per warp for the ~600-byte struct, so that
+// no warp serializes many distinct constant addresses), left in `sink` (shared memory) to keep the
+// loads alive. Parameters only: legal before pdl_wait().
+template <int kWarps>
+__device__ __forceinline__ void warm_params(const DecodeArgs& a, int warp_in_block,
+                                            volatile uint32_t* sink) {
+  constexpr int kWords = static_cast<int>(sizeof(DecodeArgs) / 4), kPieceWords = 16;
+  static_assert(sizeof(DecodeArgs) <= 32 * kWarps * kPieceWords * 4, "one piece per lane");
+  const int piece = lane_id() * kWarps + warp_in_block;
+  if (piece * kPieceWords < kWords)
+    *sink = reinterpret_cast<const uint32_t*>(&a)[piece * kPieceWords];
 }
 
 // Sums x[r] over the 32 lanes for every r < kRows, and returns in each lane the sum of row
@@ -121,7 +125,7 @@ __global__ void __launch_bounds__(kWarpThreads, warp_min_blocks<kRows>())
 
   // ---- Before the wait: the parameters into the constant caches, the warp's place in the grid
   pdl_launch_dependents();
-  warm_params(a, &param_sink[threadIdx.x / 32]);
+  warm_params<kWarpThreads / 32>(a, threadIdx.x / 32, &param_sink[threadIdx.x / 32]);
   const int lane = lane_id();
   const unsigned warp = blockIdx.x * (kWarpThreads / 32) + threadIdx.x / 32;  // < 2^31
   const unsigned head_blk = warp / kTiles;                                    // n * HV + hv

@@ -83,12 +83,12 @@ struct DecodeWarpConfig {
 
 // The warp kernel's rows are 8 while the call has <= 64 value rows per SM (B <= 2 at HV = 32 on
 // 132 SMs: ~4-8 warps per SM, the shortest per-warp chain that fills the SMs), else 16 (half the
-// redundant token preprocessing per row; a B = 8 grid is 2048 warps, all resident at 128
-// registers). The state goes through L2 with the normal policy while the rows the call touches
-// fit in kDecodeWarpL2Bytes (B <= 12 at HV = 32), so that a state written by one call is still in
-// L2 when the next call (the next step of the same layer in a CUDA graph of steps) reads it;
-// larger calls stream it (evict-first), as the other kernels do. Tuning::decode_warp_rows /
-// decode_warp_cache override either.
+// redundant token preprocessing per row; a B = 8 grid is 2048 warps, 12 resident per SM at 168
+// registers: 1.3 waves, 96 KB of state in flight per SM). The state goes through L2 with the
+// normal policy while the rows the call touches fit in kDecodeWarpL2Bytes (B <= 12 at HV = 32),
+// so that a state written by one call is still in L2 when the next call (the next step of the
+// same layer in a CUDA graph of steps) reads it; larger calls stream it (evict-first), as the
+// other kernels do. Tuning::decode_warp_rows / decode_warp_cache override either.
 inline constexpr int64_t kDecodeWarpL2Bytes = int64_t{24} << 20;
 
 inline DecodeWarpConfig choose_warp_config(const detail::DecodeProblem& pr, int sms,
