@@ -16,8 +16,9 @@
 // PDL: the kernel parameters are read into the constant caches before griddepcontrol.wait
 // (warm_params: legal, they are not written by any grid), so that the dependent loads after the
 // wait do not each wait on a cold constant line; nothing in global memory is touched before the
-// wait (the previous grid writes the same pool rows, and the kernel before it may have written
-// the token inputs: q, k, v, g, beta, even state_indices, are read only after the wait).
+// wait: the previous grid in the stream may write the same pool rows (the previous step in a CUDA
+// graph of steps) or the token inputs (a projection), so q, k, v, g, beta, dt_bias and
+// state_indices are all read after it.
 //
 // Same math per element as the other kernels (s * decay, then fmaf(k, u, .)); the k sums run in a
 // different order (4-term chains per lane, then the shuffle tree), so results agree with them
