@@ -11,12 +11,20 @@
 // q, k, v, g, beta, out) / time. Graph cases capture 1 call (or 20 calls) in a CUDA graph and time
 // the replay (divided by the number of calls).
 //
-// Kernel: the library's choice (heuristics/decode.h); --kernels (or KDA_CUDA_DECODE_KERNEL=tile,
-// staged, bulk, bulklat, baseline in the environment) times the others on the same cases.
+// The G20_B* cases are the targets.md decode table as measured against FLA: softplus gate, a pool
+// of 2B slots of which B random distinct ones are used, one set of inputs and slots for all 20
+// calls of the graph (so each call reads the state the previous one wrote: from L2 when it fits).
 //
-// usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] [--no-check]
-//                         [--kernels K1,K2,..]   (also time each case with kernel K forced:
-//                         Tuning::decode_kernel)
+// Kernel: the library's choice (heuristics/decode.h); --kernels (or KDA_CUDA_DECODE_KERNEL=tile,
+// staged, bulk, bulklat, warp, baseline in the environment) times the others on the same cases.
+// A --kernels item is a kernel name (or "auto": the library's choice) with optional settings of
+// the tuning struct: rows=4|8|16 (KDA_CUDA_DECODE_WARP_ROWS), cache=normal|stream
+// (KDA_CUDA_DECODE_WARP_CACHE), pdl=0|1 (KDA_CUDA_PDL), e.g. warp:rows=16:cache=stream.
+//
+// usage: bench_gpu_decode [--csv PATH] [--iters N] [--warmup N] [--filter S1,S2,..] [--no-check]
+//                         [--kernels K1,K2,..]   (--filter: cases whose name contains any of the
+//                         substrings, or ends in one that ends in '$'; --kernels: also time each
+//                         case with kernel K forced)
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -25,6 +33,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <memory>
 #include <numeric>
 #include <random>
@@ -45,7 +54,7 @@ struct Options {
   std::string csv;
   int iters = 100;
   int warmup = 10;
-  std::string filter;
+  std::vector<std::string> filters;  // --filter: any of these substrings (empty: every case)
   bool check = true;
   std::vector<std::string>
       kernels;  // --kernels: also time each case with kernel k forced (docs/tuning.md)
@@ -58,6 +67,7 @@ struct Case {
   int graph_calls = 0;  // 0: plain calls; n: n calls captured in one CUDA graph
   std::string target;   // the targets.md bar, for the table
   double target_tbps = 0, target_us = 0;
+  bool pool2B = false;  // targets.md's graph setup: softplus gate, one set of B slots out of 2B
 };
 
 constexpr int64_t kH = 32, kHV = 32, kK = 128, kV = 128;
@@ -113,7 +123,7 @@ struct Problem {
     p.dt_bias = dev_view(dt_bias, *ddt_bias);
     p.state = make_view(pool->p, c.state_dtype, {P, kHV, kV, kK}, Device::kCUDA);
     p.state_indices = dev_view(x.idx, *x.didx);
-    p.math.gate = GateForm::kLowerBound;
+    p.math.gate = gate();
     p.math.lower_bound = -5.0f;
     p.math.beta_logits = true;
     p.math.use_qk_l2norm = true;
@@ -121,6 +131,8 @@ struct Problem {
     p.exec.stream = stream;
     return p;
   }
+
+  GateForm gate() const { return c.pool2B ? GateForm::kSoftplus : GateForm::kLowerBound; }
 
   double bytes_per_call() const {
     const double B = static_cast<double>(c.B), T = static_cast<double>(c.T);
@@ -135,10 +147,11 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   pr.c = c;
   const size_t es = dtype_size(c.state_dtype);
   pr.state_row_bytes = static_cast<size_t>(kHV * kV * kK) * es;
-  // Enough disjoint sets that the state touched by one rotation (sets x B slots) is >= 4x L2.
+  // Enough disjoint sets that the state touched by one rotation (sets x B slots) is >= 4x L2; or
+  // (pool2B) one set of B random slots out of 2B.
   const double touched = static_cast<double>(c.B) * static_cast<double>(pr.state_row_bytes);
-  pr.sets = static_cast<int>(std::clamp(std::ceil(240e6 / touched), 1.0, 64.0));
-  pr.P = pr.sets * c.B + 8;  // 8 slots no row uses
+  pr.sets = c.pool2B ? 1 : static_cast<int>(std::clamp(std::ceil(240e6 / touched), 1.0, 64.0));
+  pr.P = c.pool2B ? 2 * c.B : pr.sets * c.B + 8;  // slots no row uses: B, or 8
   // Pool: a 16 MB random block tiled over the pool.
   pr.pool = std::make_unique<DevBuf>(static_cast<size_t>(pr.P) * pr.state_row_bytes);
   {
@@ -156,7 +169,7 @@ Problem make_problem(const Case& c, std::mt19937_64& rng) {
   pr.dt_bias.fill_uniform(rng, 0.0, 1.0);
   pr.dA_log = upload(pr.A_log);
   pr.ddt_bias = upload(pr.dt_bias);
-  std::vector<int64_t> perm(pr.sets * c.B);
+  std::vector<int64_t> perm(c.pool2B ? pr.P : pr.sets * c.B);
   std::iota(perm.begin(), perm.end(), 0);
   std::shuffle(perm.begin(), perm.end(), rng);
   pr.in.resize(pr.sets);
@@ -230,7 +243,7 @@ bool check_case(const Problem& pr, cudaStream_t stream) {
   p.A_log = pr.A_log.view();
   p.dt_bias = pr.dt_bias.view();
   p.state = st0.view();
-  p.math.gate = GateForm::kLowerBound;
+  p.math.gate = pr.gate();
   p.math.lower_bound = -5.0f;
   p.math.beta_logits = true;
   p.exec.backend = Backend::kCpuReference;
@@ -329,6 +342,61 @@ Result time_case(const Problem& pr, const Options& o, cudaStream_t stream) {
   return r;
 }
 
+// "a,b,,c" -> {"a", "b", "c"} (empty items dropped).
+std::vector<std::string> split(const std::string& list, char sep) {
+  std::vector<std::string> r;
+  for (size_t p = 0; p <= list.size();) {
+    const size_t q = std::min(list.find(sep, p), list.size());
+    if (q > p) r.push_back(list.substr(p, q - p));
+    p = q + 1;
+  }
+  return r;
+}
+
+// The tuning struct for a --kernels item, NAME[:rows=R][:cache=C][:pdl=P], as the library would
+// read it from the environment with those variables set (the others as in the environment).
+// Returns false for an item with an unknown setting.
+bool item_tuning(const std::string& item, kda::detail::Tuning* out) {
+  const std::vector<std::string> parts = split(item, ':');
+  std::map<std::string, std::string> env;
+  if (!parts.empty()) env["KDA_CUDA_DECODE_KERNEL"] = parts[0];  // "auto": not a kernel name
+  for (size_t i = 1; i < parts.size(); ++i) {
+    const size_t eq = parts[i].find('=');
+    const std::string key = parts[i].substr(0, eq);
+    const std::string value = eq == std::string::npos ? "" : parts[i].substr(eq + 1);
+    if (key == "rows")
+      env["KDA_CUDA_DECODE_WARP_ROWS"] = value;
+    else if (key == "cache")
+      env["KDA_CUDA_DECODE_WARP_CACHE"] = value;
+    else if (key == "pdl")
+      env["KDA_CUDA_PDL"] = value;
+    else
+      return false;
+  }
+  *out = kda::detail::parse_tuning([&](const char* name) -> const char* {
+    const auto it = env.find(name);
+    return it != env.end() ? it->second.c_str() : std::getenv(name);
+  });
+  return true;
+}
+
+// --filter: a case runs if its name contains one of the filters; a filter ending in '$' must end
+// the name ("G20_B1$" selects G20_B1, not G20_B1024).
+bool selected(const Options& o, const std::string& name) {
+  if (o.filters.empty()) return true;
+  for (const std::string& f : o.filters) {
+    if (!f.empty() && f.back() == '$') {
+      const std::string tail = f.substr(0, f.size() - 1);
+      if (name.size() >= tail.size() &&
+          name.compare(name.size() - tail.size(), tail.size(), tail) == 0)
+        return true;
+    } else if (name.find(f) != std::string::npos) {
+      return true;
+    }
+  }
+  return false;
+}
+
 std::string verdict(const Result& r) {
   if (r.c.target_tbps > 0) return r.tbps >= r.c.target_tbps ? "meets" : "below";
   if (r.c.target_us > 0) return r.us_median <= r.c.target_us ? "meets" : "above";
@@ -355,20 +423,23 @@ int main(int argc, char** argv) {
     else if (a == "--warmup")
       o.warmup = std::atoi(next().c_str());
     else if (a == "--filter")
-      o.filter = next();
+      o.filters = split(next(), ',');
     else if (a == "--no-check")
       o.check = false;
     else if (a == "--kernels") {
-      const std::string list = next();
-      for (size_t p = 0; p <= list.size();) {
-        const size_t q = std::min(list.find(',', p), list.size());
-        if (q > p) o.kernels.push_back(list.substr(p, q - p));
-        p = q + 1;
+      o.kernels = split(next(), ',');
+      for (const std::string& k : o.kernels) {
+        kda::detail::Tuning t;
+        if (!item_tuning(k, &t)) {
+          std::fprintf(stderr, "--kernels: unknown setting in '%s' (rows=, cache=, pdl=)\n",
+                       k.c_str());
+          return 2;
+        }
       }
     } else {
       std::fprintf(stderr,
-                   "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter SUBSTRING] "
-                   "[--no-check] [--kernels K1,K2,..]\n",
+                   "usage: %s [--csv PATH] [--iters N] [--warmup N] [--filter S1,S2,..] "
+                   "[--no-check] [--kernels K1[:rows=R][:cache=C][:pdl=P],..]\n",
                    argv[0]);
       return a == "--help" || a == "-h" ? 0 : 2;
     }
@@ -381,8 +452,8 @@ int main(int argc, char** argv) {
   }
   std::printf("device: %s (%d SMs)\n", devs[0].name.c_str(), devs[0].multiprocessors);
   std::printf(
-      "setup: H = HV = %lld, K = V = %lld, bf16 inputs, lower-bound gate, beta logits, l2norm, "
-      "pool in place via [B] indices\n",
+      "setup: H = HV = %lld, K = V = %lld, bf16 inputs, lower-bound gate (G20_*: softplus), beta "
+      "logits, l2norm, pool in place via [B] indices\n",
       static_cast<long long>(kH), static_cast<long long>(kK));
 
   std::vector<Case> cases = {
@@ -394,6 +465,11 @@ int main(int argc, char** argv) {
       {"T4_B256", 256, 4, DType::kFloat32, 0, "", 0, 0},
       {"T1_B1_graph1", 1, 1, DType::kFloat32, 1, "<= 5 us in a graph", 0, 5},
       {"T1_B1_graph20", 1, 1, DType::kFloat32, 20, "<= 5 us in a graph", 0, 5},
+      {"G20_B1", 1, 1, DType::kFloat32, 20, "<= 3.0 us per call", 0, 3.0, true},
+      {"G20_B8", 8, 1, DType::kFloat32, 20, "<= 8.0 us per call", 0, 8.0, true},
+      {"G20_B32", 32, 1, DType::kFloat32, 20, ">= 3.8 TB/s", 3.8, 0, true},
+      {"G20_B256", 256, 1, DType::kFloat32, 20, ">= 4.0 TB/s", 4.0, 0, true},
+      {"G20_B1024", 1024, 1, DType::kFloat32, 20, ">= 4.0 TB/s", 4.0, 0, true},
   };
   cudaStream_t stream;
   BENCH_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -401,7 +477,7 @@ int main(int argc, char** argv) {
   std::vector<Result> results, sweep;
   bool all_ok = true;
   for (const Case& c : cases) {
-    if (!o.filter.empty() && c.name.find(o.filter) == std::string::npos) continue;
+    if (!selected(o, c.name)) continue;
     Problem pr = make_problem(c, rng);
     bool ok = true;
     if (o.check) ok = check_case(pr, stream);
@@ -411,14 +487,11 @@ int main(int argc, char** argv) {
     std::printf("  ran   %-22s %9.2f us (min %.2f)  %.3f TB/s  [%d rotation sets]\n",
                 c.name.c_str(), r.us_median, r.us_min, r.tbps, pr.sets);
     results.push_back(r);
-    // Kernel sweep: the same case with each forced kernel (where eligible; otherwise the library's
-    // default choice runs), checked and timed the same way.
+    // Kernel sweep: the same case with each forced kernel and setting (where eligible; otherwise
+    // the library's default choice runs), checked and timed the same way.
     for (const std::string& k : o.kernels) {
-      kda::detail::Tuning t = kda::detail::tuning();
-      t.decode_kernel =
-          kda::detail::parse_tuning([&](const char* name) {
-            return std::strcmp(name, "KDA_CUDA_DECODE_KERNEL") == 0 ? k.c_str() : nullptr;
-          }).decode_kernel;
+      kda::detail::Tuning t;
+      item_tuning(k, &t);  // validated with the arguments
       const kda::detail::ScopedTuning forced(t);
       const bool kok = !o.check || check_case(pr, stream);
       all_ok = all_ok && kok;
@@ -432,7 +505,7 @@ int main(int argc, char** argv) {
   }
   // Ceiling for the state stream: a device-to-device copy of the B = 256 fp32 pool (same bytes
   // read and written as one decode call at B = 256).
-  if (o.filter.empty() || std::string("copy").find(o.filter) != std::string::npos) {
+  if (selected(o, "copy")) {
     const size_t n = size_t{256} * kHV * kK * kV * sizeof(float);
     void *a = nullptr, *b = nullptr;
     BENCH_CUDA(cudaMalloc(&a, n));
@@ -471,11 +544,11 @@ int main(int argc, char** argv) {
                 r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
   if (!sweep.empty()) {
     std::printf(
-        "\nkernel sweep (KDA_CUDA_DECODE_KERNEL, where eligible)\n%-22s %12s %11s %9s %6s\n",
-        "case", "kernel", "median_us", "TB/s", "check");
+        "\nkernel sweep (KDA_CUDA_DECODE_KERNEL, where eligible)\n%-22s %26s %11s %9s %7s %6s\n",
+        "case", "kernel", "median_us", "TB/s", "", "check");
     for (const Result& r : sweep)
-      std::printf("%-22s %12s %11.2f %9.3f %6s\n", r.c.name.c_str(), r.kernel.c_str(), r.us_median,
-                  r.tbps, r.ok ? "ok" : "FAIL");
+      std::printf("%-22s %26s %11.2f %9.3f %7s %6s\n", r.c.name.c_str(), r.kernel.c_str(),
+                  r.us_median, r.tbps, verdict(r).c_str(), r.ok ? "ok" : "FAIL");
   }
   if (!o.csv.empty()) {
     FILE* f = std::fopen(o.csv.c_str(), "w");
@@ -485,14 +558,17 @@ int main(int argc, char** argv) {
     }
     std::fprintf(f,
                  "case,B,T,H,HV,K,V,state_dtype,graph_calls,median_us,min_us,host_us,effective_"
-                 "TBps,target,verdict,check\n");
-    for (const Result& r : results)
-      std::fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%d,%.3f,%.3f,%.3f,%.4f,%s,%s,%s\n",
-                   r.c.name.c_str(), static_cast<long long>(r.c.B), static_cast<long long>(r.c.T),
-                   static_cast<long long>(kH), static_cast<long long>(kHV),
-                   static_cast<long long>(kK), static_cast<long long>(kV),
-                   dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_min, r.us_host,
-                   r.tbps, r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL");
+                 "TBps,target,verdict,check,kernel\n");
+    // The library's choice ("auto"), then the --kernels items.
+    for (const std::vector<Result>* rows : {&results, &sweep})
+      for (const Result& r : *rows)
+        std::fprintf(f, "%s,%lld,%lld,%lld,%lld,%lld,%lld,%s,%d,%.3f,%.3f,%.3f,%.4f,%s,%s,%s,%s\n",
+                     r.c.name.c_str(), static_cast<long long>(r.c.B), static_cast<long long>(r.c.T),
+                     static_cast<long long>(kH), static_cast<long long>(kHV),
+                     static_cast<long long>(kK), static_cast<long long>(kV),
+                     dtype_name(r.c.state_dtype), r.c.graph_calls, r.us_median, r.us_min, r.us_host,
+                     r.tbps, r.c.target.c_str(), verdict(r).c_str(), r.ok ? "ok" : "FAIL",
+                     r.kernel.empty() ? "auto" : r.kernel.c_str());
     std::fclose(f);
     std::printf("wrote %s\n", o.csv.c_str());
   }

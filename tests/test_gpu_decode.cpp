@@ -48,6 +48,8 @@ struct GpuDecodeCase {
   bool staged = false;           // force the staged tile kernel (=staged; where eligible)
   bool bulk = false;             // force the bulk kernel (=bulk; where eligible)
   bool bulklat = false;          // force the bulk kernel's latency variant (=bulklat; dense T = 1)
+  int warp = 0;                  // force the warp kernel (=warp) with 4 / 8 / 16 rows per warp
+  detail::DecodeStateCache warp_cache = detail::DecodeStateCache::kAuto;  // its L2 policy
   bool state_aligned_pad =
       false;          // pool rows padded by 8 elements: 16-byte aligned, not contiguous
   int pad_every = 0;  // [N] indices: every pad_every-th row (from row 1) is a padding row
@@ -69,6 +71,10 @@ struct GpuDecodeCase {
     if (tile) s += "_tile";
     if (staged) s += "_staged";
     if (bulk) s += "_bulk";
+    if (bulklat) s += "_bulklat";
+    if (warp > 0) s += "_warp" + std::to_string(warp);
+    if (warp_cache == detail::DecodeStateCache::kNormal) s += "_l2normal";
+    if (warp_cache == detail::DecodeStateCache::kStream) s += "_l2stream";
     if (state_aligned_pad) s += "_stpadal";
     if (pad_every > 0) s += "_padevery" + std::to_string(pad_every);
     for (char& ch : s)
@@ -139,8 +145,8 @@ void apply_options(DecodeParams& p, const GpuDecodeCase& gc) {
   p.math.lower_bound = gc.lower_bound;
 }
 
-// Forces the case's kernel (Tuning::decode_kernel: baseline / tile / staged / bulk / bulklat) while
-// alive.
+// Forces the case's kernel (Tuning::decode_kernel: baseline / tile / staged / bulk / bulklat /
+// warp, with the warp kernel's rows and L2 policy) while alive.
 class KernelChoice {
  public:
   explicit KernelChoice(const GpuDecodeCase& gc) : scope_(choice(gc)) {}
@@ -153,6 +159,11 @@ class KernelChoice {
     if (gc.staged) t.decode_kernel = O::kStaged;
     if (gc.bulk) t.decode_kernel = O::kBulk;
     if (gc.bulklat) t.decode_kernel = O::kBulkLatency;
+    if (gc.warp > 0) {
+      t.decode_kernel = O::kWarp;
+      t.decode_warp_rows = gc.warp;
+    }
+    t.decode_warp_cache = gc.warp_cache;
     return t;
   }
   detail::ScopedTuning scope_;
@@ -723,12 +734,62 @@ std::vector<GpuDecodeCase> sweep_cases() {
   return v;
 }
 
+// The warp kernel (the default for small dense single-token fp32 calls) forced on every smoke and
+// sweep case it could take (V-first, K = 128: any T, dense and varlen, every index and
+// state-output mode, input dtypes, strides, padded pool rows; bf16 and unaligned pools fall back to
+// the default choice), with 4, 8 and 16 rows per warp in turn, plus the gate and beta forms, a
+// skipped write slot and GVA at K = 128, and both L2 policies.
+std::vector<GpuDecodeCase> warp_cases() {
+  std::vector<GpuDecodeCase> all = smoke_cases(), v;
+  for (const GpuDecodeCase& g : sweep_cases()) all.push_back(g);
+  for (GateForm gf : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
+    for (int bf = 0; bf < 3; ++bf) {
+      GpuDecodeCase g = base(128);
+      g.c.gate = gf;
+      g.c.beta_logits = bf != 0;
+      g.c.allow_neg_eigval = bf == 2;
+      g.c.beta_per_v = bf == 1;
+      g.c.out_dtype = DType::kFloat32;
+      all.push_back(g);
+    }
+  GpuDecodeCase w = base(128);  // a skipped [N, T] write slot; GVA with 4 value heads per head
+  w.c.indices = 2;
+  w.c.T = 3;
+  w.drop_token_slot = true;
+  all.push_back(w);
+  w = base(128);
+  w.c.H = 1;
+  w.c.HV = 4;
+  all.push_back(w);
+  for (auto cache : {detail::DecodeStateCache::kNormal, detail::DecodeStateCache::kStream}) {
+    GpuDecodeCase g = base(128);
+    g.warp_cache = cache;
+    g.c.final_state_separate = true;
+    g.c.padding = true;
+    all.push_back(g);
+    g.c.final_state_separate = false;
+    g.c.intermediate = true;
+    g.c.T = 2;
+    all.push_back(g);
+  }
+  const int rows[] = {4, 8, 16};
+  for (GpuDecodeCase g : all) {
+    if (g.c.K != 128 || g.c.layout != StateLayout::kVFirst || g.baseline || g.tile || g.staged ||
+        g.bulk)
+      continue;
+    g.warp = rows[v.size() % 3];
+    v.push_back(g);
+  }
+  return v;
+}
+
 std::string case_name(const ::testing::TestParamInfo<GpuDecodeCase>& info) {
   return info.param.name() + "_" + std::to_string(info.index);
 }
 
 INSTANTIATE_TEST_SUITE_P(Smoke, GpuDecode, ::testing::ValuesIn(smoke_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(Sweep, GpuDecode, ::testing::ValuesIn(sweep_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(WarpSweep, GpuDecode, ::testing::ValuesIn(warp_cases()), case_name);
 
 // ---------------------------------------------------------------------------------------------
 // Special cases
@@ -899,12 +960,12 @@ void expect_same_or_close(const char* what, const HostTensor& got, const HostTen
   expect_close(what, got, ref, tol);
 }
 
-// The bulk kernel (default for V-first K = 128; and its latency variant), the staged tile kernel
-// and the tile kernel agree:
+// The bulk kernel (default for V-first K = 128; and its latency variant), the staged tile kernel,
+// the tile kernel and the warp kernel (fp32 state, 4, 8 and 16 rows per warp) agree:
 // fp32 and bf16 state, padding rows, T = 1..4, per-token states. Bulk and staged run the same
-// arithmetic in the same order (bitwise equal expected); the tile kernel sums the k products in
-// one chain instead of four partial sums, so it agrees within reassociation: ~1e-7 for fp32, and
-// for a bf16 state an occasional one-ulp (2^-8) flip of the per-token rounding.
+// arithmetic in the same order (bitwise equal expected); the tile and warp kernels sum the k
+// products in other orders, so they agree within reassociation: ~1e-7 for fp32, and for a bf16
+// state an occasional one-ulp (2^-8) flip of the per-token rounding.
 TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
   KDA_SKIP_WITHOUT_SM90();
   for (DType st : {DType::kFloat32, DType::kBFloat16}) {
@@ -941,6 +1002,17 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
         EXPECT_TRUE(bitwise_equal(bulk.out, staged.out)) << "out (bulk vs staged)";
         EXPECT_TRUE(bitwise_equal(bulk.state, staged.state)) << "state (bulk vs staged)";
         EXPECT_TRUE(bitwise_equal(bulk.inter, staged.inter)) << "inter (bulk vs staged)";
+        if (st == DType::kFloat32)  // the warp kernel: the k sums in another order
+          for (int rows : {4, 8, 16}) {
+            SCOPED_TRACE("warp kernel, rows per warp " + std::to_string(rows));
+            k.bulk = false;
+            k.warp = rows;
+            const DecodeData warp = run_gpu(d, k);
+            k.warp = 0;
+            expect_same_or_close("out (warp vs staged)", warp.out, staged.out, tol);
+            expect_same_or_close("state (warp vs staged)", warp.state, staged.state, tol);
+            expect_same_or_close("inter (warp vs staged)", warp.inter, staged.inter, tol);
+          }
         if (T == 1) {  // the bulk kernel's latency variant (dense single-token calls)
           k.bulk = false;
           k.bulklat = true;
@@ -958,8 +1030,9 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
 }
 
 // [N, Tmax] write slots that repeat within a row: the state after the later token lands last
-// (the bulk kernel waits for its bulk store to complete before the next token's store), for
-// every kernel that takes the shape.
+// (the bulk kernel waits for its bulk store to complete before the next token's store; the warp
+// kernel's lanes store the same addresses in program order), for every kernel that takes the
+// shape.
 TEST(GpuDecode, RepeatedWriteSlotsInARow) {
   KDA_SKIP_WITHOUT_SM90();
   GpuDecodeCase gc = base(128);
@@ -970,12 +1043,13 @@ TEST(GpuDecode, RepeatedWriteSlotsInARow) {
   // Row 1 writes tokens 1..3 to token 1's slot, row 4 writes tokens 0..3 to one slot.
   for (int64_t t = 2; t < 4; ++t) d.idx.set(1 * 4 + t, static_cast<int64_t>(d.idx.get(1 * 4 + 1)));
   for (int64_t t = 1; t < 4; ++t) d.idx.set(4 * 4 + t, static_cast<int64_t>(d.idx.get(4 * 4)));
-  for (int kernel = 0; kernel < 3; ++kernel) {
-    SCOPED_TRACE(kernel == 0 ? "bulk" : kernel == 1 ? "staged" : "tile");
+  for (int kernel = 0; kernel < 4; ++kernel) {
+    SCOPED_TRACE(kernel == 0 ? "bulk" : kernel == 1 ? "staged" : kernel == 2 ? "tile" : "warp");
     GpuDecodeCase k = gc;
     k.bulk = kernel == 0;
     k.staged = kernel == 1;
     k.tile = kernel == 2;
+    k.warp = kernel == 3 ? 8 : 0;
     check_against_reference(d, k);
   }
 }
@@ -995,6 +1069,56 @@ TEST(GpuDecodeSmokeBaseline, FastMatchesBaseline) {
     const DecodeData slow = run_gpu(d, gc);
     expect_close("out (fast vs baseline)", fast.out, slow.out, 1e-5);
     expect_close("inter (fast vs baseline)", fast.inter, slow.inter, 1e-5);
+  }
+}
+
+// Twenty calls on the same pool slots captured in one CUDA graph, as a serving engine replays
+// them: every call reads the state the previous one wrote (launched with PDL: each kernel's state
+// loads must follow its griddepcontrol.wait). Against twenty calls of the fp64 reference, for the
+// default kernel and every kernel that takes the shape.
+TEST(GpuDecodeSmokeGraph, TwentyCallsOnTheSameSlots) {
+  KDA_SKIP_WITHOUT_SM90();
+  constexpr int kCalls = 20;
+  GpuDecodeCase gc = base(128);
+  gc.c.N = 3;
+  gc.c.out_dtype = DType::kFloat32;
+  const DecodeData d = make_data(gc);
+  DecodeData ref = d;
+  for (int i = 0; i < kCalls; ++i) {
+    DecodeParams p = ref.params();
+    apply_options(p, gc);
+    p.exec.backend = Backend::kCpuReference;
+    ASSERT_TRUE(decode(p).ok());
+  }
+  const Touched tc = touched_rows(d, gc);
+  for (int kernel = 0; kernel < 6; ++kernel) {
+    GpuDecodeCase k = gc;
+    k.warp = kernel == 1 ? 4 : kernel == 2 ? 8 : kernel == 3 ? 16 : 0;
+    k.bulklat = kernel == 4;
+    k.staged = kernel == 5;
+    SCOPED_TRACE(k.name());
+    DeviceDecode dev(d, k);
+    cudaStream_t stream;
+    KDA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    dev.p.exec.stream = stream;
+    Status s;
+    {
+      KernelChoice kc(k);
+      s = capture_and_replay(stream, [&] {
+        for (int i = 0; i < kCalls; ++i)
+          if (Status c = decode(dev.p); !c.ok()) return c;
+        return Status::Ok();
+      });
+    }
+    KDA_TEST_CUDA(cudaStreamDestroy(stream));
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    DecodeData got = d;
+    dev.download(got);
+    expect_close("out (last call)", got.out, ref.out, tolerance_for(DType::kFloat32));
+    expect_close("state (touched slots)", gather_rows(got.state, tc.slots),
+                 gather_rows(ref.state, tc.slots), tolerance_for(DType::kFloat32));
+    for (int64_t x : tc.untouched)
+      EXPECT_TRUE(row_bitwise_equal(got.state, d.state, x)) << "untouched pool slot " << x;
   }
 }
 

@@ -31,6 +31,8 @@ TEST(Tuning, Defaults) {
   const detail::Tuning t = tuning({});
   EXPECT_TRUE(t.pdl);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kAuto);
+  EXPECT_EQ(t.decode_warp_rows, 0);
+  EXPECT_EQ(t.decode_warp_cache, detail::DecodeStateCache::kAuto);
   EXPECT_EQ(t.prefill_vs, 0);
   EXPECT_TRUE(t.prefill_ksplit);
   EXPECT_TRUE(t.prefill_wgmma);
@@ -43,6 +45,8 @@ TEST(Tuning, Defaults) {
 TEST(Tuning, ParsesEveryKnob) {
   const detail::Tuning t = tuning({{"KDA_CUDA_PDL", "0"},
                                    {"KDA_CUDA_DECODE_KERNEL", "bulklat"},
+                                   {"KDA_CUDA_DECODE_WARP_ROWS", "16"},
+                                   {"KDA_CUDA_DECODE_WARP_CACHE", "stream"},
                                    {"KDA_CUDA_PREFILL_VS", "64"},
                                    {"KDA_CUDA_PREFILL_KSPLIT", "0"},
                                    {"KDA_CUDA_PREFILL_WGMMA", "0"},
@@ -52,6 +56,8 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_NUM_THREADS", "3"}});
   EXPECT_FALSE(t.pdl);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);
+  EXPECT_EQ(t.decode_warp_rows, 16);
+  EXPECT_EQ(t.decode_warp_cache, detail::DecodeStateCache::kStream);
   EXPECT_EQ(t.prefill_vs, 64);
   EXPECT_FALSE(t.prefill_ksplit);
   EXPECT_FALSE(t.prefill_wgmma);
@@ -61,13 +67,17 @@ TEST(Tuning, ParsesEveryKnob) {
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}}).prefill_segment, -1);
   EXPECT_EQ(t.num_threads, 3);
   using O = detail::DecodeKernelOverride;
-  const std::vector<std::pair<const char*, O>> kernels = {{"baseline", O::kBaseline},
-                                                          {"tile", O::kTile},
-                                                          {"staged", O::kStaged},
-                                                          {"bulk", O::kBulk},
-                                                          {"bulklat", O::kBulkLatency}};
+  const std::vector<std::pair<const char*, O>> kernels = {
+      {"baseline", O::kBaseline}, {"tile", O::kTile},           {"staged", O::kStaged},
+      {"bulk", O::kBulk},         {"bulklat", O::kBulkLatency}, {"warp", O::kWarp}};
   for (const auto& [name, want] : kernels)
     EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", name}}).decode_kernel, want) << name;
+  for (int rows : {4, 8, 16})
+    EXPECT_EQ(
+        tuning({{"KDA_CUDA_DECODE_WARP_ROWS", std::to_string(rows).c_str()}}).decode_warp_rows,
+        rows);
+  EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_WARP_CACHE", "normal"}}).decode_warp_cache,
+            detail::DecodeStateCache::kNormal);
 }
 
 TEST(Tuning, InvalidValuesAreIgnored) {
@@ -79,6 +89,12 @@ TEST(Tuning, InvalidValuesAreIgnored) {
         << bad;
   for (const char* bad : {"", "32x", "0", "17"})
     EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_CHUNK", bad}}).prefill_chunk, 0) << bad;
+  for (const char* bad : {"", "0", "2", "04", "32", "16 ", "eight"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_WARP_ROWS", bad}}).decode_warp_rows, 0) << bad;
+  for (const char* bad : {"", "Stream", "last", "1"})
+    EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_WARP_CACHE", bad}}).decode_warp_cache,
+              detail::DecodeStateCache::kAuto)
+        << bad;
   for (const char* bad : {"", "0", "-2", "many"})
     EXPECT_EQ(tuning({{"KDA_NUM_THREADS", bad}}).num_threads, 0) << bad;
   for (const char* bad : {"", "0", "32", "100", "-64", "64x", "Off"})
@@ -309,15 +325,17 @@ TEST(DecodeHeuristics, KernelChoice) {
     return choose_kernel(pr, sms, t);
   };
   // Dense single-token calls (the benchmark's shapes).
-  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);  // 128 blocks
-  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)),
-            K::kBulkLatency);                                              // 256 blocks <= 2 x SMs
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kWarp);     // 31 value rows per SM
+  EXPECT_EQ(pick(heuristic_problem(8, 1, DType::kFloat32)), K::kWarp);     // 248
+  EXPECT_EQ(pick(heuristic_problem(16, 1, DType::kFloat32)), K::kWarp);    // 496 <= 512
+  EXPECT_EQ(pick(heuristic_problem(17, 1, DType::kFloat32)), K::kStaged);  // 2176 blocks
   EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);  // 4096 blocks
   EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);   // >= 64 blocks per SM
   EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16)), K::kBulkLatency);    // no bf16 warp
   EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
   EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
-  // Several tokens, varlen: no latency variant of the bulk kernel.
+  // Several tokens, varlen: neither the warp kernel nor the bulk kernel's latency variant.
   EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
   EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
   EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kBFloat16)), K::kStaged);
@@ -334,12 +352,14 @@ TEST(DecodeHeuristics, KernelChoice) {
   detail::DecodeProblem k64 = heuristic_problem(1, 1, DType::kFloat32);
   k64.d.K = k64.d.V = 64;
   EXPECT_EQ(pick(k64), K::kTile);
-  // A written state tensor with unaligned rows: no bulk kernel.
+  // A written state tensor with unaligned rows: no bulk kernel (the warp kernel stores it with
+  // scalar stores).
   for (int64_t n : {int64_t{1}, int64_t{256}}) {
     detail::DecodeProblem fs = heuristic_problem(n, 1, DType::kFloat32);
     fs.final_state = make_view(static_cast<char*>(fs.state.data) + 4, DType::kFloat32,
                                {n, 32, 128, 128}, Device::kCUDA);
-    EXPECT_EQ(pick(fs), n == 1 ? K::kStagedLatency : K::kStaged) << n;
+    EXPECT_EQ(pick(fs), n == 1 ? K::kWarp : K::kStaged) << n;
+    EXPECT_EQ(pick(fs, Override::kBulkLatency), n == 1 ? K::kWarp : K::kStaged) << n;
   }
   // Overrides, where eligible.
   const detail::DecodeProblem b1 = heuristic_problem(1, 1, DType::kFloat32),
@@ -348,11 +368,51 @@ TEST(DecodeHeuristics, KernelChoice) {
   EXPECT_EQ(pick(b1, Override::kTile), K::kTile);
   EXPECT_EQ(pick(b1, Override::kStaged), K::kStaged);
   EXPECT_EQ(pick(b1, Override::kBulk), K::kBulk);
+  EXPECT_EQ(pick(b1, Override::kBulkLatency), K::kBulkLatency);
   EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32), Override::kBulkLatency),
             K::kBulkLatency);
   EXPECT_EQ(pick(b1t2, Override::kBulkLatency),
             K::kStagedLatency);  // not eligible: the default choice
   EXPECT_EQ(pick(kf, Override::kBulk), K::kTile);
+  // The warp kernel: any T, dense or varlen, any batch; fp32 V-first aligned pools only.
+  EXPECT_EQ(pick(b1t2, Override::kWarp), K::kWarp);
+  EXPECT_EQ(pick(v, Override::kWarp), K::kWarp);
+  EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32), Override::kWarp), K::kWarp);
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16), Override::kWarp), K::kBulkLatency);
+  EXPECT_EQ(pick(kf, Override::kWarp), K::kTile);
+  EXPECT_EQ(pick(un, Override::kWarp), K::kTile);
+}
+
+TEST(DecodeHeuristics, WarpConfig) {
+  using cuda::choose_warp_config;
+  const int sms = 132;
+  auto config = [&](int64_t N, int rows = 0,
+                    detail::DecodeStateCache cache = detail::DecodeStateCache::kAuto) {
+    detail::Tuning t;
+    t.decode_warp_rows = rows;
+    t.decode_warp_cache = cache;
+    return choose_warp_config(heuristic_problem(N, 1, DType::kFloat32), sms, t);
+  };
+  // Rows per warp: 8 up to 64 value rows per SM (B = 2: 8192 <= 8448), then 16.
+  EXPECT_EQ(config(1).rows, 8);
+  EXPECT_EQ(config(2).rows, 8);
+  EXPECT_EQ(config(3).rows, 16);
+  EXPECT_EQ(config(8).rows, 16);
+  // The normal L2 policy while the touched state fits 24 MiB (B = 12 at 2 MiB per row), else
+  // streaming.
+  EXPECT_FALSE(config(1).stream);
+  EXPECT_FALSE(config(8).stream);
+  EXPECT_FALSE(config(12).stream);
+  EXPECT_TRUE(config(13).stream);
+  EXPECT_TRUE(config(256).stream);
+  // Overrides.
+  for (int rows : {4, 8, 16}) {
+    EXPECT_EQ(config(1, rows).rows, rows);
+    EXPECT_EQ(config(256, rows).rows, rows);
+  }
+  EXPECT_EQ(config(1, 5).rows, 8);  // not a valid row count: the heuristic's
+  EXPECT_TRUE(config(1, 0, detail::DecodeStateCache::kStream).stream);
+  EXPECT_FALSE(config(256, 0, detail::DecodeStateCache::kNormal).stream);
 }
 
 }  // namespace

@@ -22,11 +22,16 @@
 namespace kda::detail {
 
 // KDA_CUDA_DECODE_KERNEL: the decode kernel to run where it is eligible (else the default choice).
-enum class DecodeKernelOverride { kAuto, kBaseline, kTile, kStaged, kBulk, kBulkLatency };
+enum class DecodeKernelOverride { kAuto, kBaseline, kTile, kStaged, kBulk, kBulkLatency, kWarp };
+
+// KDA_CUDA_DECODE_WARP_CACHE: the L2 policy of the warp kernel's state loads and stores.
+enum class DecodeStateCache { kAuto, kNormal, kStream };
 
 struct Tuning {
   bool pdl = true;  // KDA_CUDA_PDL: programmatic dependent launch
   DecodeKernelOverride decode_kernel = DecodeKernelOverride::kAuto;  // KDA_CUDA_DECODE_KERNEL
+  int decode_warp_rows = 0;  // KDA_CUDA_DECODE_WARP_ROWS: 4/8/16 rows per warp (0: heuristic)
+  DecodeStateCache decode_warp_cache = DecodeStateCache::kAuto;  // KDA_CUDA_DECODE_WARP_CACHE
   int prefill_vs = 0;          // KDA_CUDA_PREFILL_VS: 16/32/64/128 (0: heuristic)
   bool prefill_ksplit = true;  // KDA_CUDA_PREFILL_KSPLIT: K split at vs <= 32
   bool prefill_wgmma = true;   // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
@@ -64,6 +69,13 @@ Tuning parse_tuning(Get&& get) {
   if (is(s, "staged")) t.decode_kernel = DecodeKernelOverride::kStaged;
   if (is(s, "bulk")) t.decode_kernel = DecodeKernelOverride::kBulk;
   if (is(s, "bulklat")) t.decode_kernel = DecodeKernelOverride::kBulkLatency;
+  if (is(s, "warp")) t.decode_kernel = DecodeKernelOverride::kWarp;
+  s = get("KDA_CUDA_DECODE_WARP_ROWS");
+  if (is(s, "4") || is(s, "8") || is(s, "16"))
+    t.decode_warp_rows = static_cast<int>(tuning_digits(s));
+  s = get("KDA_CUDA_DECODE_WARP_CACHE");
+  if (is(s, "normal")) t.decode_warp_cache = DecodeStateCache::kNormal;
+  if (is(s, "stream")) t.decode_warp_cache = DecodeStateCache::kStream;
   s = get("KDA_CUDA_PREFILL_VS");
   const long vs = tuning_digits(s);
   if ((vs == 16 || vs == 32 || vs == 64 || vs == 128) && s[0] != '0')

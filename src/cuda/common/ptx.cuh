@@ -17,9 +17,15 @@ namespace kda::cuda {
 // then waits until every grid this one depends on has completed and its memory is visible.
 // Nothing is read or written in global memory before the wait, so a PDL launch is exactly as
 // ordered as a plain one. Without the launch attribute both instructions do nothing.
-__device__ __forceinline__ void pdl_prologue() {
+// pdl_launch_dependents() and pdl_wait() are its two halves, for a kernel that does work between
+// them that reads no global memory (kernel parameters and shared memory only).
+__device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+}
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_prologue() {
+  pdl_launch_dependents();
+  pdl_wait();
 }
 
 // The lane index, re-read at every use (volatile: the compiler neither hoists nor keeps it live

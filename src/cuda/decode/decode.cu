@@ -47,8 +47,17 @@
 // of <= 2 blocks per SM and with every bf16 pool (docs/perf_decode.md, "a latency variant of the
 // bulk kernel").
 //
-// Every kernel starts with pdl_prologue() and is launched with programmatic dependent launch
-// (common/launch.cuh): the next kernel's launch overlaps this one's tail.
+// Warp kernel (decode/warp.cuh, the default for dense single-token fp32 calls of at most 512 value
+// rows per SM, B <= 16 at HV = 32 on 132 SMs): one warp per 4, 8 or 16 value rows of one head, the
+// rows in registers (lane l holds k = 4 l .. 4 l + 3 of each), token preprocessing by every lane
+// for its own k (no shared memory, no block barrier), the k sums as warp reduce-scatters; kernel
+// parameters pulled into the constant caches before the PDL wait; the state through L2 with the
+// normal policy when the call's rows fit in 24 MiB (a CUDA graph of steps then reads the previous
+// step's state from L2), else streaming (heuristics/decode.h, choose_warp_config).
+//
+// Every kernel starts with pdl_prologue() (the warp kernel: its two halves, with parameter-only
+// work between them) and is launched with programmatic dependent launch (common/launch.cuh): the
+// next kernel's launch overlaps this one's tail.
 //
 // Byte model (what the benchmark counts): state 2 x B x HV x K x V x sizeof(state) (read once,
 // written once; more writes with per-token states) + q, k, v, g, beta, out once each. The extra
@@ -60,8 +69,9 @@
 // outside the passes: -DKDA_PTXAS_VERBOSE=ON shows them).
 //
 // Kernels (one family per header of decode/): decode_bulk_kernel<StateT, kSlots, kLatency> (6
-// instantiations), decode_staged_kernel<StateT, kLatency> (4), decode_tile_kernel<kMaxK, StateT,
-// kKFirst> (12), and decode_baseline_kernel, the tested reference. choose_kernel
+// instantiations), decode_staged_kernel<StateT, kLatency> (4), decode_warp_kernel<kRows> (3),
+// decode_tile_kernel<kMaxK, StateT, kKFirst> (12), and decode_baseline_kernel, the tested
+// reference. choose_kernel
 // (heuristics/decode.h, host only, tested in the CPU build) is the one heuristic;
 // Tuning::decode_kernel (KDA_CUDA_DECODE_KERNEL) overrides it where eligible (docs/tuning.md). A
 // persistent, software-pipelined kernel was measured slower and removed (docs/perf_decode.md).
@@ -83,6 +93,7 @@
 #include "cuda/decode/bulk.cuh"
 #include "cuda/decode/staged.cuh"
 #include "cuda/decode/tile.cuh"
+#include "cuda/decode/warp.cuh"
 #include "cuda/heuristics/decode.h"
 
 namespace kda::cuda {
@@ -221,6 +232,24 @@ Status launch_bulk(const DecodeArgs& a, DeviceAttributes& d, int64_t blocks, boo
                            d, which, KernelSlot::kBulk, blocks, stream, a);
 }
 
+// The warp kernel: kRows value rows per warp, four warps per block.
+Status launch_warp(const DecodeArgs& a, const DecodeWarpConfig& c, cudaStream_t stream) {
+  const int64_t warps = a.N * a.HV * (a.V / c.rows);
+  const int64_t blocks = (warps + kWarpThreads / 32 - 1) / (kWarpThreads / 32);
+  if (warps > INT32_MAX)
+    return {StatusCode::kUnsupported, "q",
+            "N x HV x V/" + std::to_string(c.rows) + " = " + std::to_string(warps) +
+                " warps exceed the grid limit; split the batch"};
+  DecodeArgs w = a;
+  w.state_stream = c.stream;
+  void (*kernel)(DecodeArgs) = c.rows == 4   ? decode_warp_kernel<4>
+                               : c.rows == 8 ? decode_warp_kernel<8>
+                                             : decode_warp_kernel<16>;
+  KDA_CUDA_CHECK(
+      launch_kernel(kernel, dim3(static_cast<unsigned>(blocks)), dim3(kWarpThreads), 0, stream, w));
+  return Status::Ok();
+}
+
 }  // namespace
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices) {
@@ -260,6 +289,8 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
                                  dim3(static_cast<unsigned>(a.V)), 0, stream, a, k_first));
     return Status::Ok();
   }
+  if (kernel == DecodeKernel::kWarp)
+    return launch_warp(a, choose_warp_config(pr, info->sms, tuning), stream);
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   if (blocks > INT32_MAX)
     return {StatusCode::kUnsupported, "q",

@@ -48,6 +48,7 @@ struct DecodeArgs {
   bool has_final_state = false, has_intermediate = false;
   bool use_initial_state = true, store_final_state = true;
   bool use_qk_l2norm = true, beta_logits = false, allow_neg_eigval = false, beta_per_v = false;
+  bool state_stream = true;  // warp kernel: state loads / stores with the streaming cache hint
 };
 
 __device__ __forceinline__ float head_exp_A(const DecodeArgs& a, int hv) {

@@ -54,26 +54,50 @@ __device__ __forceinline__ int64_t token_slot(const DecodeArgs& a, int64_t n, in
   return rules::pool_slot(index_at(a, n, t), a.P);
 }
 
-// The index loads that resolve a dense row's read slot (resolve_row without varlen), issued
-// ahead of their use: state_indices[n, 0] and num_accepted[n].
-struct RowRaw {
-  int64_t idx0, acc;
+// An index element as loaded, converted at its first use (index_value): the low 32 bits, and the
+// high 32 bits of an int64 index (0 for int32). The two loads have no branch between them and no
+// conversion right behind them, so the warp issues its next loads without waiting for these.
+struct RawIndex {
+  uint32_t lo = 0, hi = 0;
 };
 
-__device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
-  RowRaw r{-1, 1};
-  if (a.has_indices && (!a.indices_2d || a.Tmax > 0))
-    r.idx0 = load_index(a.state_indices, n * a.state_indices.s0);
-  if (a.has_num_accepted) r.acc = load_index(a.num_accepted_tokens, n * a.num_accepted_tokens.s0);
+__device__ __forceinline__ RawIndex load_index_raw(const IndexTensor& t, int64_t off) {
+  const uint32_t* p = static_cast<const uint32_t*>(t.data) + (t.is64 ? 2 * off : off);
+  RawIndex r;
+  r.lo = p[0];
+  if (t.is64) r.hi = p[1];
   return r;
 }
 
-// resolve_row(a, n).slot for a dense row (len = T), from the prefetched loads.
+__device__ __forceinline__ int64_t index_value(const RawIndex& r, bool is64) {
+  return is64 ? static_cast<int64_t>((static_cast<uint64_t>(r.hi) << 32) | r.lo)
+              : static_cast<int64_t>(static_cast<int32_t>(r.lo));
+}
+
+// The index loads that resolve a dense row's read slot (resolve_row without varlen), issued
+// ahead of their use: state_indices[n, 0] and num_accepted[n].
+struct RowRaw {
+  RawIndex idx0, acc;
+};
+
+__device__ __forceinline__ RowRaw load_row_raw(const DecodeArgs& a, int64_t n) {
+  RowRaw r;
+  if (a.has_indices && (!a.indices_2d || a.Tmax > 0))
+    r.idx0 = load_index_raw(a.state_indices, n * a.state_indices.s0);
+  if (a.has_num_accepted)
+    r.acc = load_index_raw(a.num_accepted_tokens, n * a.num_accepted_tokens.s0);
+  return r;
+}
+
+// resolve_row(a, n).slot for a dense row (len = T), from the loads issued ahead.
 __device__ __forceinline__ int64_t finish_row_slot(const DecodeArgs& a, int64_t n,
                                                    const RowRaw& r) {
-  return rules::decode_read_slot(
-             row_indexing(a), n, a.T, r.acc,
-             [&](int64_t col) { return col == 0 ? r.idx0 : index_at(a, n, col); })
+  const int64_t acc = a.has_num_accepted ? index_value(r.acc, a.num_accepted_tokens.is64) : 1;
+  return rules::decode_read_slot(row_indexing(a), n, a.T, acc,
+                                 [&](int64_t col) {
+                                   return col == 0 ? index_value(r.idx0, a.state_indices.is64)
+                                                   : index_at(a, n, col);
+                                 })
       .slot;
 }
 

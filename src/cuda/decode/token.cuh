@@ -1,7 +1,8 @@
 // token.cuh — per-token preprocessing of the decode kernels: l2 norms, scale, gate -> decay,
 // beta activation. stage_token (one copy per warp, the tile kernel), load_raw_token / prep_token
 // (raw loads issued early, converted late; one copy per block, the staged and bulk
-// kernels), and the L2 prefetch of a row's later tokens.
+// kernels), prep_lane (the same in registers, one copy per warp: the warp kernel), and the L2
+// prefetch of a row's later tokens.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -151,9 +152,21 @@ __device__ __forceinline__ void load_raw_token(const DecodeArgs& a, int64_t n, i
   r.A_log = a.A_log != nullptr ? a.A_log[hv * a.A_log_s0] : 0.f;
 }
 
-// Preprocesses one token (full-warp l2 norms, as stage_token) into the stage's token slot.
-__device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane,
-                                           PreparedToken& dst) {
+// load_raw_token for a lane whose v and beta are those of value row v_row (any layout of rows over
+// lanes; q, k, g and dt_bias as above).
+__device__ __forceinline__ void load_raw_token_row(const DecodeArgs& a, int64_t n, int64_t tok,
+                                                   int h, int hv, int v_row, int lane,
+                                                   RawToken& r) {
+  load_raw_token(a, n, tok, h, hv, v_row - lane, lane, r);
+}
+
+// Preprocesses one token (full-warp l2 norms, as stage_token) and hands this lane's part to
+// `sink`, in this order: sink.q(q) (l2-normalized, scaled), sink.k(k) (l2-normalized),
+// sink.decay(exp(a_t)), each a float4 at k = 4 lane .. 4 lane + 3, then sink.v(v) and
+// sink.beta(beta) (activated) of the lane's value row (load_raw_token_row's v_row).
+template <class Sink>
+__device__ __forceinline__ void prep_token_to(const DecodeArgs& a, const RawToken& r, int lane,
+                                              Sink&& sink) {
   const int k0 = lane * 4;
   const float exp_A = a.A_log != nullptr ? expf(r.A_log) : 1.f;
   float q[4] = {0.f, 0.f, 0.f, 0.f}, k[4] = {0.f, 0.f, 0.f, 0.f}, d[4] = {1.f, 1.f, 1.f, 1.f};
@@ -177,15 +190,58 @@ __device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& 
     q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
     k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
   }
-  *reinterpret_cast<float4*>(&dst.q[k0]) =
-      make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale, (q[2] * q_norm) * a.scale,
-                  (q[3] * q_norm) * a.scale);
-  *reinterpret_cast<float4*>(&dst.k[k0]) =
-      make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm);
-  *reinterpret_cast<float4*>(&dst.decay[k0]) = make_float4(d[0], d[1], d[2], d[3]);
-  dst.v[lane] = convert_elem(r.v, a.v.dtype);
-  dst.beta[lane] = detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval,
-                                                convert_elem(r.beta, a.beta.dtype));
+  sink.q(make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale,
+                     (q[2] * q_norm) * a.scale, (q[3] * q_norm) * a.scale));
+  sink.k(make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm));
+  sink.decay(make_float4(d[0], d[1], d[2], d[3]));
+  sink.v(convert_elem(r.v, a.v.dtype));
+  sink.beta(detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval,
+                                         convert_elem(r.beta, a.beta.dtype)));
+}
+
+// prep_token_to into the stage's token slot (one block's copy, every lane of warp 0 storing its
+// part).
+__device__ __forceinline__ void prep_token(const DecodeArgs& a, const RawToken& r, int lane,
+                                           PreparedToken& dst) {
+  struct Slot {
+    PreparedToken& dst;
+    int lane;
+    __device__ __forceinline__ void q(float4 x) {
+      *reinterpret_cast<float4*>(&dst.q[4 * lane]) = x;
+    }
+    __device__ __forceinline__ void k(float4 x) {
+      *reinterpret_cast<float4*>(&dst.k[4 * lane]) = x;
+    }
+    __device__ __forceinline__ void decay(float4 x) {
+      *reinterpret_cast<float4*>(&dst.decay[4 * lane]) = x;
+    }
+    __device__ __forceinline__ void v(float x) { dst.v[lane] = x; }
+    __device__ __forceinline__ void beta(float x) { dst.beta[lane] = x; }
+  };
+  Slot sink{dst, lane};
+  prep_token_to(a, r, lane, sink);
+}
+
+// One lane's part of a preprocessed token in registers (prep_token_to): q, k and decay at
+// k = 4 lane .. 4 lane + 3, v and beta of the lane's value row.
+struct LaneToken {
+  float4 q, k, decay;
+  float v, beta;
+};
+
+__device__ __forceinline__ LaneToken prep_lane(const DecodeArgs& a, const RawToken& r, int lane) {
+  struct Regs {
+    LaneToken& t;
+    __device__ __forceinline__ void q(float4 x) { t.q = x; }
+    __device__ __forceinline__ void k(float4 x) { t.k = x; }
+    __device__ __forceinline__ void decay(float4 x) { t.decay = x; }
+    __device__ __forceinline__ void v(float x) { t.v = x; }
+    __device__ __forceinline__ void beta(float x) { t.beta = x; }
+  };
+  LaneToken t;
+  Regs sink{t};
+  prep_token_to(a, r, lane, sink);
+  return t;
 }
 
 }  // namespace kda::cuda::dec

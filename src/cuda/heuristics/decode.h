@@ -15,20 +15,28 @@ namespace kda::cuda {
 inline constexpr int64_t kDecodeFastK = 128;
 
 // kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per
-// SM.
-enum class DecodeKernel { kBaseline, kTile, kStaged, kStagedLatency, kBulk, kBulkLatency };
+// SM. kWarp: the warp kernel (kRows value rows per warp, state in registers).
+enum class DecodeKernel { kBaseline, kTile, kStaged, kStagedLatency, kBulk, kBulkLatency, kWarp };
+
+// The warp kernel takes dense single-token fp32 calls of at most this many value rows
+// (N x HV x V) per SM: B <= 16 at HV = 32, V = 128 on 132 SMs.
+inline constexpr int64_t kDecodeWarpMaxRowsPerSm = 512;
 
 // The one kernel heuristic. `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
 //   V-first, K = V = 128, pool rows 16-byte aligned (and every state tensor the bulk kernels
 //   write):
+//     fp32 pool, dense single-token calls of <= kDecodeWarpMaxRowsPerSm
+//     value rows per SM                                                 -> kWarp
 //     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
 //     fp32 pool, >= 64 blocks per SM                                    -> kBulk
 //     other grids of <= 2 blocks per SM                                 -> kStagedLatency
 //     otherwise (any T, dense or varlen, every index / output mode)     -> kStaged
 //   everything else (K-first, K != 128, unaligned pools)                -> kTile
-// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 128 blocks (<= 264)
-// -> kBulkLatency; B = 32 is 4096 blocks -> kStaged; B = 256 is 32768 blocks (>= 64 x 132 =
-// 8448) -> kBulk; with a bf16 pool every dense T = 1 call -> kBulkLatency.
+// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 4096 value rows
+// (31 per SM) and B = 8 is 32768 (248 per SM) -> kWarp; B = 32 is 4096 blocks -> kStaged;
+// B = 256 is 32768 blocks (>= 64 x 132 = 8448) -> kBulk; with a bf16 pool every dense T = 1 call
+// -> kBulkLatency. The warp kernel also runs T > 1 and varlen calls when Tuning::decode_kernel
+// asks for it (tested); the default keeps those on the staged kernel, where they were measured.
 // Measured on the H200 (docs/perf_decode.md): the bulk kernel streams faster once there are many
 // waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy
 // has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us); the bulk latency variant
@@ -54,6 +62,10 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
   if (want == Override::kBulk && bulk_ok) return DecodeKernel::kBulk;
   const bool one_token = !pr.d.varlen && pr.d.T == 1;
   if (want == Override::kBulkLatency && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
+  const bool warp_ok = pr.state.dtype == DType::kFloat32;
+  if (want == Override::kWarp && warp_ok) return DecodeKernel::kWarp;
+  if (warp_ok && one_token && pr.d.N * pr.d.HV * pr.d.V <= kDecodeWarpMaxRowsPerSm * sms)
+    return DecodeKernel::kWarp;
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   const bool small_grid = blocks <= int64_t{2} * sms;
   if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16))
@@ -61,6 +73,36 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
   if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32)
     return DecodeKernel::kBulk;
   return small_grid ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
+}
+
+// The warp kernel's launch: value rows per warp and the L2 policy of its state accesses.
+struct DecodeWarpConfig {
+  int rows = 8;         // 4, 8 or 16 value rows per warp
+  bool stream = false;  // state loads / stores with the streaming (evict-first) hint
+};
+
+// The warp kernel's rows are 8 while the call has <= 64 value rows per SM (B <= 2 at HV = 32 on
+// 132 SMs: ~4-8 warps per SM, the shortest per-warp chain that fills the SMs), else 16 (half the
+// redundant token preprocessing per row; a B = 8 grid is 2048 warps, 12 resident per SM at 168
+// registers: 1.3 waves, 96 KB of state in flight per SM). The state goes through L2 with the
+// normal policy while the rows the call touches fit in kDecodeWarpL2Bytes (B <= 12 at HV = 32),
+// so that a state written by one call is still in L2 when the next call (the next step of the
+// same layer in a CUDA graph of steps) reads it; larger calls stream it (evict-first), as the
+// other kernels do. Tuning::decode_warp_rows / decode_warp_cache override either.
+inline constexpr int64_t kDecodeWarpL2Bytes = int64_t{24} << 20;
+
+inline DecodeWarpConfig choose_warp_config(const detail::DecodeProblem& pr, int sms,
+                                           const detail::Tuning& tuning) {
+  DecodeWarpConfig c;
+  const int64_t rows = pr.d.N * pr.d.HV * pr.d.V;
+  c.rows = rows <= int64_t{64} * sms ? 8 : 16;
+  if (tuning.decode_warp_rows == 4 || tuning.decode_warp_rows == 8 || tuning.decode_warp_rows == 16)
+    c.rows = tuning.decode_warp_rows;
+  const int64_t state_bytes = rows * pr.d.K * static_cast<int64_t>(dtype_size(pr.state.dtype));
+  c.stream = state_bytes > kDecodeWarpL2Bytes;
+  if (tuning.decode_warp_cache == detail::DecodeStateCache::kNormal) c.stream = false;
+  if (tuning.decode_warp_cache == detail::DecodeStateCache::kStream) c.stream = true;
+  return c;
 }
 
 }  // namespace kda::cuda
