@@ -140,7 +140,7 @@ TEST(PrefillHeuristics, PlanOnReferenceCases) {
       {"P1", false, 8192, 1, 96, 0, 128, true},      {"P2", false, 8192, 1, 64, 0, 64, false},
       {"P3", true, 10192, 6, 96, 0, 128, true},      {"P4", true, 8192, 8, 96, 0, 128, true},
       {"P5", false, 32768, 1, 32, 8192, 128, false}, {"P6", false, 4096, 16, 32, 0, 128, true},
-      {"P7", false, 2048, 1, 32, 0, 64, false},      {"S1", false, 1024, 1, 4, 256, 64, false},
+      {"P7", false, 2048, 1, 32, 0, 64, false},      {"S1", false, 1024, 1, 4, 0, 64, false},
       {"S2", false, 2048, 1, 12, 512, 64, false},    {"S3", false, 4096, 1, 8, 512, 128, false},
       {"S4", false, 8192, 1, 12, 2048, 64, false},   {"S5", false, 16384, 1, 4, 1024, 128, false},
       {"S6", false, 8192, 2, 8, 1024, 128, false},   {"S7", false, 4096, 4, 16, 0, 64, false},
