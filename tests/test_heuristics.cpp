@@ -325,17 +325,16 @@ TEST(DecodeHeuristics, KernelChoice) {
     return choose_kernel(pr, sms, t);
   };
   // Dense single-token calls (the benchmark's shapes).
-  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kWarp);     // 31 value rows per SM
-  EXPECT_EQ(pick(heuristic_problem(8, 1, DType::kFloat32)), K::kWarp);     // 248
-  EXPECT_EQ(pick(heuristic_problem(16, 1, DType::kFloat32)), K::kWarp);    // 496 <= 512
-  EXPECT_EQ(pick(heuristic_problem(17, 1, DType::kFloat32)), K::kStaged);  // 2176 blocks
-  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);  // 4096 blocks
-  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);   // >= 64 blocks per SM
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);  // 128 blocks
+  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)), K::kBulkLatency);  // 256 <= 264
+  EXPECT_EQ(pick(heuristic_problem(8, 1, DType::kFloat32)), K::kStaged);       // 1024 blocks
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);      // 4096 blocks
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);  // >= 64 blocks per SM
   EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
   EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16)), K::kBulkLatency);    // no bf16 warp
   EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
   EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
-  // Several tokens, varlen: neither the warp kernel nor the bulk kernel's latency variant.
+  // Several tokens, varlen: not the bulk kernel's latency variant.
   EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
   EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
   EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kBFloat16)), K::kStaged);
@@ -352,14 +351,13 @@ TEST(DecodeHeuristics, KernelChoice) {
   detail::DecodeProblem k64 = heuristic_problem(1, 1, DType::kFloat32);
   k64.d.K = k64.d.V = 64;
   EXPECT_EQ(pick(k64), K::kTile);
-  // A written state tensor with unaligned rows: no bulk kernel (the warp kernel stores it with
-  // scalar stores).
+  // A written state tensor with unaligned rows: no bulk kernel.
   for (int64_t n : {int64_t{1}, int64_t{256}}) {
     detail::DecodeProblem fs = heuristic_problem(n, 1, DType::kFloat32);
     fs.final_state = make_view(static_cast<char*>(fs.state.data) + 4, DType::kFloat32,
                                {n, 32, 128, 128}, Device::kCUDA);
-    EXPECT_EQ(pick(fs), n == 1 ? K::kWarp : K::kStaged) << n;
-    EXPECT_EQ(pick(fs, Override::kBulkLatency), n == 1 ? K::kWarp : K::kStaged) << n;
+    EXPECT_EQ(pick(fs), n == 1 ? K::kStagedLatency : K::kStaged) << n;
+    EXPECT_EQ(pick(fs, Override::kBulkLatency), n == 1 ? K::kStagedLatency : K::kStaged) << n;
   }
   // Overrides, where eligible.
   const detail::DecodeProblem b1 = heuristic_problem(1, 1, DType::kFloat32),
@@ -374,7 +372,7 @@ TEST(DecodeHeuristics, KernelChoice) {
   EXPECT_EQ(pick(b1t2, Override::kBulkLatency),
             K::kStagedLatency);  // not eligible: the default choice
   EXPECT_EQ(pick(kf, Override::kBulk), K::kTile);
-  // The warp kernel: any T, dense or varlen, any batch; fp32 V-first aligned pools only.
+  // The warp kernel (forced only): any T, dense or varlen, any batch; fp32 V-first aligned pools.
   EXPECT_EQ(pick(b1t2, Override::kWarp), K::kWarp);
   EXPECT_EQ(pick(v, Override::kWarp), K::kWarp);
   EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32), Override::kWarp), K::kWarp);

@@ -18,32 +18,26 @@ inline constexpr int64_t kDecodeFastK = 128;
 // SM. kWarp: the warp kernel (kRows value rows per warp, state in registers).
 enum class DecodeKernel { kBaseline, kTile, kStaged, kStagedLatency, kBulk, kBulkLatency, kWarp };
 
-// The warp kernel takes dense single-token fp32 calls of at most this many value rows
-// (N x HV x V) per SM: B <= 16 at HV = 32, V = 128 on 132 SMs.
-inline constexpr int64_t kDecodeWarpMaxRowsPerSm = 512;
-
 // The one kernel heuristic. `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
 //   V-first, K = V = 128, pool rows 16-byte aligned (and every state tensor the bulk kernels
 //   write):
-//     fp32 pool, dense single-token calls of <= kDecodeWarpMaxRowsPerSm
-//     value rows per SM                                                 -> kWarp
 //     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
 //     fp32 pool, >= 64 blocks per SM                                    -> kBulk
 //     other grids of <= 2 blocks per SM                                 -> kStagedLatency
 //     otherwise (any T, dense or varlen, every index / output mode)     -> kStaged
 //   everything else (K-first, K != 128, unaligned pools)                -> kTile
-// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 4096 value rows
-// (31 per SM) and B = 8 is 32768 (248 per SM) -> kWarp; B = 32 is 4096 blocks -> kStaged;
-// B = 256 is 32768 blocks (>= 64 x 132 = 8448) -> kBulk; with a bf16 pool every dense T = 1 call
-// -> kBulkLatency. The warp kernel also runs T > 1 and varlen calls when Tuning::decode_kernel
-// asks for it (tested); the default keeps those on the staged kernel, where they were measured.
-// Measured on the H200 (docs/perf_decode.md): the bulk kernel streams faster once there are many
-// waves of blocks (fp32 B = 256: 314 vs 336 us; B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy
-// has a longer latency than 128 threads' cp.async (B = 1: 10.5 vs 9.7 us); the bulk latency variant
-// (bulk copy in, s' stored from registers) at B = 1 in a 20-call graph 4.53 us against 5.06 for the
-// staged latency variant, bf16 state at B = 256 193 vs 233 us. The baseline kernel runs only when
-// Tuning::decode_kernel asks for it; any override applies where the kernel is eligible (otherwise
-// the default choice).
+// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 128 blocks (<= 264)
+// -> kBulkLatency; B = 32 is 4096 blocks -> kStaged; B = 256 is 32768 blocks (>= 64 x 132 = 8448)
+// -> kBulk; with a bf16 pool every dense T = 1 call -> kBulkLatency. The warp kernel runs only when
+// Tuning::decode_kernel asks for it (any T, dense or varlen; tested): in a 20-call graph it
+// measured slower than the bulk latency kernel at B = 1, 8 and 32 (4.66-5.13 vs 4.13 us, 10.6
+// vs 10.27 us, 38.0 vs 36.9 us; docs/perf_decode.md). Measured on the H200 (docs/perf_decode.md):
+// the bulk kernel streams faster once there are many waves of blocks (fp32 B = 256: 314 vs 336 us;
+// B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy has a longer latency than 128 threads'
+// cp.async (B = 1: 10.5 vs 9.7 us); the bulk latency variant (bulk copy in, s' stored from
+// registers) at B = 1 in a 20-call graph 4.53 us against 5.06 for the staged latency variant, bf16
+// state at B = 256 193 vs 233 us. The baseline kernel runs only when Tuning::decode_kernel asks for
+// it; any override applies where the kernel is eligible (otherwise the default choice).
 inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
                                   const detail::Tuning& tuning) {
   using Override = detail::DecodeKernelOverride;
@@ -64,8 +58,6 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
   if (want == Override::kBulkLatency && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
   const bool warp_ok = pr.state.dtype == DType::kFloat32;
   if (want == Override::kWarp && warp_ok) return DecodeKernel::kWarp;
-  if (warp_ok && one_token && pr.d.N * pr.d.HV * pr.d.V <= kDecodeWarpMaxRowsPerSm * sms)
-    return DecodeKernel::kWarp;
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   const bool small_grid = blocks <= int64_t{2} * sms;
   if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16))
