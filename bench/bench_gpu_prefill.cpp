@@ -9,7 +9,7 @@
 // beta at 2 bytes per (token, head), and the initial + final state (fp32) once each; the floor is
 // those bytes at 4.3 TB/s (targets.md).
 //
-// Usage: bench_gpu_prefill [--csv PATH] [--json PATH] [--iters N] [--case P3] [--no-check]
+// Usage: bench_gpu_prefill [--csv PATH] [--json PATH] [--iters N] [--case P3[,S1,...]] [--no-check]
 //                          [--sweep]
 // --sweep: per case, also the median of 10 calls for every segment size (off, 128 .. 8192 tokens)
 // x value split (16, 32, 64, 128; chunk 64, and chunk 16 at 128), one line per configuration and
@@ -492,7 +492,9 @@ int main(int argc, char** argv) {
   double log_sum_s = 0;
   int count_s = 0;
   for (const Case& c : cases()) {
-    if (!only.empty() && only != c.name) continue;
+    if (!only.empty() &&
+        ("," + only + ",").find(std::string(",") + c.name + ",") == std::string::npos)
+      continue;
     std::string seqs;
     if (c.varlen) {
       seqs = "varlen";

@@ -270,7 +270,8 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 // (heuristics/prefill.h), kScanStages shared-memory stages of (Mt, the local rows), the start rows.
 inline constexpr int kScanThreads = 32 * kScanRows / 2, kScanStages = 3;  // two rows per warp
 inline constexpr int kScanSmemBytes =
-    (kScanStages * (kHeadDim * kHeadDim + kScanRows * kHeadDim) + kScanRows * kHeadDim) * 4;
+    (kScanStages * (kHeadDim * kHeadDim + kScanRows * kHeadDim) + kScanRows * kHeadDim) * 4 +
+    8 * kScanStages;  // + the stages' mbarriers
 static_assert(kScanSmemBytes <= 232448, "segment scan shared memory");
 
 // Sequence n's segment slots [first, first + count) (heuristics/prefill.h prefill_segment_slots):

@@ -11,9 +11,11 @@
 //
 //
 // One block per (sequence, value head, kScanRows = 16 rows of S^T): warp w owns rows 2w, 2w + 1,
-// lane l their columns 4 l .. 4 l + 3. Each step's Mt (64 KB) and local rows (8 KB) arrive by
-// cp.async into one of three shared-memory stages, two steps ahead; x_start rows sit in shared
-// memory (read as broadcasts). A step is 1,024 FMA per thread.
+// lane l their columns 4 l .. 4 l + 3. Each step's Mt (64 KB) and local rows (8 KB, contiguous)
+// arrive by bulk copies (one thread, an mbarrier per stage) into one of three shared-memory
+// stages, two steps ahead: the copy engine, not per-thread cp.async requests, keeps the bytes in
+// flight (per-thread cp.async measured ~4 us per step, bound by the requests an SM keeps in
+// flight). x_start rows sit in shared memory (read as broadcasts). A step is 1,024 FMA per thread.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -39,33 +41,36 @@ __global__ void __launch_bounds__(kScanThreads)
   if (r.count <= 2) return;
   constexpr int kMt = kHeadDim * kHeadDim, kRows = kScanRows * kHeadDim;  // floats per stage part
   float* const x = scan_smem + kScanStages * (kMt + kRows);               // x_start [16][128]
-  // Stage j % 3 of step j: Mt[first + j] and the local rows of this block.
-  auto stage = [&](int64_t j) { return scan_smem + (j % kScanStages) * (kMt + kRows); };
+  const uint32_t bar0 = smem_addr(x + kRows);                             // kScanStages mbarriers
+  // Step j (1 .. last) uses stage (j - 1) % 3 for the ((j - 1) / 3)-th time: Mt[first + j] and the
+  // local rows of this block.
+  auto slot_of = [](int64_t j) { return static_cast<uint32_t>((j - 1) % kScanStages); };
+  auto stage = [&](int64_t j) { return scan_smem + slot_of(j) * (kMt + kRows); };
   const int64_t last =
       r.first + r.count - 1 < p.seg_slots ? r.count - 2 : p.seg_slots - r.first - 2;
   if (last < 1) return;
-  auto issue = [&](int64_t j) {
-    if (j <= last) {
-      const int64_t s = r.first + j;
-      float* const mt = stage(j);
-      const float* gm = seg_row(p.seg_trans, s, hv, 0);
-      const float* gl = seg_row(p.seg_local, s, hv, row0);
-      for (int i = tid; i < kMt / 4; i += kScanThreads)
-        cp_async_16(smem_addr(mt + 4 * i), gm + 4 * i);
-      for (int i = tid; i < kRows / 4; i += kScanThreads)
-        cp_async_16(smem_addr(mt + kMt + 4 * i), gl + 4 * i);
-    }
-    cp_async_commit();  // a group per step, empty past the last
-  };
+  if (tid == 0) {
+    for (int i = 0; i < kScanStages; ++i) mbar_init(bar0 + 8 * i, 1);
+    fence_mbar_init();
+  }
   for (int i = tid; i < kRows / 4; i += kScanThreads)
     *reinterpret_cast<float4*>(x + 4 * i) =
         *reinterpret_cast<const float4*>(seg_row(p.seg_start, r.first + 1, hv, row0) + 4 * i);
-  issue(1);
-  issue(2);
+  __syncthreads();               // the barriers initialized
+  auto issue = [&](int64_t j) {  // thread 0
+    if (j > last) return;
+    const int64_t s = r.first + j;
+    const uint32_t mt = smem_addr(stage(j)), bar = bar0 + 8 * slot_of(j);
+    const uint8_t* gm = reinterpret_cast<const uint8_t*>(seg_row(p.seg_trans, s, hv, 0));
+    fence_proxy_async();  // the stage's earlier generic reads before the copy that refills it
+    mbar_arrive_expect_tx(bar, (kMt + kRows) * 4);
+    for (int off = 0; off < kMt * 4; off += 32768) bulk_copy_g2s(mt + off, gm + off, 32768, bar);
+    bulk_copy_g2s(mt + kMt * 4, seg_row(p.seg_local, s, hv, row0), kRows * 4, bar);
+  };
+  if (tid == 0)
+    for (int64_t j = 1; j <= kScanStages; ++j) issue(j);
   for (int64_t j = 1; j <= last; ++j) {
-    issue(j + 2);
-    cp_async_wait<kScanStages - 1>();
-    __syncthreads();  // step j's stage and the previous step's x rows visible to every thread
+    mbar_wait(bar0 + 8 * slot_of(j), static_cast<uint32_t>(((j - 1) / kScanStages) & 1));
     const float* mt = stage(j);
     const float* x0 = x + (2 * warp) * kHeadDim;
     float4 a0 = *reinterpret_cast<const float4*>(mt + kMt + (2 * warp) * kHeadDim + 4 * lane);
@@ -83,13 +88,15 @@ __global__ void __launch_bounds__(kScanThreads)
       a1.z = fmaf(w, m.z, a1.z);
       a1.w = fmaf(w, m.w, a1.w);
     }
-    __syncthreads();  // every read of x and of this stage done
+    __syncthreads();                       // every read of x and of this stage done
+    if (tid == 0) issue(j + kScanStages);  // into this step's stage
     *reinterpret_cast<float4*>(x + (2 * warp) * kHeadDim + 4 * lane) = a0;
     *reinterpret_cast<float4*>(x + (2 * warp + 1) * kHeadDim + 4 * lane) = a1;
     const int64_t s = r.first + j;
     *reinterpret_cast<float4*>(seg_row(p.seg_start, s + 1, hv, row0 + 2 * warp) + 4 * lane) = a0;
     *reinterpret_cast<float4*>(seg_row(p.seg_start, s + 1, hv, row0 + 2 * warp + 1) + 4 * lane) =
         a1;
+    __syncthreads();  // this step's x rows written for the next step's reads
   }
 }
 
