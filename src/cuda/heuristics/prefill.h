@@ -101,9 +101,9 @@ inline constexpr int kScanRows = 16, kScanBlocksPerHead = 128 / kScanRows;
 // 64-token chunk per block in 2.3 us on the one-warpgroup wgmma path (vs = 64), 2.9 us on two
 // warpgroups (vs = 128), 4.0 us as four 16-token steps, 3.5 us on mma.sync; 12 us per recurrence
 // pass beyond that; the prepare kernel 72 ns per 64-token record and value head (53 ns for four
-// 16-token ones), at least 25 us; 3 us per scan step and wave of scan blocks; 4 us for the extra
+// 16-token ones), at least 25 us; 4 us per scan step and wave of scan blocks; 4 us for the extra
 // launches of a segmented call.
-inline constexpr double kModelPassUs = 12, kModelScanStepUs = 3, kModelPrepareMinUs = 25;
+inline constexpr double kModelPassUs = 12, kModelScanStepUs = 4, kModelPrepareMinUs = 25;
 // Segments' two extra launches (host time and launch gaps): a segmented plan must win by more.
 inline constexpr double kModelSegmentLaunchUs = 4;
 inline double model_chunk_us(const RecurrenceChoice& r) {
