@@ -266,12 +266,14 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 // Segments
 // ---------------------------------------------------------------------------------------------
 
-// The segment scan (segments.cuh): blocks of kScanThreads threads over kScanRows rows of S^T
-// (heuristics/prefill.h), kScanStages shared-memory stages of (Mt, the local rows), the start rows.
-inline constexpr int kScanThreads = 32 * kScanRows / 2, kScanStages = 3;  // two rows per warp
+// The segment scan (segments.cuh): blocks of kScanThreads threads (8 warps) over kScanRows = 16
+// rows of S^T; shared memory: kScanStages stages of Mt, the start rows transposed (row stride
+// kScanXStride), the warps' partial products (row stride kScanRedStride), the stages' mbarriers.
+inline constexpr int kScanThreads = 256, kScanStages = 2, kScanXStride = 20, kScanRedStride = 132;
 inline constexpr int kScanSmemBytes =
-    (kScanStages * (kHeadDim * kHeadDim + kScanRows * kHeadDim) + kScanRows * kHeadDim) * 4 +
-    8 * kScanStages;  // + the stages' mbarriers
+    kScanStages * kHeadDim * kHeadDim * 4 + kHeadDim * kScanXStride * 4 +
+    (kScanThreads / 32) * kScanRows * kScanRedStride * 4 + 8 * kScanStages;
+static_assert(kScanRows == 16, "the scan's thread mapping");
 static_assert(kScanSmemBytes <= 232448, "segment scan shared memory");
 
 // Sequence n's segment slots [first, first + count) (heuristics/prefill.h prefill_segment_slots):

@@ -10,12 +10,14 @@
 // (no rounding of the operands). Pass 2 runs segments 1 .. count - 1 from seg_start.
 //
 //
-// One block per (sequence, value head, kScanRows = 16 rows of S^T): warp w owns rows 2w, 2w + 1,
-// lane l their columns 4 l .. 4 l + 3. Each step's Mt (64 KB) and local rows (8 KB, contiguous)
-// arrive by bulk copies (one thread, an mbarrier per stage) into one of three shared-memory
-// stages, two steps ahead: the copy engine, not per-thread cp.async requests, keeps the bytes in
-// flight (per-thread cp.async measured ~4 us per step, bound by the requests an SM keeps in
-// flight). x_start rows sit in shared memory (read as broadcasts). A step is 1,024 FMA per thread.
+// One block per (sequence, value head, kScanRows = 16 rows of S^T). A step's product x Mt is split
+// over k: warp w multiplies the 16 rows' k in [16 w, 16 w + 16) into all 128 columns (lane l:
+// columns 4 l .. 4 l + 3, 64 accumulators), so each Mt element is read from shared memory once
+// per block (reading all of Mt in every warp made the step bound by shared-memory bandwidth,
+// ~4 us); the 8 partial products are summed through shared memory with the local rows (loaded
+// from global memory at the step's start). Mt (64 KB, contiguous) arrives by bulk copies into
+// one of two stages one step ahead. The start rows sit in shared memory transposed (x^T[k][row],
+// row stride 20 floats: 16 rows of a k as four broadcast float4 loads, conflict-free stores).
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -39,13 +41,12 @@ __global__ void __launch_bounds__(kScanThreads)
   const int row0 = rb * kScanRows;
   const SegRange r = seg_range(p, n, seq_span(p, n));
   if (r.count <= 2) return;
-  constexpr int kMt = kHeadDim * kHeadDim, kRows = kScanRows * kHeadDim;  // floats per stage part
-  float* const x = scan_smem + kScanStages * (kMt + kRows);               // x_start [16][128]
-  const uint32_t bar0 = smem_addr(x + kRows);                             // kScanStages mbarriers
-  // Step j (1 .. last) uses stage (j - 1) % 3 for the ((j - 1) / 3)-th time: Mt[first + j] and the
-  // local rows of this block.
+  constexpr int kMt = kHeadDim * kHeadDim;          // floats of a stage
+  float* const xt = scan_smem + kScanStages * kMt;  // x_start^T [128][kScanXStride]
+  float* const red = xt + kHeadDim * kScanXStride;  // partials [8][16][kScanRedStride]
+  const uint32_t bar0 = smem_addr(red + (kScanThreads / 32) * kScanRows * kScanRedStride);
+  // Step j (1 .. last) uses stage (j - 1) % 2 for the ((j - 1) / 2)-th time.
   auto slot_of = [](int64_t j) { return static_cast<uint32_t>((j - 1) % kScanStages); };
-  auto stage = [&](int64_t j) { return scan_smem + slot_of(j) * (kMt + kRows); };
   const int64_t last =
       r.first + r.count - 1 < p.seg_slots ? r.count - 2 : p.seg_slots - r.first - 2;
   if (last < 1) return;
@@ -53,50 +54,79 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int i = 0; i < kScanStages; ++i) mbar_init(bar0 + 8 * i, 1);
     fence_mbar_init();
   }
-  for (int i = tid; i < kRows / 4; i += kScanThreads)
-    *reinterpret_cast<float4*>(x + 4 * i) =
-        *reinterpret_cast<const float4*>(seg_row(p.seg_start, r.first + 1, hv, row0) + 4 * i);
-  __syncthreads();               // the barriers initialized
+  for (int i = tid; i < kScanRows * kHeadDim; i += kScanThreads)  // x^T[k][row] = x[row][k]
+    xt[(i % kHeadDim) * kScanXStride + i / kHeadDim] =
+        seg_row(p.seg_start, r.first + 1, hv, row0 + i / kHeadDim)[i % kHeadDim];
+  __syncthreads();               // the barriers initialized, x^T written
   auto issue = [&](int64_t j) {  // thread 0
     if (j > last) return;
-    const int64_t s = r.first + j;
-    const uint32_t mt = smem_addr(stage(j)), bar = bar0 + 8 * slot_of(j);
-    const uint8_t* gm = reinterpret_cast<const uint8_t*>(seg_row(p.seg_trans, s, hv, 0));
+    const uint32_t mt = smem_addr(scan_smem + slot_of(j) * kMt), bar = bar0 + 8 * slot_of(j);
+    const uint8_t* gm = reinterpret_cast<const uint8_t*>(seg_row(p.seg_trans, r.first + j, hv, 0));
     fence_proxy_async();  // the stage's earlier generic reads before the copy that refills it
-    mbar_arrive_expect_tx(bar, (kMt + kRows) * 4);
+    mbar_arrive_expect_tx(bar, kMt * 4);
     for (int off = 0; off < kMt * 4; off += 32768) bulk_copy_g2s(mt + off, gm + off, 32768, bar);
-    bulk_copy_g2s(mt + kMt * 4, seg_row(p.seg_local, s, hv, row0), kRows * 4, bar);
   };
-  if (tid == 0)
-    for (int64_t j = 1; j <= kScanStages; ++j) issue(j);
+  if (tid == 0) issue(1);
+  // The sum phase's outputs of this thread: row sr, column groups sc and sc + 16 (4 columns each).
+  const int sr = tid % kScanRows, sc = tid / kScanRows;
   for (int64_t j = 1; j <= last; ++j) {
-    mbar_wait(bar0 + 8 * slot_of(j), static_cast<uint32_t>(((j - 1) / kScanStages) & 1));
-    const float* mt = stage(j);
-    const float* x0 = x + (2 * warp) * kHeadDim;
-    float4 a0 = *reinterpret_cast<const float4*>(mt + kMt + (2 * warp) * kHeadDim + 4 * lane);
-    float4 a1 = *reinterpret_cast<const float4*>(mt + kMt + (2 * warp + 1) * kHeadDim + 4 * lane);
-#pragma unroll 8
-    for (int k = 0; k < kHeadDim; ++k) {
-      const float4 m = *reinterpret_cast<const float4*>(mt + k * kHeadDim + 4 * lane);
-      const float u = x0[k], w = x0[kHeadDim + k];
-      a0.x = fmaf(u, m.x, a0.x);
-      a0.y = fmaf(u, m.y, a0.y);
-      a0.z = fmaf(u, m.z, a0.z);
-      a0.w = fmaf(u, m.w, a0.w);
-      a1.x = fmaf(w, m.x, a1.x);
-      a1.y = fmaf(w, m.y, a1.y);
-      a1.z = fmaf(w, m.z, a1.z);
-      a1.w = fmaf(w, m.w, a1.w);
-    }
-    __syncthreads();                       // every read of x and of this stage done
-    if (tid == 0) issue(j + kScanStages);  // into this step's stage
-    *reinterpret_cast<float4*>(x + (2 * warp) * kHeadDim + 4 * lane) = a0;
-    *reinterpret_cast<float4*>(x + (2 * warp + 1) * kHeadDim + 4 * lane) = a1;
     const int64_t s = r.first + j;
-    *reinterpret_cast<float4*>(seg_row(p.seg_start, s + 1, hv, row0 + 2 * warp) + 4 * lane) = a0;
-    *reinterpret_cast<float4*>(seg_row(p.seg_start, s + 1, hv, row0 + 2 * warp + 1) + 4 * lane) =
-        a1;
-    __syncthreads();  // this step's x rows written for the next step's reads
+    const float* gl = seg_row(p.seg_local, s, hv, row0 + sr);
+    const float4 l0 = *reinterpret_cast<const float4*>(gl + 4 * sc);
+    const float4 l1 = *reinterpret_cast<const float4*>(gl + 4 * (sc + 16));
+    if (tid == 0) issue(j + 1);  // into the stage step j - 1 read
+    mbar_wait(bar0 + 8 * slot_of(j), static_cast<uint32_t>(((j - 1) / kScanStages) & 1));
+    const float* mk = scan_smem + slot_of(j) * kMt + (16 * warp) * kHeadDim + 4 * lane;
+    const float* xk = xt + (16 * warp) * kScanXStride;
+    float acc[kScanRows][4];
+#pragma unroll
+    for (int q = 0; q < kScanRows; ++q) acc[q][0] = acc[q][1] = acc[q][2] = acc[q][3] = 0.f;
+#pragma unroll 4
+    for (int kk = 0; kk < 16; ++kk) {
+      const float4 m = *reinterpret_cast<const float4*>(mk + kk * kHeadDim);
+      float xr[kScanRows];
+#pragma unroll
+      for (int q = 0; q < kScanRows / 4; ++q) {
+        const float4 v = *reinterpret_cast<const float4*>(xk + kk * kScanXStride + 4 * q);
+        xr[4 * q] = v.x;
+        xr[4 * q + 1] = v.y;
+        xr[4 * q + 2] = v.z;
+        xr[4 * q + 3] = v.w;
+      }
+#pragma unroll
+      for (int q = 0; q < kScanRows; ++q) {
+        acc[q][0] = fmaf(xr[q], m.x, acc[q][0]);
+        acc[q][1] = fmaf(xr[q], m.y, acc[q][1]);
+        acc[q][2] = fmaf(xr[q], m.z, acc[q][2]);
+        acc[q][3] = fmaf(xr[q], m.w, acc[q][3]);
+      }
+    }
+    float* const mine = red + warp * kScanRows * kScanRedStride + 4 * lane;
+#pragma unroll
+    for (int q = 0; q < kScanRows; ++q)
+      *reinterpret_cast<float4*>(mine + q * kScanRedStride) =
+          make_float4(acc[q][0], acc[q][1], acc[q][2], acc[q][3]);
+    __syncthreads();  // the partials written; every read of x^T and of this stage done
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int c4 = sc + 16 * half;
+      float4 v = half == 0 ? l0 : l1;
+#pragma unroll
+      for (int w = 0; w < kScanThreads / 32; ++w) {
+        const float4 t =
+            *reinterpret_cast<const float4*>(red + (w * kScanRows + sr) * kScanRedStride + 4 * c4);
+        v.x += t.x;
+        v.y += t.y;
+        v.z += t.z;
+        v.w += t.w;
+      }
+      xt[(4 * c4) * kScanXStride + sr] = v.x;
+      xt[(4 * c4 + 1) * kScanXStride + sr] = v.y;
+      xt[(4 * c4 + 2) * kScanXStride + sr] = v.z;
+      xt[(4 * c4 + 3) * kScanXStride + sr] = v.w;
+      *reinterpret_cast<float4*>(seg_row(p.seg_start, s + 1, hv, row0 + sr) + 4 * c4) = v;
+    }
+    __syncthreads();  // x^T updated for the next step; every read of the partials done
   }
 }
 
