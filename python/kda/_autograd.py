@@ -31,9 +31,8 @@ OPTIONS = ("scale", "use_qk_l2norm", "gate", "lower_bound", "beta_logits", "allo
            "state_layout", "backend", "num_threads")
 # Gradients the extension computes in fp32 whatever the input's dtype (then cast to it).
 _FP32_GRADS = ("dA_log", "ddt_bias")
-# Arguments of kda.prefill that the differentiable path refuses: preallocated outputs, and the
-# serving modes (a pool, checkpoints) that the backward does not have.
-_OUTPUTS = ("out", "final_state")
+# Arguments of kda.prefill that the differentiable path refuses: the serving modes (a pool,
+# checkpoints), which the backward does not have.
 _SERVING = ("state_pool", "state_indices", "checkpoints", "checkpoint_offsets")
 
 _grad_enabled = torch.is_grad_enabled
@@ -157,24 +156,30 @@ def backward(ctx: Any, d_out: OptTensor, d_final_state: OptTensor) -> Tuple[OptT
 
 
 class PrefillFunction(torch.autograd.Function):
-    """(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, options) -> (out,
-    final_state), eagerly. ``options`` holds kda.prefill's keyword options (OPTIONS)."""
+    """(q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens, out, final_state, options)
+    -> (out, final_state), eagerly. ``out`` / ``final_state``: preallocated outputs or None
+    (written in place and marked dirty); ``options`` holds kda.prefill's OPTIONS."""
 
     @staticmethod
     def forward(ctx: Any, q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
                 A_log: OptTensor, dt_bias: OptTensor, initial_state: OptTensor,
-                cu_seqlens: OptTensor, options: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
-        out, final_state = api.prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
-                                       cu_seqlens=cu_seqlens, initial_state=initial_state,
-                                       output_final_state=True, **options)
+                cu_seqlens: OptTensor, out: OptTensor, final_state: OptTensor,
+                options: Dict[str, Any]) -> Tuple[Tensor, Tensor]:
+        result = api.prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                             cu_seqlens=cu_seqlens, initial_state=initial_state,
+                             output_final_state=True, out=out, final_state=final_state,
+                             **options)
         save(ctx, (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens), options)
-        return out, final_state
+        given = [t for t in (out, final_state) if t is not None]
+        if given:
+            ctx.mark_dirty(*given)
+        return result
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, d_out: OptTensor,
                  d_final_state: OptTensor) -> Tuple[OptTensor, ...]:
-        return (*backward(ctx, d_out, d_final_state), None, None)
+        return (*backward(ctx, d_out, d_final_state), None, None, None, None)
 
 
 def _setup_context(ctx: Any, inputs: Tuple[Any, ...], output: Any) -> None:
@@ -210,28 +215,30 @@ FORWARD, BACKWARD = _register()
 # ---------------------------------------------------------------------------------------------
 
 def prefill(tensors: Tuple[Any, ...], options: Dict[str, Any], output_final_state: Any,
-            refused: Dict[str, Any], checkpoint_every: Any) -> Any:
+            out: Any, final_state: Any, serving: Dict[str, Any], checkpoint_every: Any) -> Any:
     """kda.prefill when an input requires grad: `tensors` are INPUTS then cu_seqlens, `options`
-    the OPTIONS; `refused` the arguments this path refuses (their values)."""
+    the OPTIONS, `out` / `final_state` preallocated outputs or None (written in place, as part
+    of the graph); `serving` the pool and checkpoint arguments, which this path refuses."""
     traced = _torch_ops.compiling()
     names = None if traced else api.NAMES.get()
-    output_final_state = api._check_bool("output_final_state", output_final_state, names)
-    for arg in _OUTPUTS + _SERVING:
-        if refused[arg] is not None:
-            name = api._name(arg, names)
-            if arg in _OUTPUTS:
-                raise ValueError(f"argument '{name}': expected None when an input requires grad "
-                                 "(a preallocated output is not differentiable); run under "
-                                 "torch.no_grad() to write into it")
-            raise NotImplementedError(f"argument '{name}': the prefill backward has no pool or "
-                                      "checkpoints; run serving calls under torch.no_grad()")
+    for arg in _SERVING:
+        if serving[arg] is not None:
+            raise NotImplementedError(f"argument '{api._name(arg, names)}': the prefill backward "
+                                      "has no pool or checkpoints; run serving calls under "
+                                      "torch.no_grad() or torch.inference_mode()")
     if checkpoint_every != 0:
         raise NotImplementedError(f"argument '{api._name('checkpoint_every', names)}': the "
                                   "prefill backward has no checkpoints (expected 0 when an "
                                   "input requires grad)")
+    want_final = (api._check_bool("output_final_state", output_final_state, names)
+                  or final_state is not None)
     if traced and FORWARD is not None:  # traced by torch.compile: the functional op
         options = _canonical(options)
-        out, final_state = FORWARD(*tensors, *(options[n] for n in OPTIONS))
+        o, h = FORWARD(*tensors, *(options[n] for n in OPTIONS))
+        if out is not None:  # written in place (the graph records the copy)
+            o = out.copy_(o)
+        if final_state is not None:
+            h = final_state.copy_(h)
     else:
-        out, final_state = PrefillFunction.apply(*tensors, options)
-    return (out, final_state) if output_final_state else out
+        o, h = PrefillFunction.apply(*tensors, out, final_state, options)
+    return (o, h) if want_final else o

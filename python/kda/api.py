@@ -169,8 +169,8 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     the gradients of q, k, v, g, beta, A_log, dt_bias and initial_state in their dtypes, from
     the gradients of ``out`` and ``final_state``, through the analytic fp64 reference backward
     (``kda._autograd``; CPU tensors: on CUDA tensors ``backward()`` raises NotImplementedError,
-    there is no CUDA backward yet). Such a call takes no ``out`` / ``final_state`` (ValueError)
-    and no pool or checkpoints (NotImplementedError); ``workspace`` is not used.
+    there is no CUDA backward yet). A given ``out`` / ``final_state`` is written in place as
+    part of the graph; pools and checkpoints raise NotImplementedError; ``workspace`` is unused.
 
     Raises:
         TypeError: an argument of the wrong type (the message names it).
@@ -188,10 +188,10 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
                      lower_bound=lower_bound, beta_logits=beta_logits,
                      allow_neg_eigval=allow_neg_eigval, state_layout=state_layout,
                      backend=backend, num_threads=num_threads),
-                output_final_state,
-                dict(out=out, final_state=final_state, state_pool=state_pool,
-                     state_indices=state_indices, checkpoints=checkpoints,
-                     checkpoint_offsets=checkpoint_offsets), checkpoint_every)
+                output_final_state, out, final_state,
+                dict(state_pool=state_pool, state_indices=state_indices,
+                     checkpoints=checkpoints, checkpoint_offsets=checkpoint_offsets),
+                checkpoint_every)
         if ops.compiling():  # traced by torch.compile: straight to the op
             arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,

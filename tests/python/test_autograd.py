@@ -2,6 +2,9 @@
 custom op's autograd formula under torch.compile, the no-grad path, refused arguments and the
 missing CUDA backward. Skipped without torch; CUDA tests skipped without a GPU."""
 
+import os
+import shutil
+
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -173,6 +176,47 @@ def test_torch_compile_fullgraph_backward(varlen):
         assert torch.equal(tc[n].grad, te[n].grad), n
 
 
+def test_torch_compile_preallocated_outputs():
+    """Under torch.compile a given out / final_state receives the functional op's results as
+    in-place copies (the graph records them); gradients equal eager ones bitwise."""
+    x, _ = inputs(T=10, seed=6)
+
+    def step(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        o, h = torch.empty(v.shape), torch.empty(initial_state.shape)
+        kda.prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=initial_state,
+                    out=o, final_state=h, **GATE)
+        return o.square().sum() + h.square().sum()
+
+    torch._dynamo.reset()
+    te, tc = leaves(x), leaves(x)
+    step(*(te[n] for n in NAMES)).backward()
+    torch.compile(step, backend="aot_eager", fullgraph=True)(*(tc[n] for n in NAMES)).backward()
+    for n in NAMES:
+        assert tc[n].grad.abs().sum() > 0 and torch.equal(tc[n].grad, te[n].grad), n
+
+
+@pytest.mark.skipif(not shutil.which(os.environ.get("CXX", "c++")), reason="no C++ compiler")
+def test_torch_compile_inductor_backward():
+    """The default backend (inductor) compiles the forward and backward graphs around the ops;
+    the gradients equal eager ones to fp32 rounding (inductor fuses the loss's elementwise
+    work), and a second call with another length runs the compiled code again."""
+    def step(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        out, final = kda.prefill(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias,
+                                 initial_state=initial_state, output_final_state=True, **GATE)
+        return (out * 2).square().sum() + final.square().sum()
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True)
+    for T in (8, 13):
+        x, _ = inputs(T=T, seed=T)
+        te, tc = leaves(x), leaves(x)
+        step(*(te[n] for n in NAMES)).backward()
+        compiled(*(tc[n] for n in NAMES)).backward()
+        for n in NAMES:
+            assert tc[n].grad.abs().sum() > 0, n
+            torch.testing.assert_close(tc[n].grad, te[n].grad, rtol=1e-5, atol=1e-6, msg=n)
+
+
 # --- the no-grad path ----------------------------------------------------------------------------
 
 def test_no_grad_path_does_no_autograd_work(monkeypatch):
@@ -193,6 +237,39 @@ def test_no_grad_path_does_no_autograd_work(monkeypatch):
     assert calls == [1] and out.grad_fn is not None and final.grad_fn is not None
 
 
+def test_preallocated_outputs_are_written_in_the_graph():
+    """A given out / final_state is written in place and carries the gradient (as a torch
+    in-place op); the drop-in FlashKDA / MATE functions, which pass them, differentiate too."""
+    x, _ = inputs(T=10, H=2, HV=2)
+    x["g"] = -torch.exp(x["g"] - 1.5)
+    want = grads(x, gate="precomputed", beta_logits=False)
+    t = leaves(x)
+    out, final = torch.full_like(x["v"], 7.0), torch.full_like(x["initial_state"], 7.0)
+    a = dict(t)
+    res = kda.prefill(a.pop("q"), a.pop("k"), a.pop("v"), a.pop("g"), a.pop("beta"), **a,
+                      out=out, final_state=final)
+    assert res[0] is out and res[1] is final and out.grad_fn is not None
+    loss_of(out, final).backward()
+    for n in NAMES:
+        assert torch.equal(t[n].grad, want[n]), n
+    # FlashKDA's fwd (writes o and final_state) and MATE's chunk_kda (lower-bound gate).
+    q, k, v, g, beta, A_log, dt_bias, h0 = (t[n] for n in NAMES)
+    for n in NAMES:
+        t[n].grad = None
+    o, h = torch.empty_like(x["v"]), torch.empty_like(x["initial_state"])
+    kda.fwd(q, k, v, g, beta, None, o, A_log, dt_bias, -5.0, initial_state=h0, final_state=h)
+    (o.sum() + h.sum()).backward()
+    first = {n: t[n].grad for n in NAMES}
+    assert all(first[n].abs().sum() > 0 for n in NAMES)
+    for n in NAMES:
+        t[n].grad = None
+    o2, h2 = kda.chunk_kda(q, k, v, g, beta, A_log=A_log, dt_bias=dt_bias, initial_state=h0,
+                           output_final_state=True)
+    (o2.sum() + h2.sum()).backward()
+    for n in NAMES:
+        assert torch.equal(t[n].grad, first[n]), n
+
+
 # --- refused arguments and the missing CUDA backward ---------------------------------------------
 
 def test_refused_arguments_name_themselves():
@@ -200,10 +277,8 @@ def test_refused_arguments_name_themselves():
     t = leaves(x)
     a = {n: t[n] for n in ("A_log", "dt_bias")}
     qkvgb = [t[n] for n in ("q", "k", "v", "g", "beta")]
-    with pytest.raises(ValueError, match="argument 'out'"):
-        kda.prefill(*qkvgb, **a, **GATE, out=torch.empty_like(x["v"]))
-    with pytest.raises(ValueError, match="argument 'final_state'"):
-        kda.prefill(*qkvgb, **a, **GATE, final_state=torch.empty_like(x["initial_state"]))
+    with pytest.raises(ValueError, match="argument 'out'"):  # the forward's own validation
+        kda.prefill(*qkvgb, **a, **GATE, out=torch.empty_like(x["v"])[..., :8])
     with pytest.raises(NotImplementedError, match="argument 'state_pool'"):
         kda.prefill(*qkvgb, **a, **GATE, state_pool=torch.zeros(4, 4, 16, 16),
                     state_indices=torch.tensor([0, 1], dtype=torch.int32))
