@@ -39,16 +39,17 @@ class caller_names:
         return False
 
 _TORCH_OPS: Any = None
+_AUTOGRAD: Any = None
 
 
 def _torch_module() -> Any:
     """kda._torch_ops, imported (torch registered with the extension, the custom ops defined) on
-    first use with torch tensors; afterwards a module global, which torch.compile reads without
-    tracing an import."""
-    global _TORCH_OPS
+    first use with torch tensors, and kda._autograd with it; afterwards module globals, which
+    torch.compile reads without tracing an import."""
+    global _TORCH_OPS, _AUTOGRAD
     if _TORCH_OPS is None:
-        from . import _torch_ops
-        _TORCH_OPS = _torch_ops
+        from . import _autograd, _torch_ops
+        _TORCH_OPS, _AUTOGRAD = _torch_ops, _autograd
     return _TORCH_OPS
 
 
@@ -164,6 +165,13 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     Returns:
         ``out``, or ``(out, final_state)`` when ``output_final_state`` or ``final_state`` is given.
 
+    Differentiable (torch tensors, grad mode on, an input requiring grad): ``backward()`` gives
+    the gradients of q, k, v, g, beta, A_log, dt_bias and initial_state in their dtypes, from
+    the gradients of ``out`` and ``final_state``, through the analytic fp64 reference backward
+    (``kda._autograd``; CPU tensors: on CUDA tensors ``backward()`` raises NotImplementedError,
+    there is no CUDA backward yet). A given ``out`` / ``final_state`` is written in place as
+    part of the graph; pools and checkpoints raise NotImplementedError; ``workspace`` is unused.
+
     Raises:
         TypeError: an argument of the wrong type (the message names it).
         ValueError: a bad shape, dtype, stride, device, index or option value (named).
@@ -173,6 +181,17 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     torch = _arrays.is_torch(q)
     if torch:
         ops = _TORCH_OPS if _TORCH_OPS is not None else _torch_module()
+        if _AUTOGRAD.needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+            return _AUTOGRAD.prefill(
+                (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens),
+                dict(scale=scale, use_qk_l2norm=use_qk_l2norm, gate=gate,
+                     lower_bound=lower_bound, beta_logits=beta_logits,
+                     allow_neg_eigval=allow_neg_eigval, state_layout=state_layout,
+                     backend=backend, num_threads=num_threads),
+                output_final_state, out, final_state,
+                dict(state_pool=state_pool, state_indices=state_indices,
+                     checkpoints=checkpoints, checkpoint_offsets=checkpoint_offsets),
+                checkpoint_every)
         if ops.compiling():  # traced by torch.compile: straight to the op
             arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,

@@ -326,14 +326,11 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
 
     if ckpt is None and _needs_grad(q, k, v, g, beta, options["A_log"], options["dt_bias"],
                                     initial_state):
-        # Differentiable (kda._autograd: the analytic backward, CPU tensors; CUDA tensors raise
-        # NotImplementedError from backward()).
-        from ._autograd import PrefillFunction
-        options = dict(options, scale=scale, use_qk_l2norm=use_qk_l2norm_in_kernel,
-                       state_layout=layout)
-        A_log, dt_bias = options.pop("A_log"), options.pop("dt_bias")
-        o, ht = _call(PrefillFunction.apply, q, k, v, g, beta, A_log, dt_bias, initial_state,
-                      cu_seqlens, options)
+        # Differentiable through kda.prefill (kda._autograd; CPU tensors: CUDA tensors raise
+        # NotImplementedError from backward()), which allocates the final state itself.
+        o, ht = _call(prefill, q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
+                      use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
+                      output_final_state=True, state_layout=layout, **options)
         return o, (ht if output_final_state else None)
     o = _call(prefill, q, k, v, g, beta, cu_seqlens=cu_seqlens, scale=scale,
               use_qk_l2norm=use_qk_l2norm_in_kernel, initial_state=initial_state,
