@@ -96,6 +96,16 @@ if has racecheck; then
       rc=$?
       note "racecheck (vs = $vs: wgmma) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_vs$vs.log" | tail -1)"
     done
+    # The segmented prefill (forced 64-token segments: pass 1 / 2 and the scan), and the scan alone
+    # (its stages are refilled by bulk copies, which racecheck does not model for the passes).
+    KDA_CUDA_PREFILL_SEGMENT=64 timeout 200 compute-sanitizer --tool racecheck --racecheck-report hazard --error-exitcode 9 \
+      --kernel-name kns=segment_scan ./$B/tests/kda_gpu_tests --gtest_filter='*PrefillSmoke*' --gtest_brief=1 >"$OUT/racecheck_scan.log" 2>&1
+    rc=$?
+    note "racecheck (segment scan) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/racecheck_scan.log" | tail -1)"
+    KDA_CUDA_PREFILL_SEGMENT=64 timeout 200 compute-sanitizer --tool synccheck --error-exitcode 9 \
+      ./$B/tests/kda_gpu_tests --gtest_filter='*PrefillSmoke*:GpuPrefillSegments.*' --gtest_brief=1 >"$OUT/synccheck_seg.log" 2>&1
+    rc=$?
+    note "synccheck (segments) rc=$rc: $(grep -E 'ERROR SUMMARY' "$OUT/synccheck_seg.log" | tail -1)"
   else
     note "racecheck: compute-sanitizer not found"
   fi
