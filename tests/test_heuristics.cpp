@@ -149,7 +149,7 @@ TEST(PrefillHeuristics, PlanOnReferenceCases) {
   };
   for (const Want& w : want) {
     const cuda::pf::PrefillPlan p = prefill_plan(w.varlen, w.T, w.N, w.HV, 132, tuning({}));
-    EXPECT_EQ(p.seg.tokens, w.tokens) << w.name;
+    EXPECT_EQ(p.segment_tokens, w.tokens) << w.name;
     EXPECT_EQ(p.rec.vs, w.vs) << w.name;
     EXPECT_EQ(p.rec.chunk16, w.chunk16) << w.name;
     EXPECT_GT(p.predicted_us, 0) << w.name;
@@ -240,20 +240,20 @@ TEST(PrefillHeuristics, PlanUnderTuning) {
   using cuda::pf::prefill_plan;
   const detail::Tuning t = tuning({});
   // Nothing to split: one chunk, or no tokens.
-  EXPECT_EQ(prefill_plan(false, 64, 1, 4, 132, t).seg.tokens, 0);
-  EXPECT_EQ(prefill_plan(false, 0, 1, 4, 132, t).seg.tokens, 0);
+  EXPECT_EQ(prefill_plan(false, 64, 1, 4, 132, t).segment_tokens, 0);
+  EXPECT_EQ(prefill_plan(false, 0, 1, 4, 132, t).segment_tokens, 0);
   // A forced segment size, value split or record length fixes that dimension only.
   const auto forced =
       prefill_plan(false, 8192, 1, 96, 132, tuning({{"KDA_CUDA_PREFILL_SEGMENT", "256"}}));
-  EXPECT_EQ(forced.seg.tokens, 256);
+  EXPECT_EQ(forced.segment_tokens, 256);
   EXPECT_FALSE(forced.rec.chunk16);  // segmented: 64-token records unless 16 are forced
   EXPECT_EQ(prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_SEGMENT", "off"}}))
-                .seg.tokens,
+                .segment_tokens,
             0);
   const auto vs32 = prefill_plan(false, 65536, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_VS", "32"}}));
   EXPECT_EQ(vs32.rec.vs, 32);
   EXPECT_TRUE(vs32.rec.ksplit);
-  EXPECT_GT(vs32.seg.tokens, 0);
+  EXPECT_GT(vs32.segment_tokens, 0);
   const auto c16 =
       prefill_plan(false, 65536, 1, 4, 132,
                    tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}, {"KDA_CUDA_PREFILL_VS", "128"}}));

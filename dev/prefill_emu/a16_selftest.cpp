@@ -58,7 +58,8 @@ void run(const PrefillCase& c) {
   std::vector<uint8_t> ws(need + 256, 0xff);  // poisoned: a record part not written reads as NaN
   Params p;
   int64_t pb = 0, rb = 0;
-  s = make_params(pr, ws.data(), 132, detail::tuning(), &p, &pb, &rb);
+  size_t need_p = 0;
+  s = make_params(pr, ws.data(), 132, detail::tuning(), &p, &pb, &rb, &need_p);
   if (!s.ok()) {
     std::printf("  params failed: %s\n", s.to_string().c_str());
     ++failures;

@@ -60,14 +60,6 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
   }
 }
 
-// The recurrence kernel of a path (as prefill.cu's recurrence_for).
-template <bool kFp16, bool kSeg>
-static void (*recurrence_of(const Params& p))(Params) {
-  if (p.chunk16) return recurrence_kernel<kFp16, false, true, true, kSeg>;
-  if (p.ksplit) return recurrence_kernel<kFp16, true, false, false, kSeg>;
-  if (p.wgmma) return recurrence_kernel<kFp16, false, true, false, kSeg>;
-  return recurrence_kernel<kFp16, false, false, false, kSeg>;
-}
 // The value split forced to vs_override (0: the heuristic's), then the kernels as the host
 // launches them (plan_launches).
 template <bool kFp16>
@@ -93,12 +85,14 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
                l.threads, l.smem, p);
         break;
       case PrefillKernel::kRecurrence:
-        launch(recurrence_of<kFp16, false>(p), l.blocks, l.threads, l.smem, p);
+        launch(recurrence_kernel_of<kFp16, false>(recurrence_path(p)), l.blocks, l.threads, l.smem,
+               p);
         break;
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
         pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1 ? 1 : 2;
-        launch(recurrence_of<kFp16, true>(p), l.blocks, l.threads, l.smem, pass);
+        launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads, l.smem,
+               pass);
         break;
       case PrefillKernel::kSegmentScan:
         launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);
@@ -117,7 +111,8 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
 static Status emu_problem(const detail::PrefillProblem& pr, void* wsp, int vs_override) {
   Params p;
   int64_t pb = 0, rb = 0;
-  Status s = make_params(pr, wsp, 132, detail::tuning(), &p, &pb, &rb);
+  size_t need = 0;
+  Status s = make_params(pr, wsp, 132, detail::tuning(), &p, &pb, &rb, &need);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, pr.q.dtype == DType::kFloat16);
   return Status::Ok();
@@ -132,7 +127,8 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   std::vector<uint8_t> ws(need + 256, 0xff);
   Params p;
   int64_t pb = 0, rb = 0;
-  s = make_params(pr, need ? ws.data() : nullptr, 132, detail::tuning(), &p, &pb, &rb);
+  size_t need_p = 0;
+  s = make_params(pr, need ? ws.data() : nullptr, 132, detail::tuning(), &p, &pb, &rb, &need_p);
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, fp16);
   return Status::Ok();

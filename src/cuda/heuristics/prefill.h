@@ -83,11 +83,8 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
 // segment its true start; pass 2 reruns the later segments from it. Chains of pass 1 per
 // (sequence, value head): 1 + 2 (s - 2); of pass 2: s - 1 (s segments). Varlen: the mean sequence
 // length stands in for the (device-side) lengths; any choice is exact for every length.
-struct SegmentPlan {
-  int64_t tokens = 0;  // tokens per segment; 0: one segment per sequence
-};
 struct PrefillPlan {
-  SegmentPlan seg;
+  int64_t segment_tokens = 0;  // tokens per segment; 0: one segment per sequence
   RecurrenceChoice rec;
   double predicted_us = 0;
 };
@@ -160,7 +157,7 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
         const double us = predicted_prefill_us(len, records, N, HV, seg, r, sms);
         if (!found || us < best.predicted_us) {
           found = true;
-          best.seg.tokens = seg;
+          best.segment_tokens = seg;
           best.rec = r;
           best.predicted_us = us;
         }

@@ -67,15 +67,15 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
 }
 // One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
 inline constexpr size_t kSegStateBytes = size_t{kHeadDim} * kHeadDim * 4;
-inline int64_t segment_slots(const detail::PrefillProblem& pr, const SegmentPlan& plan) {
-  return prefill_segment_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N, plan.tokens);
+inline int64_t segment_slots(const detail::PrefillProblem& pr, int64_t segment_tokens) {
+  return prefill_segment_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N, segment_tokens);
 }
 
 // Workspace: [records][sequence order][segment states], each part 128-byte aligned.
 struct WorkspaceLayout {
   size_t records = 0, order = 0, segments = 0, total = 0;  // byte offsets of the parts; total
 };
-inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, const SegmentPlan& plan) {
+inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens) {
   WorkspaceLayout w;
   const int64_t records = chunk_slots(pr) * pr.d.HV;
   if (records <= 0 || pr.d.N <= 0) return w;
@@ -84,28 +84,30 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, const 
                            ? (static_cast<size_t>(pr.d.N) * 4 + 127) & ~static_cast<size_t>(127)
                            : 0;
   w.segments = w.order + order;
-  const size_t segs = static_cast<size_t>(segment_slots(pr, plan)) * pr.d.HV * 3 * kSegStateBytes;
+  const size_t segs =
+      static_cast<size_t>(segment_slots(pr, segment_tokens)) * pr.d.HV * 3 * kSegStateBytes;
   w.total = w.segments + segs + 128;  // + alignment slack
   return w;
 }
 inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
                               const detail::Tuning& tuning) {
-  return workspace_layout(pr, launch_plan(pr, num_sms, tuning).seg).total;
+  return workspace_layout(pr, launch_plan(pr, num_sms, tuning).segment_tokens).total;
 }
 
-// Kernel parameters of a validated, supported problem. `workspace`: caller memory of at least
-// workspace_bytes(pr) bytes (unused when that is 0). Returns the block counts of both kernels.
+// Kernel parameters of a validated, supported problem, and the workspace bytes they need
+// (workspace_bytes(); the caller checks `workspace` against them before any launch: the
+// parameters only point into it). Returns the block counts of both kernels.
 inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int num_sms,
                           const detail::Tuning& tuning, Params* out, int64_t* prep_blocks_out,
-                          int64_t* rec_blocks_out) {
+                          int64_t* rec_blocks_out, size_t* workspace_need_out) {
   const auto& d = pr.d;
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  const SegmentPlan& plan = lp.seg;
-  const WorkspaceLayout layout = workspace_layout(pr, plan);
+  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens);
+  *workspace_need_out = layout.total;
   const int64_t slots = chunk_slots(pr);
   const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
   const int64_t pairs = d.N * d.HV;
-  const int64_t seg_slots = segment_slots(pr, plan);
+  const int64_t seg_slots = segment_slots(pr, lp.segment_tokens);
   if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX || seg_slots * d.HV * 16 > INT32_MAX)
     return {StatusCode::kUnsupported, "q",
             "problem too large for one CUDA prefill launch (" + std::to_string(prep_blocks) +
@@ -143,13 +145,13 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.use_qk_l2norm = pr.math.use_qk_l2norm;
   p.scale = static_cast<float>(pr.math.scale);
   p.lower_bound = pr.math.lower_bound;
-  if (layout.total > 0) {
+  if (layout.total > 0 && workspace != nullptr) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
     p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));
     if (uses_sequence_order(pr)) p.order = reinterpret_cast<int32_t*>(p.ws + layout.order);
   }
-  if (seg_slots > 0 && layout.total > 0) {
-    p.seg_tokens = plan.tokens;
+  if (seg_slots > 0 && p.ws != nullptr) {
+    p.seg_tokens = lp.segment_tokens;
     p.segs_per_seq = d.varlen ? 0 : seg_slots / d.B;
     p.seg_slots = seg_slots;
     StateView* views[3] = {&p.seg_start, &p.seg_local, &p.seg_trans};

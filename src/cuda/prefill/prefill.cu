@@ -48,35 +48,25 @@ Status allow_smem(DeviceAttributes& d, KernelSlot slot, Kernel kernel, int bytes
 
 KernelSlot slot_of(KernelSlot f16, KernelSlot bf16, bool fp16) { return fp16 ? f16 : bf16; }
 
-// The recurrence kernel of a path (K split, wgmma, chunk 16, or mma.sync) and kSeg, with its
-// attribute slot.
+// The recurrence kernel of the call's path and pass kind (recurrence_kernel_of), its shared-memory
+// limit raised once per path to the path's largest configuration.
 template <bool kFp16, bool kSeg>
 Status recurrence_for(const Params& p, DeviceAttributes& d, void (**kernel)(Params)) {
   using S = KernelSlot;
-  int path;
-  S slot;
-  int max_smem = pf::recurrence_smem_bytes(pf::kHeadDim);
-  if (p.chunk16) {
-    *kernel = pf::recurrence_kernel<kFp16, false, true, true, kSeg>;
-    path = 3;
-    slot = slot_of(S::kRecurrence16F16, S::kRecurrence16Bf16, kFp16);
-    max_smem = pf::recurrence_smem_bytes16(pf::kHeadDim);
-  } else if (p.ksplit) {
-    *kernel = pf::recurrence_kernel<kFp16, true, false, false, kSeg>;
-    path = 1;
-    slot = slot_of(S::kRecurrenceKSplitF16, S::kRecurrenceKSplitBf16, kFp16);
-    max_smem = pf::recurrence_smem_bytes(32, true);
-  } else if (p.wgmma) {
-    *kernel = pf::recurrence_kernel<kFp16, false, true, false, kSeg>;
-    path = 2;
-    slot = slot_of(S::kRecurrenceWgmmaF16, S::kRecurrenceWgmmaBf16, kFp16);
-  } else {
-    *kernel = pf::recurrence_kernel<kFp16, false, false, false, kSeg>;
-    path = 0;
-    slot = slot_of(S::kRecurrenceMmaF16, S::kRecurrenceMmaBf16, kFp16);
-  }
-  if (kSeg) slot = static_cast<S>(static_cast<int>(S::kRecurrenceSeg) + 2 * path + (kFp16 ? 1 : 0));
-  // The limit is raised to the path's largest configuration once.
+  using Path = pf::RecurrencePath;
+  const Path path = pf::recurrence_path(p);
+  *kernel = pf::recurrence_kernel_of<kFp16, kSeg>(path);
+  static constexpr S kSlots[4][2] = {{S::kRecurrenceMmaBf16, S::kRecurrenceMmaF16},
+                                     {S::kRecurrenceKSplitBf16, S::kRecurrenceKSplitF16},
+                                     {S::kRecurrenceWgmmaBf16, S::kRecurrenceWgmmaF16},
+                                     {S::kRecurrence16Bf16, S::kRecurrence16F16}};
+  const int i = static_cast<int>(path);
+  const S slot = kSeg
+                     ? static_cast<S>(static_cast<int>(S::kRecurrenceSeg) + 2 * i + (kFp16 ? 1 : 0))
+                     : kSlots[i][kFp16 ? 1 : 0];
+  const int max_smem = path == Path::kChunk16  ? pf::recurrence_smem_bytes16(pf::kHeadDim)
+                       : path == Path::kKSplit ? pf::recurrence_smem_bytes(32, true)
+                                               : pf::recurrence_smem_bytes(pf::kHeadDim);
   return allow_smem(d, slot, *kernel, max_smem);
 }
 
@@ -150,18 +140,18 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   KDA_CUDA_CHECK(guard.status());
   DeviceAttributes* d = nullptr;
   KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &d));
+  Params p;
+  int64_t prep_blocks = 0, rec_blocks = 0;
+  size_t need = 0;
+  KDA_RETURN_IF_ERROR(pf::make_params(pr, exec.workspace, d->sms, detail::tuning(), &p,
+                                      &prep_blocks, &rec_blocks, &need));
   // Workspace: caller memory, at least workspace_bytes(); records start 128-byte aligned.
-  const size_t need = pf::workspace_bytes(pr, d->sms, detail::tuning());
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace",
             "expected at least " + std::to_string(need) +
                 " bytes of device memory (kda::prefill_workspace_size), got " +
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
-  Params p;
-  int64_t prep_blocks = 0, rec_blocks = 0;
-  KDA_RETURN_IF_ERROR(
-      pf::make_params(pr, exec.workspace, d->sms, detail::tuning(), &p, &prep_blocks, &rec_blocks));
   cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
   return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, *d, stream)
                                        : launch<false>(p, prep_blocks, rec_blocks, *d, stream);

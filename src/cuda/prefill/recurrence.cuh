@@ -500,4 +500,27 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   }
 }
 
+// The recurrence path of a call and its kernel instantiation, for the CUDA launcher (prefill.cu,
+// which keys the kernels' attributes by path) and the CPU emulator (dev/prefill_emu).
+enum class RecurrencePath { kMma, kKSplit, kWgmma, kChunk16 };
+inline RecurrencePath recurrence_path(const Params& p) {
+  if (p.chunk16) return RecurrencePath::kChunk16;
+  if (p.ksplit) return RecurrencePath::kKSplit;
+  return p.wgmma ? RecurrencePath::kWgmma : RecurrencePath::kMma;
+}
+template <bool kFp16, bool kSeg>
+void (*recurrence_kernel_of(RecurrencePath path))(Params) {
+  switch (path) {
+    case RecurrencePath::kChunk16:
+      return recurrence_kernel<kFp16, false, true, true, kSeg>;
+    case RecurrencePath::kKSplit:
+      return recurrence_kernel<kFp16, true, false, false, kSeg>;
+    case RecurrencePath::kWgmma:
+      return recurrence_kernel<kFp16, false, true, false, kSeg>;
+    case RecurrencePath::kMma:
+      break;
+  }
+  return recurrence_kernel<kFp16, false, false, false, kSeg>;
+}
+
 }  // namespace kda::cuda::pf
