@@ -234,12 +234,15 @@ void check_head0(const Case& c, int64_t N, int64_t T_total, const std::vector<in
   res->ok = res->err_out <= 4.5e-3 && (res->err_state < 0 || res->err_state <= 3.5e-3);
 }
 
-// Median ms of `iters` calls of p (L2 flushed before each); the workspace is grown if the current
-// tuning needs more.
-double time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_buf,
+// Median and fastest ms of `iters` calls of p after three warm-up calls (L2 flushed before each;
+// {-1, -1} if a call fails); the workspace is grown if the current tuning needs more.
+struct Timing {
+  double median_ms = -1, min_ms = -1;
+};
+Timing time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_buf,
                   size_t flush_bytes, void** ws, size_t* ws_cap) {
   size_t need = 0;
-  if (!prefill_workspace_size(p, &need).ok()) return -1;
+  if (!prefill_workspace_size(p, &need).ok()) return {};
   if (need > *ws_cap) {
     BENCH_CUDA(cudaFree(*ws));
     BENCH_CUDA(cudaMalloc(ws, need));
@@ -248,7 +251,7 @@ double time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_
   p.exec.workspace = *ws;
   p.exec.workspace_bytes = *ws_cap;
   for (int i = 0; i < 3; ++i)
-    if (!prefill(p).ok()) return -1;
+    if (!prefill(p).ok()) return {};
   cudaEvent_t e0, e1;
   BENCH_CUDA(cudaEventCreate(&e0));
   BENCH_CUDA(cudaEventCreate(&e1));
@@ -259,7 +262,7 @@ double time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_
     const Status s = prefill(p);
     BENCH_CUDA(cudaEventRecord(e1, stream));
     BENCH_CUDA(cudaEventSynchronize(e1));
-    if (!s.ok()) return -1;
+    if (!s.ok()) return {};
     float t = 0;
     BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
     ms.push_back(t);
@@ -267,7 +270,7 @@ double time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
   std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return {ms[ms.size() / 2], ms.front()};
 }
 
 // --sweep: every segment size x value split of one case (see the usage above).
@@ -287,7 +290,7 @@ void sweep_case(const Case& c, PrefillParams& p, cudaStream_t stream, void* flus
         t.prefill_vs = vs;
         t.prefill_chunk = chunk;
         const detail::ScopedTuning scope(t);
-        const double ms = time_calls(p, 10, stream, flush_buf, flush_bytes, ws, ws_cap);
+        const double ms = time_calls(p, 10, stream, flush_buf, flush_bytes, ws, ws_cap).median_ms;
         const std::string cfg = (seg < 0 ? std::string("seg off") : "seg " + std::to_string(seg)) +
                                 " vs " + std::to_string(vs) + " chunk " + std::to_string(chunk);
         std::printf("sweep %-4s %-28s %9.3f ms\n", c.name, cfg.c_str(), ms);
@@ -396,28 +399,13 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
   }
 
   // Warm-up, then timed calls.
-  for (int i = 0; i < 3; ++i) (void)prefill(p);
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaMemsetAsync(flush_buf, i & 0xff, flush_bytes, stream));  // flush L2
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    s = prefill(p);
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    if (!s.ok()) {
-      std::fprintf(stderr, "%s: prefill failed: %s\n", c.name, s.to_string().c_str());
-      std::exit(2);
-    }
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
+  const Timing tm = time_calls(p, iters, stream, flush_buf, flush_bytes, &ws, &ws_bytes);
+  if (tm.median_ms < 0) {
+    std::fprintf(stderr, "%s: prefill failed in the timed calls\n", c.name);
+    std::exit(2);
   }
-  std::sort(ms.begin(), ms.end());
-  res.median_ms = ms[ms.size() / 2];
-  res.min_ms = ms.front();
+  res.median_ms = tm.median_ms;
+  res.min_ms = tm.min_ms;
   if (sweep) sweep_case(c, p, stream, flush_buf, flush_bytes, &ws, &ws_bytes);
   const double bytes = static_cast<double>(ntok) *
                            (2.0 * H * K + 2.0 * HV * V + 2.0 * HV * K + 2.0 * HV * V + 2.0 * HV) +
@@ -425,8 +413,6 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
   res.gbps = bytes / (res.median_ms * 1e-3) / 1e9;
   res.floor_ms = bytes / 4.3e12 * 1e3;
 
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
   cudaStreamDestroy(stream);
   for (void* ptr : {static_cast<void*>(dq), static_cast<void*>(dk), static_cast<void*>(dv),
                     static_cast<void*>(dg), static_cast<void*>(db), static_cast<void*>(dA),
