@@ -38,14 +38,21 @@ inline uint8_t* sptr(uint32_t a, int bytes) {
 inline float bf(uint32_t r, int hi) { return __uint_as_float(hi ? (r & 0xffff0000u) : (r << 16)); }
 // m16n8k16 with 16-bit inputs (bf16 or f16: elem decodes the half `hi` of a register), fp32
 // accumulate.
-template <typename Elem>
-inline void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Elem elem) {
+// Every lane's A fragment and B pair into the warp's exchange slots (slot[lane][0..3] = A,
+// [4], [5] = B), then the warp synchronized: each mma reads the whole warp's fragments from there.
+inline auto* share_mma_operands(const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   auto* s = emu::warp_ctx->slot;
   const int l = emu::lane_id;
   for (int i = 0; i < 4; ++i) s[l][i] = a[i];
   s[l][4] = b0;
   s[l][5] = b1;
   emu::warp_sync();
+  return s;
+}
+template <typename Elem>
+inline void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1, Elem elem) {
+  auto* s = share_mma_operands(a, b0, b1);
+  const int l = emu::lane_id;
   float out[4];
   for (int e = 0; e < 4; ++e) {
     const int r = l / 4 + 8 * (e >> 1), n = 2 * (l % 4) + (e & 1);
@@ -79,12 +86,8 @@ inline uint32_t mul_f16x2(uint32_t a, uint32_t b) {
 }
 inline float tf(uint32_t r) { return __uint_as_float(r & 0xffffe000u); }
 inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  auto* s = emu::warp_ctx->slot;
+  auto* s = share_mma_operands(a, b0, b1);
   const int l = emu::lane_id;
-  for (int i = 0; i < 4; ++i) s[l][i] = a[i];
-  s[l][4] = b0;
-  s[l][5] = b1;
-  emu::warp_sync();
   float out[4];
   for (int e = 0; e < 4; ++e) {
     const int r = l / 4 + 8 * (e >> 1), n = 2 * (l % 4) + (e & 1);
