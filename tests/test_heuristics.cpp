@@ -274,6 +274,35 @@ TEST(PrefillHeuristics, PlanUnderTuning) {
           << seg << " " << vs;
 }
 
+// A call of weak decay (the lower-bound gate with a bound above kChunk16MinDecayBound) keeps
+// 64-token records on the cases whose default is the 16-token path, unless 16 are forced.
+TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
+  using cuda::pf::kChunk16MinDecayBound;
+  using cuda::pf::prefill_plan;
+  using cuda::pf::weak_decay_gate;
+  EXPECT_TRUE(weak_decay_gate(true, -0.05));
+  EXPECT_TRUE(weak_decay_gate(true, kChunk16MinDecayBound + 0.01));
+  EXPECT_FALSE(weak_decay_gate(true, kChunk16MinDecayBound));
+  EXPECT_FALSE(weak_decay_gate(true, -5.0));
+  EXPECT_FALSE(weak_decay_gate(false, -0.05));  // softplus / precomputed: data-dependent
+  const detail::Tuning t = tuning({});
+  struct Shape {
+    bool varlen;
+    int64_t T, N, HV;
+  };
+  for (const Shape& c : {Shape{false, 8192, 1, 96}, Shape{true, 8192, 8, 96},
+                         Shape{false, 4096, 16, 32}, Shape{false, 1024, 8, 12}}) {
+    ASSERT_TRUE(prefill_plan(c.varlen, c.T, c.N, c.HV, 132, t).rec.chunk16) << c.T;
+    const auto weak = prefill_plan(c.varlen, c.T, c.N, c.HV, 132, t, true);
+    EXPECT_FALSE(weak.rec.chunk16) << c.T;
+    EXPECT_GT(weak.predicted_us, 0) << c.T;
+    EXPECT_TRUE(prefill_plan(c.varlen, c.T, c.N, c.HV, 132,
+                             tuning({{"KDA_CUDA_PREFILL_CHUNK", "16"}}), true)
+                    .rec.chunk16)
+        << c.T;
+  }
+}
+
 TEST(PrefillHeuristics, SegmentSlots) {
   using cuda::pf::prefill_segment_slots;
   EXPECT_EQ(prefill_segment_slots(false, 2, 1000, 2, 256), 8);

@@ -129,12 +129,25 @@ inline double predicted_prefill_us(int64_t len, int64_t records, int64_t N, int6
          pass(pairs * (segs - 1), chunks);
 }
 
+// The lower-bound gate's bound above which a call counts as weak decay (weak_decay_gate): every
+// output beyond its 16-token step takes the state through one bf16 rounding, which the 16-token
+// path cannot afford when the state carries most of the output (docs/design.md section 6.2,
+// accuracy). Measured on P1 (bench_gpu_prefill --lower-bound): see docs/perf_notes.md.
+inline constexpr double kChunk16MinDecayBound = -1.0;
+// Whether a call's decay is known to be weak: the lower-bound gate with a bound above
+// kChunk16MinDecayBound. The other gate forms' decays depend on the data, which the host does not
+// read.
+inline bool weak_decay_gate(bool lower_bound_gate, double lower_bound) {
+  return lower_bound_gate && lower_bound > kChunk16MinDecayBound;
+}
+
 // The plan of least predicted time over the configurations the tuning struct allows: a forced
 // segment size (Tuning::prefill_segment; -1: none), value split (prefill_vs) or record length
-// (prefill_chunk) fixes that dimension. Segmented calls take 64-token records unless 16 are forced:
-// 16-token steps miss the output bar under weak decay (docs/design.md section 6.2, accuracy).
+// (prefill_chunk) fixes that dimension. Segmented calls, and calls of weak decay (weak_decay_gate),
+// take 64-token records unless 16 are forced: 16-token steps miss the output bar under weak decay
+// (docs/design.md section 6.2, accuracy).
 inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
-                                const detail::Tuning& t) {
+                                const detail::Tuning& t, bool weak_decay = false) {
   PrefillPlan best;
   best.rec = recurrence_choice_for_split(t.prefill_vs ? t.prefill_vs : 128, t);
   if (N <= 0 || T <= 0 || HV <= 0 || sms <= 0) return best;
@@ -153,7 +166,7 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
           if (!r.chunk16 || t.prefill_chunk == 16) continue;
           r.chunk16 = false;
         }
-        if (r.chunk16 && seg > 0 && t.prefill_chunk != 16) continue;
+        if (r.chunk16 && (seg > 0 || weak_decay) && t.prefill_chunk != 16) continue;
         const double us = predicted_prefill_us(len, records, N, HV, seg, r, sms);
         if (!found || us < best.predicted_us) {
           found = true;
