@@ -63,8 +63,7 @@ inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
 // The launch plan of a call (heuristics/prefill.h), on `num_sms` multiprocessors.
 inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
                                const detail::Tuning& tuning) {
-  const bool weak =
-      weak_decay_gate(pr.math.gate == GateForm::kLowerBound, pr.math.lower_bound);
+  const bool weak = weak_decay_gate(pr.math.gate == GateForm::kLowerBound, pr.math.lower_bound);
   return prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
 }
 // One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
