@@ -21,7 +21,6 @@
 #include "core/tuning.h"
 #include "cpu/access.h"
 #include "cpu/backends.h"
-#include "gpu_late_copy.h"
 #include "gpu_support.h"
 #include "support.h"
 
@@ -926,48 +925,6 @@ TEST(GpuDecodeSmokeGraph, CapturedCallMatchesDirectCall) {
   dev.download(got);
   EXPECT_TRUE(bitwise_equal(got.out, direct.out));
   EXPECT_TRUE(bitwise_equal(got.state, direct.state));
-  KDA_TEST_CUDA(cudaStreamDestroy(stream));
-}
-
-// The latency variant of the bulk kernel (dense single-token calls on small grids) guesses its
-// read slot before the PDL wait. When the grid before it rewrites state_indices after letting it
-// start, the guess is stale: the kernel must read the new slots, bit for bit what a call with
-// the new indices from the start gives. Pool rows are distinct per slot, so a stale read shows.
-TEST(GpuDecodeSmokeKernels, SlotGuessMissedWhenIndicesChangeLate) {
-  KDA_SKIP_WITHOUT_SM90();
-  GpuDecodeCase gc = base(128);  // fp32 V-first pool, [N] indices, T = 1
-  gc.c.N = 3;
-  gc.c.H = 2;
-  gc.c.HV = 4;
-  const DecodeData old_idx = make_data(gc);
-  DecodeData new_idx = old_idx;
-  const int64_t P = old_idx.state.shape[0];
-  for (int64_t n = 0; n < old_idx.N; ++n)  // another valid slot for every row, one row padding
-    new_idx.idx.set(
-        n, n == 1 ? -1.0 : static_cast<double>((static_cast<int64_t>(old_idx.idx.get(n)) + 1) % P));
-  ASSERT_NE(new_idx.idx.get(0), old_idx.idx.get(0));
-  const DecodeData want = run_gpu(new_idx, gc);
-
-  DeviceDecode dev(old_idx, gc);  // the device indices start as the old ones
-  const DeviceTensor later(new_idx.idx);
-  cudaStream_t stream;
-  KDA_TEST_CUDA(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  dev.p.exec.stream = stream;
-  for (int rep = 0; rep < 3; ++rep) {
-    KDA_TEST_CUDA(cudaMemcpy(dev.idx->ptr, old_idx.idx.storage.data(), dev.idx->bytes,
-                             cudaMemcpyHostToDevice));
-    DeviceTensor fresh(old_idx.state);  // the pool before the call
-    dev.p.state = fresh.view();
-    KDA_TEST_CUDA(test::launch_late_copy(dev.idx->ptr, later.ptr, dev.idx->bytes, 50000, stream));
-    const Status s = decode(dev.p);
-    ASSERT_TRUE(s.ok()) << s.to_string();
-    KDA_TEST_CUDA(cudaStreamSynchronize(stream));
-    DecodeData got = old_idx;
-    dev.out->download(got.out);
-    fresh.download(got.state);
-    EXPECT_TRUE(bitwise_equal(got.out, want.out)) << rep;
-    EXPECT_TRUE(bitwise_equal(got.state, want.state)) << rep;
-  }
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
 }
 

@@ -15,12 +15,10 @@ namespace kda::cuda {
 // Every kernel of the library starts with pdl_prologue(): it lets the next kernel in the stream
 // (if that one was launched with PDL, common/launch.cuh) be scheduled while this grid finishes,
 // then waits until every grid this one depends on has completed and its memory is visible.
-// Nothing is written in global memory before the wait, and nothing read there is used as a
-// result, so a PDL launch is exactly as ordered as a plain one. Without the launch attribute both
-// instructions do nothing. pdl_launch_dependents() and pdl_wait() are its two halves, for a kernel
-// that does work between them: kernel parameters and shared memory only, except the decode
-// latency kernel's guess of its read slot (decode/rows.cuh guess_dense_row_slot: loads through
-// L2 whose value is checked after the wait and only starts a copy early).
+// Nothing is read or written in global memory before the wait, so a PDL launch is exactly as
+// ordered as a plain one. Without the launch attribute both instructions do nothing.
+// pdl_launch_dependents() and pdl_wait() are its two halves, for a kernel that does work between
+// them that reads no global memory (kernel parameters and shared memory only).
 __device__ __forceinline__ void pdl_launch_dependents() {
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }

@@ -39,6 +39,7 @@ __global__ void __launch_bounds__(kStagedThreads,
                                   kLatency ? 1 : (kSlots == 1 ? 12 : kBulkMinBlocks))
     decode_bulk_kernel(const __grid_constant__ DecodeArgs a) {
   static_assert(!kLatency || kSlots == 1, "the latency variant takes dense single-token calls");
+  pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;
@@ -52,17 +53,6 @@ __global__ void __launch_bounds__(kStagedThreads,
   static_assert(kVt == 2, "two rows per thread");
 
   const TileBlock blk(a, Map::kTileV);
-  // The latency variant guesses its read slot before the PDL wait (guess_dense_row_slot) so that
-  // the state copy is issued right after it, one dependent index load earlier; the guess is
-  // checked after the wait (below).
-  int64_t guess = rules::kNoSlot;
-  if constexpr (kLatency) {
-    pdl_launch_dependents();
-    if (a.use_initial_state) guess = guess_dense_row_slot(a, blk.n);
-    pdl_wait();
-  } else {
-    pdl_prologue();
-  }
   const int64_t n = blk.n;
   const int hv = blk.hv, h = blk.h, tile_v0 = blk.tile_v0;
   const Map m(threadIdx.x, tile_v0);
@@ -105,36 +95,26 @@ __global__ void __launch_bounds__(kStagedThreads,
     mbar_init(smem_addr(&full_bar), 1);
     fence_mbar_init();
   }
-  // The state tile of pool row `slot` into shared memory, completing on full_bar (copy warp).
-  auto copy_state = [&](int64_t slot) {
-    const StateT* src = static_cast<const StateT*>(a.state.data) + slot * a.state.s0 +
-                        hv * a.state.s1 + static_cast<int64_t>(tile_v0) * a.state.s2;
-    if (lane == 0) mbar_arrive_expect_tx(smem_addr(&full_bar), kTileBytes);
-    __syncwarp();
-    if (a.state.s2 == kStagedK) {
-      if (lane == 0) bulk_copy_g2s(smem_addr(tile_sh), src, kTileBytes, smem_addr(&full_bar));
-    } else {
-      bulk_copy_g2s(smem_addr(tile_sh + lane * kRowBytes), src + lane * a.state.s2, kRowBytes,
-                    smem_addr(&full_bar));
-    }
-  };
-  const bool guessed = kLatency && guess >= 0;  // a.use_initial_state; uniform over the block
-  if (guessed && copy_warp) copy_state(guess);
 
   SeqRow row = resolve_row(a, n);
   if constexpr (kSlots == 1) row.len = 1;  // launched for dense calls with T = 1 only
-  // A wrong guess: its copy lands first (phase 0), then the right one (phase 1).
-  const bool missed = guessed && row.slot != guess;
   if (row.slot < 0) {  // padding row: zero output, no state access (uniform over the block)
-    if (guessed && copy_warp) mbar_wait_spin(smem_addr(&full_bar), 0);  // no copy left in flight
     zero_padding_outputs(a, row, hv, m);
     return;
   }
 
   if (a.use_initial_state) {
-    if (copy_warp && (!guessed || missed)) {
-      if (missed) mbar_wait_spin(smem_addr(&full_bar), 0);
-      copy_state(row.slot);
+    if (copy_warp) {
+      const StateT* src = static_cast<const StateT*>(a.state.data) + row.slot * a.state.s0 +
+                          hv * a.state.s1 + static_cast<int64_t>(tile_v0) * a.state.s2;
+      if (lane == 0) mbar_arrive_expect_tx(smem_addr(&full_bar), kTileBytes);
+      __syncwarp();
+      if (a.state.s2 == kStagedK) {
+        if (lane == 0) bulk_copy_g2s(smem_addr(tile_sh), src, kTileBytes, smem_addr(&full_bar));
+      } else {
+        bulk_copy_g2s(smem_addr(tile_sh + lane * kRowBytes), src + lane * a.state.s2, kRowBytes,
+                      smem_addr(&full_bar));
+      }
     }
   } else {
 #pragma unroll
@@ -149,7 +129,7 @@ __global__ void __launch_bounds__(kStagedThreads,
   }
   if constexpr (kSlots > 1) prefetch_later_tokens(a, row, h, hv);
   __syncthreads();  // token 0's stage; the barrier's initialization
-  if (a.use_initial_state) mbar_wait_spin(smem_addr(&full_bar), missed ? 1 : 0);
+  if (a.use_initial_state) mbar_wait_spin(smem_addr(&full_bar), 0);
 
 #pragma unroll 1
   for (int64_t t = 0; t < row.len; ++t) {

@@ -101,25 +101,4 @@ __device__ __forceinline__ int64_t finish_row_slot(const DecodeArgs& a, int64_t 
       .slot;
 }
 
-// A guess of resolve_row(a, n).slot for a dense row, from index loads issued BEFORE the PDL wait
-// through L2 (ld.global.cg: nothing is cached in L1, where the checked loads after the wait could
-// find a stale line). The grid the kernel waits for may still be writing the indices, so the guess
-// only lets the state copy start early: the kernel compares it with resolve_row after the wait
-// and copies again when they differ. Always a valid slot or rules::kNoSlot (decode_read_slot
-// checks the values), and it reads only the elements resolve_row reads.
-__device__ __forceinline__ int64_t guess_dense_row_slot(const DecodeArgs& a, int64_t n) {
-  auto ld = [](const IndexTensor& t, int64_t off) -> int64_t {
-    return t.is64 ? static_cast<int64_t>(__ldcg(static_cast<const long long*>(t.data) + off))
-                  : static_cast<int64_t>(__ldcg(static_cast<const int*>(t.data) + off));
-  };
-  const int64_t acc =
-      a.has_num_accepted ? ld(a.num_accepted_tokens, n * a.num_accepted_tokens.s0) : 1;
-  return rules::decode_read_slot(row_indexing(a), n, a.T, acc,
-                                 [&](int64_t col) {
-                                   return ld(a.state_indices,
-                                             n * a.state_indices.s0 + col * a.state_indices.s1);
-                                 })
-      .slot;
-}
-
 }  // namespace kda::cuda::dec

@@ -267,56 +267,26 @@ __global__ void __launch_bounds__(kPrepareThreads, 2)
 
   // ---- Akk (into M = b_t Akk), Aqk (into the record). Warps 0-3: diagonal block i = warp around
   // its middle token (or pairwise); warps 4-7: off-diagonal tiles of row blocks 3, 3, 2, 1 with
-  // reference = the row block's first token. kC16 has no off-diagonal tiles: warps i and i + 4
-  // split block i's k-steps in halves (the phase's critical path halved), and warp i + 4 hands
-  // its partial sums over in X, unwritten until the inverse and whose off-diagonal blocks the
-  // 16-token path never reads.
-  if constexpr (kC16) {
-    const int i = warp & 3, half = warp >> 2, m = 16 * i + 8;
-    const float span = diag_block_span(G, i, m, lane);
-    const bool tiles = span <= 45.f * kLog2e;  // as below; the same in both warps of the pair
-    float acc_k[2][4], acc_q[2][4];
-    // Partials of pair i: 512 floats in X's blocks (i + 1, i) and (i + 2, i) (mod 4), lane-major.
-    auto part = [&](int e) -> float& {
-      const int v = lane * 16 + e, b = v >> 8, w = v & 255;
-      return X[(16 * ((i + 1 + b) & 3) + (w >> 4)) * kMPitch + 16 * i + (w & 15)];
-    };
-    if (tiles) {
-      akk_aqk_tile_sums<2, 8>(qr, kr, G, i, m, 2 * i, g, c, 8 * half, acc_k, acc_q);
-      if (half == 1) {
-#pragma unroll
-        for (int jt = 0; jt < 2; ++jt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            part(8 * jt + e) = acc_k[jt][e];
-            part(8 * jt + 4 + e) = acc_q[jt][e];
-          }
-      }
-    }
-    __syncthreads();  // the partials written
-    if (half == 0) {
-      float* aqk = reinterpret_cast<float*>(rec + i * kRecord16Bytes + kR16OffAqk);
-      if (tiles) {
-#pragma unroll
-        for (int jt = 0; jt < 2; ++jt)
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc_k[jt][e] += part(8 * jt + e);
-            acc_q[jt][e] += part(8 * jt + 4 + e);
-          }
-        akk_aqk_store<2, true>(acc_k, acc_q, fq, fk, bet, M, aqk, i, 2 * i, g, c);
-      } else {
-        akk_aqk_diag_pairwise<true>(qr, kr, G, fq, fk, bet, M, aqk, i, lane);
-      }
-    }
-  } else if (warp < 4) {
+  // reference = the row block's first token.
+  if (warp < 4) {
     const int i = warp, m = 16 * i + 8;
-    const float span = diag_block_span(G, i, m, lane);
-    if (span <= 45.f * kLog2e)  // both factors within e^+-45: fp32 and tf32 hold them, and their
-      akk_aqk_tiles<2>(qr, kr, G, fq, fk, bet, M, rec_aqk, i, m, 2 * i, g, c);  // product
-    else
-      akk_aqk_diag_pairwise<false>(qr, kr, G, fq, fk, bet, M, rec_aqk, i, lane);
-  } else {
+    float span = 0.f;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int cc = lane + 32 * q;
+      span = fmaxf(span, fmaxf(G[(16 * i) * kGPitch + cc] - G[m * kGPitch + cc],
+                               G[m * kGPitch + cc] - G[(16 * i + 15) * kGPitch + cc]));
+    }
+#pragma unroll
+    for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
+    float* aqk = kC16 ? reinterpret_cast<float*>(rec + i * kRecord16Bytes + kR16OffAqk) : rec_aqk;
+    if (span <=
+        45.f * kLog2e) {  // both factors within e^+-45: fp32 and tf32 hold them and their product
+      akk_aqk_tiles<2, kC16>(qr, kr, G, fq, fk, bet, M, aqk, i, m, 2 * i, g, c);
+    } else {
+      akk_aqk_diag_pairwise<kC16>(qr, kr, G, fq, fk, bet, M, aqk, i, lane);
+    }
+  } else if constexpr (!kC16) {
     // (row block, first tile, tiles): 3: [0,3) and [3,6); 2: [0,4); 1: [0,2). The tile count is a
     // template argument (warp-uniform branch here): a runtime count put every tile behind its own
     // branch in the k loop, which kept the tiles' operand chains from interleaving.

@@ -146,31 +146,15 @@ __device__ __forceinline__ void akk_aqk_store(const float (&acc_k)[kTiles][4],
   }
 }
 
-// The largest |G_t - G_m| of diagonal block i around its middle token m (log2 units), over the
-// block's first and last tokens and every channel (warp-uniform: lane c covers channels c + 32 q).
-__device__ __forceinline__ float diag_block_span(const float* G, int i, int m, int lane) {
-  float span = 0.f;
-#pragma unroll
-  for (int q = 0; q < 4; ++q) {
-    const int cc = lane + 32 * q;
-    span = fmaxf(span, fmaxf(G[(16 * i) * kGPitch + cc] - G[m * kGPitch + cc],
-                             G[m * kGPitch + cc] - G[(16 * i + 15) * kGPitch + cc]));
-  }
-#pragma unroll
-  for (int o = 16; o >= 1; o >>= 1) span = fmaxf(span, __shfl_xor_sync(0xffffffffu, span, o));
-  return span;
-}
-
 // Diagonal tiles of row block i (tf32): factored around reference token r (the block's middle),
 // operands k^_t exp(G_t - G_r) and k^_s exp(G_r - G_s) (q^_t for Aqk) in fp32, rounded to tf32
 // (G in log2 units). The factors reach e^+-45 here, beyond fp16, hence tf32.
-// akk_aqk_tile_sums accumulates the k-steps [ks0, ks0 + kSteps) of the 16 (tf32 k8 steps) into
-// acc_k / acc_q; akk_aqk_tiles runs all 16 and stores.
-template <int kTiles, int kSteps>
-__device__ __forceinline__ void akk_aqk_tile_sums(const uint16_t* qh, const uint16_t* kh,
-                                                  const float* G, int i, int r, int tile0, int g,
-                                                  int c, int ks0, float (&acc_k)[kTiles][4],
-                                                  float (&acc_q)[kTiles][4]) {
+template <int kTiles, bool kC16 = false>
+__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh,
+                                              const float* G, const float* fq, const float* fk,
+                                              const float* bet, float* M, float* rec_aqk, int i,
+                                              int r, int tile0, int g, int c) {
+  float acc_k[kTiles][4], acc_q[kTiles][4];
 #pragma unroll
   for (int jt = 0; jt < kTiles; ++jt)
 #pragma unroll
@@ -181,8 +165,8 @@ __device__ __forceinline__ void akk_aqk_tile_sums(const uint16_t* qh, const uint
   auto lo = [](uint32_t x) { return lo_f32<true>(x); };
   auto hi = [](uint32_t x) { return hi_f32<true>(x); };
 #pragma unroll 4
-  for (int step = 0; step < kSteps; ++step) {
-    const int ch = 8 * (ks0 + step) + 2 * c;
+  for (int ks = 0; ks < 16; ++ks) {
+    const int ch = 8 * ks + 2 * c;
     const float2 gr = *reinterpret_cast<const float2*>(G + r * kGPitch + ch);
     const float2 gta = *reinterpret_cast<const float2*>(G + ta * kGPitch + ch);
     const float2 gtb = *reinterpret_cast<const float2*>(G + tb * kGPitch + ch);
@@ -207,14 +191,6 @@ __device__ __forceinline__ void akk_aqk_tile_sums(const uint16_t* qh, const uint
       mma_tf32(acc_q[jt], aq, b0, b1);
     }
   }
-}
-template <int kTiles, bool kC16 = false>
-__device__ __forceinline__ void akk_aqk_tiles(const uint16_t* qh, const uint16_t* kh,
-                                              const float* G, const float* fq, const float* fk,
-                                              const float* bet, float* M, float* rec_aqk, int i,
-                                              int r, int tile0, int g, int c) {
-  float acc_k[kTiles][4], acc_q[kTiles][4];
-  akk_aqk_tile_sums<kTiles, 16>(qh, kh, G, i, r, tile0, g, c, 0, acc_k, acc_q);
   akk_aqk_store<kTiles, kC16>(acc_k, acc_q, fq, fk, bet, M, rec_aqk, i, tile0, g, c);
 }
 
