@@ -49,21 +49,6 @@ constexpr int warp_min_blocks() {
   return kRows == 16 ? 3 : 5;
 }
 
-// Reads the kernel parameters once, so that the SM's constant caches hold them when the code
-// after pdl_wait() uses them: one 4-byte word per 64-byte piece of the struct, the pieces spread
-// over the block's warps (piece lane * kWarps + warp: 3 per warp for the ~600-byte struct, so that
-// no warp serializes many distinct constant addresses), left in `sink` (shared memory) to keep the
-// loads alive. Parameters only: legal before pdl_wait().
-template <int kWarps>
-__device__ __forceinline__ void warm_params(const DecodeArgs& a, int warp_in_block,
-                                            volatile uint32_t* sink) {
-  constexpr int kWords = static_cast<int>(sizeof(DecodeArgs) / 4), kPieceWords = 16;
-  static_assert(sizeof(DecodeArgs) <= 32 * kWarps * kPieceWords * 4, "one piece per lane");
-  const int piece = lane_id() * kWarps + warp_in_block;
-  if (piece * kPieceWords < kWords)
-    *sink = reinterpret_cast<const uint32_t*>(&a)[piece * kPieceWords];
-}
-
 // Sums x[r] over the 32 lanes for every r < kRows, and returns in each lane the sum of row
 // lane / (32 / kRows) (a reduce-scatter: at each step a lane keeps half of its partial sums and
 // receives its partner's partials of that half; the last steps are butterflies). Every lane that
