@@ -30,6 +30,7 @@ detail::Tuning tuning(const std::map<std::string, const char*>& env) {
 TEST(Tuning, Defaults) {
   const detail::Tuning t = tuning({});
   EXPECT_TRUE(t.pdl);
+  EXPECT_TRUE(t.driver_launch);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kAuto);
   EXPECT_EQ(t.decode_warp_rows, 0);
   EXPECT_EQ(t.decode_warp_cache, detail::DecodeStateCache::kAuto);
@@ -44,6 +45,7 @@ TEST(Tuning, Defaults) {
 
 TEST(Tuning, ParsesEveryKnob) {
   const detail::Tuning t = tuning({{"KDA_CUDA_PDL", "0"},
+                                   {"KDA_CUDA_DRIVER_LAUNCH", "0"},
                                    {"KDA_CUDA_DECODE_KERNEL", "bulklat"},
                                    {"KDA_CUDA_DECODE_WARP_ROWS", "16"},
                                    {"KDA_CUDA_DECODE_WARP_CACHE", "stream"},
@@ -55,6 +57,7 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_CUDA_PREFILL_SEGMENT", "192"},
                                    {"KDA_NUM_THREADS", "3"}});
   EXPECT_FALSE(t.pdl);
+  EXPECT_FALSE(t.driver_launch);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);
   EXPECT_EQ(t.decode_warp_rows, 16);
   EXPECT_EQ(t.decode_warp_cache, detail::DecodeStateCache::kStream);

@@ -28,7 +28,8 @@ enum class DecodeKernelOverride { kAuto, kBaseline, kTile, kStaged, kBulk, kBulk
 enum class DecodeStateCache { kAuto, kNormal, kStream };
 
 struct Tuning {
-  bool pdl = true;  // KDA_CUDA_PDL: programmatic dependent launch
+  bool pdl = true;            // KDA_CUDA_PDL: programmatic dependent launch
+  bool driver_launch = true;  // KDA_CUDA_DRIVER_LAUNCH: launches through cuLaunchKernelEx
   DecodeKernelOverride decode_kernel = DecodeKernelOverride::kAuto;  // KDA_CUDA_DECODE_KERNEL
   int decode_warp_rows = 0;  // KDA_CUDA_DECODE_WARP_ROWS: 4/8/16 rows per warp (0: heuristic)
   DecodeStateCache decode_warp_cache = DecodeStateCache::kAuto;  // KDA_CUDA_DECODE_WARP_CACHE
@@ -63,6 +64,7 @@ Tuning parse_tuning(Get&& get) {
   };
   const char* s = get("KDA_CUDA_PDL");
   t.pdl = !is(s, "0");
+  t.driver_launch = !is(get("KDA_CUDA_DRIVER_LAUNCH"), "0");
   s = get("KDA_CUDA_DECODE_KERNEL");
   if (is(s, "baseline")) t.decode_kernel = DecodeKernelOverride::kBaseline;
   if (is(s, "tile")) t.decode_kernel = DecodeKernelOverride::kTile;

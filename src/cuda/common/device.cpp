@@ -73,4 +73,48 @@ TensorView host_view(const TensorView& t, std::vector<uint8_t>& host) {
   return h;
 }
 
+DriverLaunch driver_launch() {
+  static const DriverLaunch launch = [] {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+    if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fn, 12000, cudaEnableDefault,
+                                         &found) != cudaSuccess ||
+        found != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return static_cast<DriverLaunch>(nullptr);
+    }
+    return reinterpret_cast<DriverLaunch>(fn);
+  }();
+  return launch;
+}
+
+namespace {
+// The calling thread's kernel functions, per device (a few dozen kernels at most).
+struct DriverFunction {
+  const void* kernel;
+  int device;
+  CUfunction function;
+};
+thread_local std::vector<DriverFunction> t_functions;
+}  // namespace
+
+CUfunction driver_function(const void* kernel) {
+  int device = -1;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  for (const DriverFunction& f : t_functions)
+    if (f.kernel == kernel && f.device == device) return f.function;
+  cudaFunction_t f = nullptr;
+  if (cudaGetFuncBySymbol(&f, kernel) != cudaSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  t_functions.push_back({kernel, device, reinterpret_cast<CUfunction>(f)});
+  return reinterpret_cast<CUfunction>(f);
+}
+
+void forget_driver_functions() { t_functions.clear(); }
+
 }  // namespace kda::cuda

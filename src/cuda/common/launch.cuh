@@ -8,17 +8,53 @@
 
 #include <cuda_runtime.h>
 
+#include <tuple>
+#include <type_traits>
 #include <utility>
 
 #include "core/tuning.h"
+#include "cuda/common/device.h"
 #include "cuda/common/ptx.cuh"
 
 namespace kda::cuda {
 
-// cudaLaunchKernelEx with the PDL attribute (unless disabled); returns the launch's error.
+// A launch with the PDL attribute (unless disabled): through the driver when it is available,
+// else, or when the driver launch fails, cudaLaunchKernelEx (whose error is returned: a launch
+// the driver refuses is refused with the runtime's error code).
 template <typename... KArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t stream, Args&&... args) {
+  static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
+  const bool pdl = detail::tuning().pdl;
+  // The arguments as the kernel's parameter types.
+  std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
+  if (const DriverLaunch launch = detail::tuning().driver_launch ? driver_launch() : nullptr) {
+    if (const CUfunction f = driver_function(reinterpret_cast<const void*>(kernel))) {
+      CUlaunchConfig cfg = {};
+      cfg.gridDimX = grid.x;
+      cfg.gridDimY = grid.y;
+      cfg.gridDimZ = grid.z;
+      cfg.blockDimX = block.x;
+      cfg.blockDimY = block.y;
+      cfg.blockDimZ = block.z;
+      cfg.sharedMemBytes = static_cast<unsigned>(smem);
+      cfg.hStream = reinterpret_cast<CUstream>(stream);
+      CUlaunchAttribute attr[1];
+      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+      attr[0].value.programmaticStreamSerializationAllowed = 1;
+      cfg.attrs = attr;
+      cfg.numAttrs = pdl ? 1 : 0;
+      void* ptrs[sizeof...(KArgs) + 1] = {};
+      std::apply(
+          [&ptrs](auto&... v) {
+            int i = 0;
+            ((ptrs[i++] = static_cast<void*>(&v)), ...);
+          },
+          values);
+      if (launch(&cfg, f, ptrs, nullptr) == CUDA_SUCCESS) return cudaSuccess;
+      forget_driver_functions();
+    }
+  }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -28,8 +64,8 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr[0].val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = detail::tuning().pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
+  cfg.numAttrs = pdl ? 1 : 0;
+  return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
 }
 
 }  // namespace kda::cuda
