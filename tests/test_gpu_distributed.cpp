@@ -1,0 +1,165 @@
+// kda::distributed_prefill on CUDA tensors of one GPU: 2 and 4 ranks as threads, each on its
+// own stream (a Communicator of device copies), against the fp64 reference of the whole input.
+// The same code runs over NCCL across GPUs (make_nccl_communicator).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <numeric>
+#include <thread>
+
+#include "distributed_support.h"
+#include "gpu_support.h"
+
+namespace kda::test {
+namespace {
+
+class StreamCommunicator final : public Communicator {
+ public:
+  StreamCommunicator(ThreadGroup* group, int rank) : group_(group), rank_(rank) {}
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size(); }
+  Status all_gather(const void* send, void* recv, size_t bytes, Device device,
+                    void* stream) override {
+    if (device != Device::kCUDA)
+      return {StatusCode::kUnsupported, "device", "CUDA buffers, got host buffers"};
+    cudaStream_t s = static_cast<cudaStream_t>(stream);
+    KDA_TEST_CUDA(cudaStreamSynchronize(s));  // this rank's record is complete
+    group_->gather(rank_, send, recv, bytes, [s](void* dst, const void* src, size_t n) {
+      KDA_TEST_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s));
+      KDA_TEST_CUDA(cudaStreamSynchronize(s));
+    });
+    return Status::Ok();
+  }
+
+ private:
+  ThreadGroup* group_;
+  int rank_;
+};
+
+struct GpuSplit {
+  std::string name;
+  std::vector<int64_t> counts;
+  std::vector<int64_t> seqlens;
+  bool varlen;
+  GateForm gate;
+  StateLayout layout;
+};
+
+class GpuDistributedPrefill : public ::testing::TestWithParam<GpuSplit> {};
+
+TEST_P(GpuDistributedPrefill, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const GpuSplit& sc = GetParam();
+  PrefillCase c;
+  c.seqlens = sc.seqlens;
+  c.varlen = sc.varlen;
+  c.H = 2;
+  c.HV = 4;
+  c.K = c.V = 128;
+  c.dtype = DType::kBFloat16;
+  c.gate = sc.gate;
+  c.weak_decay = sc.gate == GateForm::kPrecomputed;  // M carries the start state across slices
+  c.layout = sc.layout;
+  const int world = static_cast<int>(sc.counts.size());
+  PrefillData d = make_prefill(c);
+  ASSERT_EQ(std::accumulate(sc.counts.begin(), sc.counts.end(), int64_t{0}), d.T);
+  PrefillData ref = widen(d);
+  PrefillParams rp = ref.params();
+  rp.exec.backend = Backend::kCpuReference;
+  ASSERT_TRUE(prefill(rp).ok());
+
+  DeviceTensor q(d.q), k(d.k), v(d.v), g(d.g), beta(d.beta), A_log(d.A_log), dt_bias(d.dt_bias),
+      out(d.out), h0(d.h0);
+  PrefillParams whole = d.params();
+  whole.q = q.view();
+  whole.k = k.view();
+  whole.v = v.view();
+  whole.g = g.view();
+  whole.beta = beta.view();
+  whole.A_log = A_log.view();
+  whole.dt_bias = dt_bias.view();
+  whole.out = out.view();
+  whole.initial_state = h0.view();
+
+  ThreadGroup group(world);
+  std::vector<HostTensor> cus(world), finals(world);
+  std::vector<std::unique_ptr<DeviceTensor>> cu_dev(world), final_dev(world);
+  std::vector<PrefillParams> locals(world);
+  std::vector<cudaStream_t> streams(world);
+  std::vector<void*> workspaces(world, nullptr);
+  int64_t begin = 0;
+  for (int r = 0; r < world; ++r) {
+    PrefillParams p = slice_of(whole, d.cu_host, begin, sc.counts[r], &cus[r]);
+    if (sc.varlen) {
+      cu_dev[r] = std::make_unique<DeviceTensor>(cus[r]);
+      p.cu_seqlens = cu_dev[r]->view();
+    }
+    finals[r] = HostTensor(c.state_dtype, d.ht.shape);
+    final_dev[r] = std::make_unique<DeviceTensor>(finals[r]);
+    p.final_state = final_dev[r]->view();
+    KDA_TEST_CUDA(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
+    size_t bytes = 0;
+    const Status s = distributed_prefill_workspace_size(p, world, &bytes);
+    ASSERT_TRUE(s.ok()) << s.to_string();
+    KDA_TEST_CUDA(cudaMalloc(&workspaces[r], bytes));
+    p.exec.workspace = workspaces[r];
+    p.exec.workspace_bytes = bytes;
+    p.exec.stream = streams[r];
+    locals[r] = p;
+    begin += sc.counts[r];
+  }
+  std::vector<Status> status(world);
+  std::vector<std::thread> threads;
+  for (int r = 0; r < world; ++r)
+    threads.emplace_back([&, r] {
+      StreamCommunicator comm(&group, r);
+      status[r] = distributed_prefill(locals[r], comm);
+      KDA_TEST_CUDA(cudaStreamSynchronize(streams[r]));
+    });
+  for (std::thread& t : threads) t.join();
+  for (int r = 0; r < world; ++r) {
+    EXPECT_TRUE(status[r].ok()) << "rank " << r << ": " << status[r].to_string();
+    KDA_TEST_CUDA(cudaFree(workspaces[r]));
+    KDA_TEST_CUDA(cudaStreamDestroy(streams[r]));
+  }
+  out.download(d.out);
+  const double out_tol = tolerance_for(DType::kBFloat16), state_tol = 3e-3;  // as the prefill's
+  const Compare o = compare(d.out, ref.out, out_tol);
+  EXPECT_TRUE(o.ok(out_tol)) << "out: rel L2 " << o.rel_l2 << o.first_mismatches;
+  for (int r = 0; r < world; ++r) {
+    final_dev[r]->download(finals[r]);
+    const Compare f = compare(finals[r], ref.ht, state_tol);
+    EXPECT_TRUE(f.ok(state_tol)) << "rank " << r << " final state: rel L2 " << f.rel_l2
+                                 << f.first_mismatches;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(Gpu, GpuDistributedPrefill,
+                         ::testing::Values(GpuSplit{"dense_2",
+                                                    {700, 1348},
+                                                    {2048},
+                                                    false,
+                                                    GateForm::kLowerBound,
+                                                    StateLayout::kVFirst},
+                                           GpuSplit{"dense_weak_4",
+                                                    {512, 300, 0, 1236},
+                                                    {2048},
+                                                    false,
+                                                    GateForm::kPrecomputed,
+                                                    StateLayout::kKFirst},
+                                           GpuSplit{"varlen_spanning_4",
+                                                    {400, 400, 400, 300},
+                                                    {100, 1000, 0, 400},
+                                                    true,
+                                                    GateForm::kSoftplus,
+                                                    StateLayout::kVFirst},
+                                           GpuSplit{"varlen_weak_2",
+                                                    {1000, 500},
+                                                    {1200, 300},
+                                                    true,
+                                                    GateForm::kPrecomputed,
+                                                    StateLayout::kVFirst}),
+                         [](const auto& info) { return info.param.name; });
+
+}  // namespace
+}  // namespace kda::test
