@@ -5,6 +5,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "kda/distributed.h"
@@ -48,6 +49,38 @@ class ThreadGroup {
   std::condition_variable cv_;
   int arrived_ = 0;
   int64_t generation_ = 0;
+};
+
+// A Communicator of one ThreadGroup rank, for buffers on `device`: sync(stream) completes the
+// rank's work before its buffer is published (nullptr: nothing to wait for), copy(dst, src,
+// bytes, stream) copies one rank's buffer and has completed on return.
+class GroupCommunicator final : public Communicator {
+ public:
+  using Sync = void (*)(void* stream);
+  using Copy = void (*)(void* dst, const void* src, size_t bytes, void* stream);
+  GroupCommunicator(ThreadGroup* group, int rank, Device device, Sync sync, Copy copy)
+      : group_(group), rank_(rank), device_(device), sync_(sync), copy_(copy) {}
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size(); }
+  Status all_gather(const void* send, void* recv, size_t bytes, Device device,
+                    void* stream) override {
+    if (device != device_)
+      return {StatusCode::kUnsupported, "device",
+              std::string("buffers on ") + (device_ == Device::kCPU ? "the host" : "CUDA")};
+    ++calls;
+    if (sync_ != nullptr) sync_(stream);
+    group_->gather(rank_, send, recv, bytes,
+                   [&](void* dst, const void* src, size_t n) { copy_(dst, src, n, stream); });
+    return Status::Ok();
+  }
+  int calls = 0;  // all_gather calls
+
+ private:
+  ThreadGroup* group_;
+  int rank_;
+  Device device_;
+  Sync sync_;
+  Copy copy_;
 };
 
 // Tokens [begin, begin + count) of a per-token view (token axis 1 of [B, T, ...]).

@@ -11,26 +11,11 @@
 namespace kda::test {
 namespace {
 
-class ThreadCommunicator final : public Communicator {
- public:
-  ThreadCommunicator(ThreadGroup* group, int rank) : group_(group), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int size() const override { return group_->size(); }
-  Status all_gather(const void* send, void* recv, size_t bytes, Device device,
-                    void* stream) override {
-    if (device != Device::kCPU)
-      return {StatusCode::kUnsupported, "device", "host buffers, got CUDA buffers"};
-    ++calls;
-    group_->gather(rank_, send, recv, bytes,
-                   [](void* dst, const void* src, size_t n) { std::memcpy(dst, src, n); });
-    return Status::Ok();
-  }
-  int calls = 0;
-
- private:
-  ThreadGroup* group_;
-  int rank_;
-};
+GroupCommunicator host_rank(ThreadGroup* group, int rank) {
+  return GroupCommunicator(
+      group, rank, Device::kCPU, nullptr,
+      [](void* dst, const void* src, size_t n, void*) { std::memcpy(dst, src, n); });
+}
 
 struct SplitCase {
   std::string name;
@@ -115,7 +100,7 @@ TEST_P(DistributedPrefill, MatchesOneProcessPrefill) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
-      ThreadCommunicator comm(&group, r);
+      GroupCommunicator comm = host_rank(&group, r);
       status[r] = distributed_prefill(locals[r], comm);
       gathers[r] = comm.calls;
     });
@@ -170,6 +155,12 @@ TEST(DistributedPrefillErrors, RefusedBeforeAnyWrite) {
   EXPECT_EQ(s.argument(), "workspace") << s.to_string();
   EXPECT_TRUE(untouched());
 
+  auto expect_refused = [&](const PrefillParams& bad, StatusCode code, const char* argument) {
+    const Status s = distributed_prefill(bad, comm);
+    EXPECT_EQ(s.code(), code) << s.to_string();
+    EXPECT_EQ(s.argument(), argument) << s.to_string();
+    EXPECT_TRUE(untouched()) << argument;
+  };
   PrefillParams bad = p;
   bad.exec.workspace_bytes = bytes;
   bad.checkpoint_every = kChunkSize;
@@ -178,28 +169,20 @@ TEST(DistributedPrefillErrors, RefusedBeforeAnyWrite) {
   off.set(1, 1);
   bad.checkpoints = ckpt.view();
   bad.checkpoint_offsets = off.view();
-  s = distributed_prefill(bad, comm);
-  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
-  EXPECT_EQ(s.argument(), "checkpoints") << s.to_string();
+  expect_refused(bad, StatusCode::kUnsupported, "checkpoints");
 
   bad = p;
   bad.exec.workspace_bytes = bytes;
-  bad.initial_state = {};
   HostTensor pool(DType::kFloat32, {2, c.HV, c.V, c.K}), idx(DType::kInt32, {1});
-  bad.final_state = {};
+  bad.initial_state = bad.final_state = {};
   bad.state_pool = pool.view();
   bad.state_indices = idx.view();
-  s = distributed_prefill(bad, comm);
-  EXPECT_EQ(s.code(), StatusCode::kUnsupported);
-  EXPECT_EQ(s.argument(), "state_pool") << s.to_string();
+  expect_refused(bad, StatusCode::kUnsupported, "state_pool");
 
   bad = p;
   bad.exec.workspace_bytes = bytes;
   bad.k.dtype = DType::kFloat16;
-  s = distributed_prefill(bad, comm);
-  EXPECT_EQ(s.code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ(s.argument(), "k") << s.to_string();
-  EXPECT_TRUE(untouched());
+  expect_refused(bad, StatusCode::kInvalidArgument, "k");
 
   // The allocator is called once, for the whole workspace.
   struct Arena {

@@ -13,28 +13,17 @@
 namespace kda::test {
 namespace {
 
-class StreamCommunicator final : public Communicator {
- public:
-  StreamCommunicator(ThreadGroup* group, int rank) : group_(group), rank_(rank) {}
-  int rank() const override { return rank_; }
-  int size() const override { return group_->size(); }
-  Status all_gather(const void* send, void* recv, size_t bytes, Device device,
-                    void* stream) override {
-    if (device != Device::kCUDA)
-      return {StatusCode::kUnsupported, "device", "CUDA buffers, got host buffers"};
-    cudaStream_t s = static_cast<cudaStream_t>(stream);
-    KDA_TEST_CUDA(cudaStreamSynchronize(s));  // this rank's record is complete
-    group_->gather(rank_, send, recv, bytes, [s](void* dst, const void* src, size_t n) {
-      KDA_TEST_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s));
-      KDA_TEST_CUDA(cudaStreamSynchronize(s));
-    });
-    return Status::Ok();
-  }
-
- private:
-  ThreadGroup* group_;
-  int rank_;
-};
+// A rank on its own stream: its record complete before the gather, device copies after.
+GroupCommunicator device_rank(ThreadGroup* group, int rank) {
+  return GroupCommunicator(
+      group, rank, Device::kCUDA,
+      [](void* stream) { KDA_TEST_CUDA(cudaStreamSynchronize(static_cast<cudaStream_t>(stream))); },
+      [](void* dst, const void* src, size_t n, void* stream) {
+        const cudaStream_t s = static_cast<cudaStream_t>(stream);
+        KDA_TEST_CUDA(cudaMemcpyAsync(dst, src, n, cudaMemcpyDeviceToDevice, s));
+        KDA_TEST_CUDA(cudaStreamSynchronize(s));
+      });
+}
 
 struct GpuSplit {
   std::string name;
@@ -112,7 +101,7 @@ TEST_P(GpuDistributedPrefill, MatchesReference) {
   std::vector<std::thread> threads;
   for (int r = 0; r < world; ++r)
     threads.emplace_back([&, r] {
-      StreamCommunicator comm(&group, r);
+      GroupCommunicator comm = device_rank(&group, r);
       status[r] = distributed_prefill(locals[r], comm);
       KDA_TEST_CUDA(cudaStreamSynchronize(streams[r]));
     });
