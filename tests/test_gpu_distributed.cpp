@@ -7,8 +7,7 @@
 #include <numeric>
 #include <thread>
 
-#include "distributed_support.h"
-#include "gpu_support.h"
+#include "distributed_gpu_support.h"
 
 namespace kda::test {
 namespace {
@@ -25,67 +24,31 @@ GroupCommunicator device_rank(ThreadGroup* group, int rank) {
       });
 }
 
-struct GpuSplit {
-  std::string name;
-  std::vector<int64_t> counts;
-  std::vector<int64_t> seqlens;
-  bool varlen;
-  GateForm gate;
-  StateLayout layout;
-};
-
-class GpuDistributedPrefill : public ::testing::TestWithParam<GpuSplit> {};
+class GpuDistributedPrefill : public ::testing::TestWithParam<DeviceSplit> {};
 
 TEST_P(GpuDistributedPrefill, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
-  const GpuSplit& sc = GetParam();
-  PrefillCase c;
-  c.seqlens = sc.seqlens;
-  c.varlen = sc.varlen;
-  c.H = 2;
-  c.HV = 4;
-  c.K = c.V = 128;
-  c.dtype = DType::kBFloat16;
-  c.gate = sc.gate;
-  c.weak_decay = sc.gate == GateForm::kPrecomputed;  // M carries the start state across slices
-  c.layout = sc.layout;
+  const DeviceSplit& sc = GetParam();
+  const PrefillCase c = case_of(sc);
   const int world = static_cast<int>(sc.counts.size());
   PrefillData d = make_prefill(c);
   ASSERT_EQ(std::accumulate(sc.counts.begin(), sc.counts.end(), int64_t{0}), d.T);
-  PrefillData ref = widen(d);
-  PrefillParams rp = ref.params();
-  rp.exec.backend = Backend::kCpuReference;
-  ASSERT_TRUE(prefill(rp).ok());
-
-  DeviceTensor q(d.q), k(d.k), v(d.v), g(d.g), beta(d.beta), A_log(d.A_log), dt_bias(d.dt_bias),
-      out(d.out), h0(d.h0);
-  PrefillParams whole = d.params();
-  whole.q = q.view();
-  whole.k = k.view();
-  whole.v = v.view();
-  whole.g = g.view();
-  whole.beta = beta.view();
-  whole.A_log = A_log.view();
-  whole.dt_bias = dt_bias.view();
-  whole.out = out.view();
-  whole.initial_state = h0.view();
+  const PrefillData ref = run_reference(d);
+  DeviceCopies whole(d, 0);
 
   ThreadGroup group(world);
   std::vector<HostTensor> cus(world), finals(world);
-  std::vector<std::unique_ptr<DeviceTensor>> cu_dev(world), final_dev(world);
+  std::vector<DeviceTensor*> final_dev(world);
   std::vector<PrefillParams> locals(world);
   std::vector<cudaStream_t> streams(world);
   std::vector<void*> workspaces(world, nullptr);
   int64_t begin = 0;
   for (int r = 0; r < world; ++r) {
-    PrefillParams p = slice_of(whole, d.cu_host, begin, sc.counts[r], &cus[r]);
-    if (sc.varlen) {
-      cu_dev[r] = std::make_unique<DeviceTensor>(cus[r]);
-      p.cu_seqlens = cu_dev[r]->view();
-    }
+    PrefillParams p = slice_of(whole.p, d.cu_host, begin, sc.counts[r], &cus[r]);
+    if (sc.varlen) p.cu_seqlens = whole.add(cus[r]);
     finals[r] = HostTensor(c.state_dtype, d.ht.shape);
-    final_dev[r] = std::make_unique<DeviceTensor>(finals[r]);
-    p.final_state = final_dev[r]->view();
+    p.final_state = whole.add(finals[r]);
+    final_dev[r] = whole.keep.back().get();
     KDA_TEST_CUDA(cudaStreamCreateWithFlags(&streams[r], cudaStreamNonBlocking));
     size_t bytes = 0;
     const Status s = distributed_prefill_workspace_size(p, world, &bytes);
@@ -111,7 +74,7 @@ TEST_P(GpuDistributedPrefill, MatchesReference) {
     KDA_TEST_CUDA(cudaFree(workspaces[r]));
     KDA_TEST_CUDA(cudaStreamDestroy(streams[r]));
   }
-  out.download(d.out);
+  whole.out->download(d.out);
   const double out_tol = tolerance_for(DType::kBFloat16), state_tol = 3e-3;  // as the prefill's
   const Compare o = compare(d.out, ref.out, out_tol);
   EXPECT_TRUE(o.ok(out_tol)) << "out: rel L2 " << o.rel_l2 << o.first_mismatches;
@@ -124,30 +87,30 @@ TEST_P(GpuDistributedPrefill, MatchesReference) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Gpu, GpuDistributedPrefill,
-                         ::testing::Values(GpuSplit{"dense_2",
-                                                    {700, 1348},
-                                                    {2048},
-                                                    false,
-                                                    GateForm::kLowerBound,
-                                                    StateLayout::kVFirst},
-                                           GpuSplit{"dense_weak_4",
-                                                    {512, 300, 0, 1236},
-                                                    {2048},
-                                                    false,
-                                                    GateForm::kPrecomputed,
-                                                    StateLayout::kKFirst},
-                                           GpuSplit{"varlen_spanning_4",
-                                                    {400, 400, 400, 300},
-                                                    {100, 1000, 0, 400},
-                                                    true,
-                                                    GateForm::kSoftplus,
-                                                    StateLayout::kVFirst},
-                                           GpuSplit{"varlen_weak_2",
-                                                    {1000, 500},
-                                                    {1200, 300},
-                                                    true,
-                                                    GateForm::kPrecomputed,
-                                                    StateLayout::kVFirst}),
+                         ::testing::Values(DeviceSplit{"dense_2",
+                                                       {700, 1348},
+                                                       {2048},
+                                                       false,
+                                                       GateForm::kLowerBound,
+                                                       StateLayout::kVFirst},
+                                           DeviceSplit{"dense_weak_4",
+                                                       {512, 300, 0, 1236},
+                                                       {2048},
+                                                       false,
+                                                       GateForm::kPrecomputed,
+                                                       StateLayout::kKFirst},
+                                           DeviceSplit{"varlen_spanning_4",
+                                                       {400, 400, 400, 300},
+                                                       {100, 1000, 0, 400},
+                                                       true,
+                                                       GateForm::kSoftplus,
+                                                       StateLayout::kVFirst},
+                                           DeviceSplit{"varlen_weak_2",
+                                                       {1000, 500},
+                                                       {1200, 300},
+                                                       true,
+                                                       GateForm::kPrecomputed,
+                                                       StateLayout::kVFirst}),
                          [](const auto& info) { return info.param.name; });
 
 }  // namespace
