@@ -67,6 +67,16 @@ Status capture_and_replay(cudaStream_t stream, Call call) {
   return s;
 }
 
+// The fp64 reference of a prefill on the widened inputs.
+inline PrefillData run_reference(const PrefillData& d) {
+  PrefillData ref = widen(d);
+  PrefillParams p = ref.params();
+  p.exec.backend = Backend::kCpuReference;
+  const Status s = prefill(p);
+  EXPECT_TRUE(s.ok()) << s.to_string();
+  return ref;
+}
+
 // Device copy of a HostTensor's whole storage (same strides), freed on destruction.
 struct DeviceTensor {
   const HostTensor* host = nullptr;

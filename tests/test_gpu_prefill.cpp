@@ -120,16 +120,6 @@ GpuResult run_cuda(const PrefillData& d, cudaStream_t stream = nullptr) {
   return r;
 }
 
-// The fp64 reference on the widened inputs.
-PrefillData run_reference(const PrefillData& d) {
-  PrefillData ref = widen(d);
-  PrefillParams p = ref.params();
-  p.exec.backend = Backend::kCpuReference;
-  const Status s = prefill(p);
-  EXPECT_TRUE(s.ok()) << s.to_string();
-  return ref;
-}
-
 double out_tolerance(DType dt) {
   return dt == DType::kFloat16 ? 2.5e-3 : tolerance_for(DType::kBFloat16);
 }

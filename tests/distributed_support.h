@@ -1,0 +1,110 @@
+// distributed_support.h — the context-parallel tests' ranks as threads of one process: a group
+// that all-gathers through shared memory, and per-rank token slices of a whole-input view.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "kda/distributed.h"
+#include "support.h"
+
+namespace kda::test {
+
+// The ranks of one group: each all_gather publishes its send buffer, waits for every rank,
+// copies every rank's buffer, and waits again before the buffers may change.
+class ThreadGroup {
+ public:
+  explicit ThreadGroup(int size) : size_(size), sends_(size) {}
+  int size() const { return size_; }
+
+  // copy(dst, src, bytes) copies one rank's buffer (memcpy, or a device copy that has
+  // completed on return).
+  template <class Copy>
+  void gather(int rank, const void* send, void* recv, size_t bytes, Copy copy) {
+    sends_[rank] = send;
+    barrier();
+    for (int r = 0; r < size_; ++r) copy(static_cast<uint8_t*>(recv) + r * bytes, sends_[r], bytes);
+    barrier();
+  }
+
+ private:
+  void barrier() {
+    std::unique_lock<std::mutex> lock(mutex_);
+    const int64_t generation = generation_;
+    if (++arrived_ == size_) {
+      arrived_ = 0;
+      ++generation_;
+      cv_.notify_all();
+    } else {
+      cv_.wait(lock, [&] { return generation_ != generation; });
+    }
+  }
+
+  int size_;
+  std::vector<const void*> sends_;
+  std::mutex mutex_;
+  std::condition_variable cv_;
+  int arrived_ = 0;
+  int64_t generation_ = 0;
+};
+
+// A Communicator of one ThreadGroup rank, for buffers on `device`: sync(stream) completes the
+// rank's work before its buffer is published (nullptr: nothing to wait for), copy(dst, src,
+// bytes, stream) copies one rank's buffer and has completed on return.
+class GroupCommunicator final : public Communicator {
+ public:
+  using Sync = void (*)(void* stream);
+  using Copy = void (*)(void* dst, const void* src, size_t bytes, void* stream);
+  GroupCommunicator(ThreadGroup* group, int rank, Device device, Sync sync, Copy copy)
+      : group_(group), rank_(rank), device_(device), sync_(sync), copy_(copy) {}
+  int rank() const override { return rank_; }
+  int size() const override { return group_->size(); }
+  Status all_gather(const void* send, void* recv, size_t bytes, Device device,
+                    void* stream) override {
+    if (device != device_)
+      return {StatusCode::kUnsupported, "device",
+              std::string("buffers on ") + (device_ == Device::kCPU ? "the host" : "CUDA")};
+    ++calls;
+    if (sync_ != nullptr) sync_(stream);
+    group_->gather(rank_, send, recv, bytes,
+                   [&](void* dst, const void* src, size_t n) { copy_(dst, src, n, stream); });
+    return Status::Ok();
+  }
+  int calls = 0;  // all_gather calls
+
+ private:
+  ThreadGroup* group_;
+  int rank_;
+  Device device_;
+  Sync sync_;
+  Copy copy_;
+};
+
+// Tokens [begin, begin + count) of a per-token view (token axis 1 of [B, T, ...]).
+inline TensorView tokens(TensorView t, int64_t begin, int64_t count) {
+  if (!t.present()) return t;
+  t.data = static_cast<uint8_t*>(t.data) +
+           begin * t.strides[1] * static_cast<int64_t>(dtype_size(t.dtype));
+  t.shape[1] = count;
+  return t;
+}
+
+// Rank params: tokens [begin, begin + count) of the whole-input call `whole` (q, k, v, g, beta,
+// out); varlen: the rank's cu_seqlens from the global layout `cu_host`, kept in `*cu`.
+inline PrefillParams slice_of(const PrefillParams& whole, const std::vector<int64_t>& cu_host,
+                              int64_t begin, int64_t count, HostTensor* cu) {
+  PrefillParams p = whole;
+  for (TensorView* t : {&p.q, &p.k, &p.v, &p.g, &p.beta, &p.out}) *t = tokens(*t, begin, count);
+  if (whole.cu_seqlens.present()) {
+    const std::vector<int64_t> local = local_cu_seqlens(cu_host, begin, begin + count);
+    *cu = HostTensor(DType::kInt64, {static_cast<int64_t>(local.size())});
+    for (size_t i = 0; i < local.size(); ++i) cu->set(static_cast<int64_t>(i), local[i]);
+    p.cu_seqlens = cu->view();
+  }
+  return p;
+}
+
+}  // namespace kda::test
