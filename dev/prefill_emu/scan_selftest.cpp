@@ -88,7 +88,8 @@ int main() {
         const int64_t s = int64_t{n} * kSegs + j;
         const float* out = start.data() + (s * kHV + hv) * kMat;
         if (j <= 1) {  // slot 0 unused by the scan, slot 1 its input
-          for (int64_t i = 0; i < kMat; ++i) untouched_bad += out[i] != start0[(s * kHV + hv) * kMat + i];
+          for (int64_t i = 0; i < kMat; ++i)
+            untouched_bad += out[i] != start0[(s * kHV + hv) * kMat + i];
           continue;
         }
         // out = x_{s} where x = start[s - 1], Mt = trans[s - 1], l = local[s - 1]
@@ -122,10 +123,10 @@ int main() {
   const char* names[3] = {"near identity", "decay + 0.05 mixing", "dense [-1, 1]"};
   int failures = 0;
   for (int kind = 0; kind < 3; ++kind) {
-    std::printf("%-20s tensor cores: max abs %.3g, max rel %.3g | fp32 FMA: max abs %.3g, "
-                "max rel %.3g\n",
-                names[kind], tc[kind].max_abs, tc[kind].max_rel, fma[kind].max_abs,
-                fma[kind].max_rel);
+    std::printf(
+        "%-20s tensor cores: max abs %.3g, max rel %.3g | fp32 FMA: max abs %.3g, "
+        "max rel %.3g\n",
+        names[kind], tc[kind].max_abs, tc[kind].max_rel, fma[kind].max_abs, fma[kind].max_rel);
     // fp32 level: within twice the FMA product's worst relative error, and below 2^-20.
     if (!(tc[kind].max_rel <= 2 * fma[kind].max_rel && tc[kind].max_rel < 0x1p-20)) ++failures;
   }

@@ -53,15 +53,15 @@ __device__ __forceinline__ void scan_store_x(uint32_t* xr, const float (&v)[8], 
   uint32_t hi[8], lo[8];
 #pragma unroll
   for (int i = 0; i < 8; ++i) split_tf32(v[i], hi[i], lo[i]);
-#pragma unroll
-  for (int pass = 0; pass < 2; ++pass) {
-    const bool up = (pass == 1) != odd;
-    const int o = up ? 4 : 0;
-    *reinterpret_cast<uint4*>(xr + o) = up ? make_uint4(hi[4], hi[5], hi[6], hi[7])
-                                            : make_uint4(hi[0], hi[1], hi[2], hi[3]);
-    *reinterpret_cast<uint4*>(xr + kX + o) = up ? make_uint4(lo[4], lo[5], lo[6], lo[7])
-                                                 : make_uint4(lo[0], lo[1], lo[2], lo[3]);
-  }
+  const uint4 h0 = make_uint4(hi[0], hi[1], hi[2], hi[3]),
+              h1 = make_uint4(hi[4], hi[5], hi[6], hi[7]);
+  const uint4 l0 = make_uint4(lo[0], lo[1], lo[2], lo[3]),
+              l1 = make_uint4(lo[4], lo[5], lo[6], lo[7]);
+  const int o = odd ? 4 : 0;
+  *reinterpret_cast<uint4*>(xr + o) = odd ? h1 : h0;
+  *reinterpret_cast<uint4*>(xr + kX + o) = odd ? l1 : l0;
+  *reinterpret_cast<uint4*>(xr + 4 - o) = odd ? h0 : h1;
+  *reinterpret_cast<uint4*>(xr + kX + 4 - o) = odd ? l0 : l1;
 }
 
 __global__ void __launch_bounds__(kScanThreads)
@@ -120,8 +120,8 @@ __global__ void __launch_bounds__(kScanThreads)
     const float4 l1 = *reinterpret_cast<const float4*>(gl + 4);
     if (warp == 0) issue(j + 1);  // into the stage step j - 1 read
     mbar_wait(bar0 + 8 * slot_of(j), static_cast<uint32_t>(((j - 1) / kScanStages) & 1));
-    const float* mk = scan_smem + slot_of(j) * kMt + (64 * h + 2 * c) * kScanMtStride + 32 * q +
-                      4 * g;
+    const float* mk =
+        scan_smem + slot_of(j) * kMt + (64 * h + 2 * c) * kScanMtStride + 32 * q + 4 * g;
     const uint32_t* xk = xs + ((j - 1) & 1) * 2 * kX + g * kScanXStride + 64 * h + 2 * c;
     float acc[2][4][4];  // [k-step parity][n-tile][fragment]: two chains per tile
 #pragma unroll
