@@ -1,14 +1,18 @@
-// scan_selftest.cpp — segment_scan_kernel (prefill/segments.cuh) against an fp64 product, on the
-// emulator. A dense batch of N sequences of kSegs segments each, HV value heads: random start rows
-// seg_start[first + 1], local rows seg_local and transitions seg_trans of three kinds (near the
-// identity; a decay diagonal with small mixing; dense entries in [-1, 1]). Every step's output row
-// x_{s+1} is compared with the fp64 value of x_s Mt_s + l_s computed from the kernel's own x_s, so
-// that each step's rounding is measured alone; the error of an element is taken relative to
-// sum_k |x_k| |Mt_kn| + |l_n| (what bounds the rounding of any summation order). The same
-// measure for an fp32 FMA product (16-term chains summed over 8 partials, the kernel's former
-// order) is printed alongside; the kernel's must stay at that level. Each sequence's slots 0 and 1
-// (not written by the scan) must be left as they were.
-// Built by CMake with -DKDA_BUILD_EMULATOR=ON (target kda_emu_scan_selftest, CTest emu_scan).
+// scan_selftest.cpp — segment_scan_kernel (prefill/segments.cuh) against fp64, on the emulator.
+// One sequence of kSegs segments (kSegs - 2 scan steps), kHV value heads, each head's transitions
+// of one kind: near the identity; a decay diagonal with small mixing; dense entries in [-1, 1].
+// Start rows seg_start[1], local rows and transitions random. Two measures, each printed beside
+// the same measure of an fp32 FMA product (16-term chains summed over 8 partials, the kernel's
+// former order), at whose level the kernel must stay:
+//   step: every output row x_{s+1} against the fp64 value of x_s Mt_s + l_s from the kernel's own
+//     x_s (each step's rounding alone), the error of an element relative to
+//     sum_k |x_k| |Mt_kn| + |l_n| (what bounds the rounding of any summation order);
+//   chain: the last start state against the fp64 chain from seg_start[1] (rel L2): the rounding
+//     compounded over the steps.
+// Run twice: the emulated mma results rounded to nearest, then truncated (the shim's
+// mma_tf32_toward_zero, a model of a hardware adder that drops bits). Slots 0 and 1 (not written
+// by the scan) must be left as they were. Built by CMake with -DKDA_BUILD_EMULATOR=ON (target
+// kda_emu_scan_selftest, CTest emu_scan).
 #include <cmath>
 #include <random>
 
@@ -18,7 +22,7 @@ using namespace kda::cuda::pf;
 
 namespace {
 
-constexpr int kN = 2, kHV = 2, kSegs = 6, kD = 128;
+constexpr int kHV = 3, kSegs = 34, kD = 128;
 constexpr int64_t kMat = int64_t{kD} * kD;
 
 struct Err {
@@ -30,45 +34,92 @@ struct Err {
   }
 };
 
+// out = x m + l (128 x 128, row-major) in fp64 (ref, and scale = sum |x_k m_kn| + |l_n|) and in
+// fp32 FMA in the kernel's former order (f).
+void step_ref(const float* x, const float* m, const float* l, std::vector<double>* ref,
+              std::vector<double>* scale, std::vector<float>* f) {
+  for (int row = 0; row < kD; ++row)
+    for (int col = 0; col < kD; ++col) {
+      double r = l[row * kD + col], sc = std::fabs(r);
+      float sum = l[row * kD + col];
+      for (int w = 0; w < 8; ++w) {
+        float a = 0.f;
+        for (int k = 16 * w; k < 16 * w + 16; ++k)
+          a = std::fmaf(x[row * kD + k], m[k * kD + col], a);
+        sum += a;
+      }
+      for (int k = 0; k < kD; ++k) {
+        const double t = static_cast<double>(x[row * kD + k]) * m[k * kD + col];
+        r += t;
+        sc += std::fabs(t);
+      }
+      (*ref)[row * kD + col] = r;
+      (*scale)[row * kD + col] = sc;
+      (*f)[row * kD + col] = sum;
+    }
+}
+
+// The fp64 chain's next state from fp64 x.
+void step_fp64(const std::vector<double>& x, const float* m, const float* l,
+               std::vector<double>* out) {
+  for (int row = 0; row < kD; ++row)
+    for (int col = 0; col < kD; ++col) {
+      double r = l[row * kD + col];
+      for (int k = 0; k < kD; ++k) r += x[row * kD + k] * m[k * kD + col];
+      (*out)[row * kD + col] = r;
+    }
+}
+
+template <typename T>
+double rel_l2(const T* got, const std::vector<double>& ref) {
+  double se = 0, sr = 0;
+  for (int64_t i = 0; i < kMat; ++i) {
+    se += (got[i] - ref[i]) * (got[i] - ref[i]);
+    sr += ref[i] * ref[i];
+  }
+  return std::sqrt(se / sr);
+}
+
 }  // namespace
 
 int main() {
-  const int64_t slots = int64_t{kN} * kSegs;
-  std::vector<float> start(slots * kHV * kMat), local(slots * kHV * kMat),
-      trans(slots * kHV * kMat);
+  std::vector<float> start(kSegs * kHV * kMat), local(kSegs * kHV * kMat),
+      trans(kSegs * kHV * kMat);
   std::mt19937 rng(20);
   std::uniform_real_distribution<float> u(-1.f, 1.f), d(0.5f, 1.f), d1(0.95f, 1.f);
   for (float& x : start) x = u(rng);
   for (float& x : local) x = u(rng);
-  for (int64_t s = 0; s < slots; ++s)
+  for (int64_t s = 0; s < kSegs; ++s)
     for (int hv = 0; hv < kHV; ++hv) {
       float* m = trans.data() + (s * kHV + hv) * kMat;
-      const int kind = static_cast<int>((s + hv) % 3);
       for (int k = 0; k < kD; ++k)
         for (int n = 0; n < kD; ++n) {
           float v = u(rng);
-          if (kind == 0) v = 1e-3f * v + (k == n ? d1(rng) : 0.f);
-          if (kind == 1) v = 0.05f * v + (k == n ? d(rng) : 0.f);
+          if (hv == 0) v = 1e-3f * v + (k == n ? d1(rng) : 0.f);
+          if (hv == 1) v = 0.05f * v + (k == n ? d(rng) : 0.f);
           m[k * kD + n] = v;
         }
     }
   const std::vector<float> start0 = start;
+  auto at = [](const std::vector<float>& v, int64_t s, int hv) {
+    return v.data() + (s * kHV + hv) * kMat;
+  };
 
   Params p;
-  p.N = kN;
+  p.N = 1;
+  p.B = 1;
   p.HV = kHV;
   p.H = kHV;
-  p.B = kN;
   p.T = int64_t{kSegs} * 64;
   p.chunks_per_seq = kSegs;
   p.varlen = false;
   p.seg_tokens = 64;
   p.segs_per_seq = kSegs;
-  p.seg_slots = slots;
+  p.seg_slots = kSegs;
   auto view = [&](std::vector<float>& v) {
     StateView sv;
     sv.data = v.data();
-    sv.rows = slots;
+    sv.rows = kSegs;
     sv.s0 = kHV * kMat;
     sv.s1 = kMat;
     sv.s2 = kD;
@@ -77,62 +128,56 @@ int main() {
   p.seg_start = view(start);
   p.seg_local = view(local);
   p.seg_trans = view(trans);
-  emu_run::launch(segment_scan_kernel, int64_t{kN} * kHV * kScanBlocksPerHead, kScanThreads,
-                  kScanSmemBytes, p);
 
-  Err tc[3], fma[3];
-  int64_t untouched_bad = 0, nonfinite = 0;
-  for (int n = 0; n < kN; ++n)
-    for (int hv = 0; hv < kHV; ++hv)
-      for (int j = 0; j < kSegs; ++j) {
-        const int64_t s = int64_t{n} * kSegs + j;
-        const float* out = start.data() + (s * kHV + hv) * kMat;
-        if (j <= 1) {  // slot 0 unused by the scan, slot 1 its input
-          for (int64_t i = 0; i < kMat; ++i)
-            untouched_bad += out[i] != start0[(s * kHV + hv) * kMat + i];
-          continue;
-        }
-        // out = x_{s} where x = start[s - 1], Mt = trans[s - 1], l = local[s - 1]
-        const float* x = start.data() + ((s - 1) * kHV + hv) * kMat;
-        const float* m = trans.data() + ((s - 1) * kHV + hv) * kMat;
-        const float* l = local.data() + ((s - 1) * kHV + hv) * kMat;
-        const int kind = static_cast<int>((s - 1 + hv) % 3);
-        for (int row = 0; row < kD; ++row)
-          for (int col = 0; col < kD; ++col) {
-            double ref = l[row * kD + col], scale = std::fabs(ref);
-            float part[8];
-            for (int w = 0; w < 8; ++w) {
-              float a = 0.f;
-              for (int k = 16 * w; k < 16 * w + 16; ++k)
-                a = std::fmaf(x[row * kD + k], m[k * kD + col], a);
-              part[w] = a;
-            }
-            float f = l[row * kD + col];
-            for (int w = 0; w < 8; ++w) f += part[w];
-            for (int k = 0; k < kD; ++k) {
-              const double t = static_cast<double>(x[row * kD + k]) * m[k * kD + col];
-              ref += t;
-              scale += std::fabs(t);
-            }
-            const float got = out[row * kD + col];
-            if (!std::isfinite(got)) ++nonfinite;
-            tc[kind].add(got, ref, scale);
-            fma[kind].add(f, ref, scale);
-          }
-      }
-  const char* names[3] = {"near identity", "decay + 0.05 mixing", "dense [-1, 1]"};
+  const char* names[kHV] = {"near identity", "decay + 0.05 mixing", "dense [-1, 1]"};
   int failures = 0;
-  for (int kind = 0; kind < 3; ++kind) {
-    std::printf(
-        "%-20s tensor cores: max abs %.3g, max rel %.3g | fp32 FMA: max abs %.3g, "
-        "max rel %.3g\n",
-        names[kind], tc[kind].max_abs, tc[kind].max_rel, fma[kind].max_abs, fma[kind].max_rel);
-    // fp32 level: within twice the FMA product's worst relative error, and below 2^-20.
-    if (!(tc[kind].max_rel <= 2 * fma[kind].max_rel && tc[kind].max_rel < 0x1p-20)) ++failures;
+  for (const bool toward_zero : {false, true}) {
+    std::printf("mma results %s:\n", toward_zero ? "truncated (model)" : "rounded");
+    start = start0;
+    mma_tf32_toward_zero = toward_zero;
+    emu_run::launch(segment_scan_kernel, kHV * kScanBlocksPerHead, kScanThreads, kScanSmemBytes, p);
+    int64_t untouched_bad = 0, nonfinite = 0;
+    for (int s = 0; s <= 1; ++s)
+      for (int hv = 0; hv < kHV; ++hv)
+        for (int64_t i = 0; i < kMat; ++i)
+          untouched_bad += at(start, s, hv)[i] != at(start0, s, hv)[i];
+    for (int hv = 0; hv < kHV; ++hv) {
+      Err tc, fma;
+      std::vector<double> ref(kMat), scale(kMat), chain(at(start, 1, hv), at(start, 1, hv) + kMat),
+          next(kMat);
+      std::vector<float> f(kMat), fchain(at(start, 1, hv), at(start, 1, hv) + kMat), fnext(kMat);
+      for (int s = 2; s < kSegs; ++s) {
+        const float* x = at(start, s - 1, hv);
+        const float* m = at(trans, s - 1, hv);
+        const float* l = at(local, s - 1, hv);
+        const float* out = at(start, s, hv);
+        step_ref(x, m, l, &ref, &scale, &f);
+        for (int64_t i = 0; i < kMat; ++i) {
+          if (!std::isfinite(out[i])) ++nonfinite;
+          tc.add(out[i], ref[i], scale[i]);
+          fma.add(f[i], ref[i], scale[i]);
+        }
+        step_fp64(chain, m, l, &next);
+        chain.swap(next);
+        std::vector<double> unused(kMat);
+        step_ref(fchain.data(), m, l, &unused, &next, &fnext);
+        fchain.swap(fnext);
+      }
+      const double chain_tc = rel_l2(at(start, kSegs - 1, hv), chain),
+                   chain_fma = rel_l2(fchain.data(), chain);
+      std::printf("  %-20s step: tensor cores max abs %.3g, max rel %.3g | fp32 FMA %.3g, %.3g\n",
+                  names[hv], tc.max_abs, tc.max_rel, fma.max_abs, fma.max_rel);
+      std::printf("  %-20s chain of %d steps, rel L2: tensor cores %.3g | fp32 FMA %.3g\n", "",
+                  kSegs - 2, chain_tc, chain_fma);
+      // fp32 level: within twice the FMA product's errors (rounded mma results), below 2^-20.
+      if (!(toward_zero || (tc.max_rel <= 2 * fma.max_rel && chain_tc <= 2 * chain_fma)))
+        ++failures;
+      if (!(tc.max_rel < 0x1p-20 && chain_tc < 0x1p-20)) ++failures;
+    }
+    std::printf("  rows changed that the scan must not write: %lld, non-finite outputs: %lld\n",
+                static_cast<long long>(untouched_bad), static_cast<long long>(nonfinite));
+    if (untouched_bad || nonfinite) ++failures;
   }
-  if (untouched_bad || nonfinite) ++failures;
-  std::printf("rows changed that the scan must not write: %lld, non-finite outputs: %lld\n",
-              static_cast<long long>(untouched_bad), static_cast<long long>(nonfinite));
   std::printf(failures ? "FAILED\n" : "passed\n");
   return failures ? 1 : 0;
 }

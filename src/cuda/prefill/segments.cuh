@@ -123,9 +123,12 @@ __global__ void __launch_bounds__(kScanThreads)
     const float* mk =
         scan_smem + slot_of(j) * kMt + (64 * h + 2 * c) * kScanMtStride + 32 * q + 4 * g;
     const uint32_t* xk = xs + ((j - 1) & 1) * 2 * kX + g * kScanXStride + 64 * h + 2 * c;
-    float acc[2][4][4];  // [k-step parity][n-tile][fragment]: two chains per tile
+    // [chain][n-tile][fragment]: chains 0, 1 the products a_hi b_hi of even and odd k-steps, chain
+    // 2 the small terms a_lo b_hi + a_hi b_lo: apart from the large sums, so that the tensor
+    // cores' fp32 adder (which truncates) rounds each large sum 4 times, not 24.
+    float acc[3][4][4];
 #pragma unroll
-    for (int e = 0; e < 2; ++e)
+    for (int e = 0; e < 3; ++e)
 #pragma unroll
       for (int t = 0; t < 4; ++t) acc[e][t][0] = acc[e][t][1] = acc[e][t][2] = acc[e][t][3] = 0.f;
 #pragma unroll
@@ -143,7 +146,9 @@ __global__ void __launch_bounds__(kScanThreads)
         uint32_t bh[2], bl[2];
         split_tf32(b0[t], bh[0], bl[0]);
         split_tf32(b1[t], bh[1], bl[1]);
-        mma3_tf32(acc[ks & 1][t], ah, al, bh, bl);
+        mma_tf32(acc[2][t], al, bh[0], bh[1]);
+        mma_tf32(acc[2][t], ah, bl[0], bl[1]);
+        mma_tf32(acc[ks & 1][t], ah, bh[0], bh[1]);
       }
     }
     // Row g: columns xcol + t (d0 of tile t), xcol + 4 + t (d1); row g + 8: d2, d3.
@@ -152,7 +157,8 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int t = 0; t < 4; ++t)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float top = acc[0][t][e] + acc[1][t][e], bot = acc[0][t][2 + e] + acc[1][t][2 + e];
+        const float top = acc[0][t][e] + acc[1][t][e] + acc[2][t][e];
+        const float bot = acc[0][t][2 + e] + acc[1][t][2 + e] + acc[2][t][2 + e];
         keep[4 * e + t] = h == 0 ? top : bot;
         give[4 * e + t] = h == 0 ? bot : top;
       }
