@@ -7,8 +7,9 @@
 // seg_trans[s] = Mt, the end state of 128 rows started from the identity with zero values. Every
 // row of S^T then maps as x_end = x_start Mt + x_local. This kernel walks a sequence's segments,
 // seg_start[s + 1] = seg_start[s] Mt[s] + seg_local[s] for its segments 1 .. count - 2, the
-// product on the tensor cores with the 3xTF32 split of inverse.cuh (~fp32 accurate: the dropped
-// terms are ~2^-22 relative, the accumulation fp32). Pass 2 runs segments 1 .. count - 1 from
+// product on the tensor cores in 3xTF32 (split_tf32 of inverse.cuh: the dropped terms are ~2^-22
+// relative), the large terms summed in fp32 outside the mma accumulators (the main loop), so that
+// the state stays ~fp32 accurate over many segments. Pass 2 runs segments 1 .. count - 1 from
 // seg_start.
 //
 // One block per (sequence, value head, kScanRows = 16 rows of S^T); x = the 16 start rows. Warp
@@ -20,7 +21,7 @@
 // into the other of two x buffers for the next step: one block barrier per step.
 //
 // Fragment layout (lane = 4 g + c). k: the paired mapping of inverse.cuh, mma k slot c <-> k 2c,
-// slot c + 4 <-> k 2c + 1 of a k-step, so that A is a float2 per row. n: tile t's column g is
+// slot c + 4 <-> k 2c + 1 of a k-step, so that A is a 64-bit pair per row. n: tile t's column g is
 // Mt's column 32 q + 4 g + t, so that one float4 of an Mt row is the B element of all 4 tiles; a
 // lane's accumulators then hold the columns 32 q + 8 c + (0..7) of the rows g and g + 8. Mt (64 KB)
 // arrives by one bulk copy per row (issued by warp 0's lanes) into one of two stages one step
@@ -29,7 +30,7 @@
 // per 16 lanes):
 //   Mt float4 at row 64 h + 8 ks + 2 c + e, column 32 q + 4 g: 16-byte chunk (33 (2 c + e) + g)
 //     mod 8 = (2 c + g + e) mod 8, distinct over the 8 lanes g in {2i, 2i + 1}, c in 0..3.
-//   x float2 at row g (+ 8), k 64 h + 8 ks + 2 c: 8-byte slot (68 g + 4 ks + c) mod 16 =
+//   x pair at row g (+ 8), k 64 h + 8 ks + 2 c: 8-byte slot (68 g + 4 ks + c) mod 16 =
 //     (4 g + c + 4 ks) mod 16, distinct over the 16 lanes g in 4i..4i + 3, c in 0..3.
 //   x float4 stores at row r = g + 8 h, columns 32 q + 8 c + 4 e: chunk (34 r + 2 c + e) mod 8 =
 //     (2 g + 2 c + e) mod 8; the lanes of odd g store their e = 1 half first, so that the chunks
@@ -123,14 +124,15 @@ __global__ void __launch_bounds__(kScanThreads)
     const float* mk =
         scan_smem + slot_of(j) * kMt + (64 * h + 2 * c) * kScanMtStride + 32 * q + 4 * g;
     const uint32_t* xk = xs + ((j - 1) & 1) * 2 * kX + g * kScanXStride + 64 * h + 2 * c;
-    // [chain][n-tile][fragment]: chains 0, 1 the products a_hi b_hi of even and odd k-steps, chain
-    // 2 the small terms a_lo b_hi + a_hi b_lo: apart from the large sums, so that the tensor
-    // cores' fp32 adder (which truncates) rounds each large sum 4 times, not 24.
-    float acc[3][4][4];
+    // [n-tile][fragment]: sum = the products a_hi b_hi, each k-step's from a zeroed accumulator,
+    // added in fp32 (round to nearest); low = the small terms a_lo b_hi + a_hi b_lo, one mma chain.
+    // The tensor cores' fp32 adder truncates: a large running sum in an mma accumulator would be
+    // cut toward zero at every k-step, a bias that compounds over a sequence's steps.
+    float sum[4][4], low[4][4];
 #pragma unroll
-    for (int e = 0; e < 3; ++e)
+    for (int t = 0; t < 4; ++t)
 #pragma unroll
-      for (int t = 0; t < 4; ++t) acc[e][t][0] = acc[e][t][1] = acc[e][t][2] = acc[e][t][3] = 0.f;
+      for (int i = 0; i < 4; ++i) sum[t][i] = low[t][i] = 0.f;
 #pragma unroll
     for (int ks = 0; ks < 8; ++ks) {
       const float4 m0 = *reinterpret_cast<const float4*>(mk + (8 * ks) * kScanMtStride);
@@ -146,9 +148,12 @@ __global__ void __launch_bounds__(kScanThreads)
         uint32_t bh[2], bl[2];
         split_tf32(b0[t], bh[0], bl[0]);
         split_tf32(b1[t], bh[1], bl[1]);
-        mma_tf32(acc[2][t], al, bh[0], bh[1]);
-        mma_tf32(acc[2][t], ah, bl[0], bl[1]);
-        mma_tf32(acc[ks & 1][t], ah, bh[0], bh[1]);
+        float d[4] = {0.f, 0.f, 0.f, 0.f};
+        mma_tf32(d, ah, bh[0], bh[1]);
+        mma_tf32(low[t], al, bh[0], bh[1]);
+        mma_tf32(low[t], ah, bl[0], bl[1]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) sum[t][i] += d[i];
       }
     }
     // Row g: columns xcol + t (d0 of tile t), xcol + 4 + t (d1); row g + 8: d2, d3.
@@ -157,8 +162,7 @@ __global__ void __launch_bounds__(kScanThreads)
     for (int t = 0; t < 4; ++t)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float top = acc[0][t][e] + acc[1][t][e] + acc[2][t][e];
-        const float bot = acc[0][t][2 + e] + acc[1][t][2 + e] + acc[2][t][2 + e];
+        const float top = sum[t][e] + low[t][e], bot = sum[t][2 + e] + low[t][2 + e];
         keep[4 * e + t] = h == 0 ? top : bot;
         give[4 * e + t] = h == 0 ? bot : top;
       }
