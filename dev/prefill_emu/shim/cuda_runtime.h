@@ -15,9 +15,6 @@
 struct dim3 {
   unsigned x = 0, y = 0, z = 0;
 };
-struct uint2 {
-  uint32_t x, y;
-};
 struct uint4 {
   uint32_t x, y, z, w;
 };

@@ -39,12 +39,16 @@ __global__ void __launch_bounds__(kStagedThreads,
                                   kLatency ? 1 : (kSlots == 1 ? 12 : kBulkMinBlocks))
     decode_bulk_kernel(const __grid_constant__ DecodeArgs a) {
   static_assert(!kLatency || kSlots == 1, "the latency variant takes dense single-token calls");
-  // The parameters into the constant caches before the PDL wait (warm_params), so that the loads
-  // after the wait do not each wait on a cold constant line.
+  // The latency variant reads the parameters into the constant caches before the PDL wait
+  // (warm_params), so that its loads after the wait do not each wait on a cold constant line.
   __shared__ uint32_t param_sink[kStagedThreads / 32];
-  pdl_launch_dependents();
-  warm_params<kStagedThreads / 32>(a, threadIdx.x / 32, &param_sink[threadIdx.x / 32]);
-  pdl_wait();
+  if constexpr (kLatency) {
+    pdl_launch_dependents();
+    warm_params<kStagedThreads / 32>(a, threadIdx.x / 32, &param_sink[threadIdx.x / 32]);
+    pdl_wait();
+  } else {
+    pdl_prologue();
+  }
   using Map = TileMap<kStagedK, StateT, false>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr bool kBf16State = sizeof(StateT) == 2;

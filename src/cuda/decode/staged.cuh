@@ -21,11 +21,7 @@ namespace kda::cuda::dec {
 template <typename StateT, bool kLatency>
 __global__ void __launch_bounds__(kStagedThreads, kLatency ? 1 : kStagedMinBlocks)
     decode_staged_kernel(const __grid_constant__ DecodeArgs a) {
-  // The parameters into the constant caches before the PDL wait (warm_params).
-  __shared__ uint32_t param_sink[kStagedThreads / 32];
-  pdl_launch_dependents();
-  warm_params<kStagedThreads / 32>(a, threadIdx.x / 32, &param_sink[threadIdx.x / 32]);
-  pdl_wait();
+  pdl_prologue();
   using Map = TileMap<kStagedK, StateT, false>;
   constexpr int kVt = Map::kVt, kRuns = Map::kRuns, kVec = Map::kVec;
   constexpr int kUnits = kVt * kRuns;  // 16-byte units per thread: 8 (fp32), 4 (bf16)

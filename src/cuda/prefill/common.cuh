@@ -267,13 +267,12 @@ __device__ __forceinline__ SeqSpan seq_span(const Params& p, int64_t n) {
 // ---------------------------------------------------------------------------------------------
 
 // The segment scan (segments.cuh): blocks of kScanThreads threads (8 warps) over kScanRows = 16
-// rows of S^T; shared memory: kScanStages stages of Mt (row pitch kScanMtStride), two buffers of
-// the rows split into tf32 hi and lo (row pitch kScanXStride), the warp pairs' exchange (8 floats
-// per thread), the stages' mbarriers. The pitches make the fragment reads conflict-free.
-inline constexpr int kScanThreads = 256, kScanStages = 2, kScanMtStride = 132, kScanXStride = 136;
-inline constexpr int kScanSmemBytes = kScanStages * kHeadDim * kScanMtStride * 4 +
-                                      2 * 2 * kScanRows * kScanXStride * 4 + kScanThreads * 8 * 4 +
-                                      8 * kScanStages;
+// rows of S^T; shared memory: kScanStages stages of Mt, the start rows transposed (row stride
+// kScanXStride), the warps' partial products (row stride kScanRedStride), the stages' mbarriers.
+inline constexpr int kScanThreads = 256, kScanStages = 2, kScanXStride = 20, kScanRedStride = 132;
+inline constexpr int kScanSmemBytes =
+    kScanStages * kHeadDim * kHeadDim * 4 + kHeadDim * kScanXStride * 4 +
+    (kScanThreads / 32) * kScanRows * kScanRedStride * 4 + 8 * kScanStages;
 static_assert(kScanRows == 16, "the scan's thread mapping");
 static_assert(kScanSmemBytes <= 232448, "segment scan shared memory");
 

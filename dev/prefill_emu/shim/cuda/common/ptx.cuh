@@ -2,7 +2,6 @@
 // through emu::WarpCtx.
 #pragma once
 #include <cassert>
-#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 
@@ -86,15 +85,6 @@ inline uint32_t mul_f16x2(uint32_t a, uint32_t b) {
   return pack_f16(h16(a, 0) * h16(b, 0), h16(a, 1) * h16(b, 1));
 }
 inline float tf(uint32_t r) { return __uint_as_float(r & 0xffffe000u); }
-// The fp32 result of one tf32 mma: rounded to nearest from the exact sum by default; with
-// mma_tf32_toward_zero (set by scan_selftest.cpp), truncated, a model of hardware whose adder
-// drops bits instead of rounding.
-inline bool mma_tf32_toward_zero = false;
-inline float mma_result(double acc) {
-  const float f = static_cast<float>(acc);
-  if (!mma_tf32_toward_zero || std::fabs(static_cast<double>(f)) <= std::fabs(acc)) return f;
-  return std::nextafter(f, 0.f);
-}
 inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
   auto* s = share_mma_operands(a, b0, b1);
   const int l = emu::lane_id;
@@ -107,7 +97,7 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
       const int bl = 4 * n + k % 4, br = k >= 4 ? 1 : 0;
       acc += (double)tf((uint32_t)s[al][ar]) * tf((uint32_t)s[bl][4 + br]);
     }
-    out[e] = mma_result(acc);
+    out[e] = (float)acc;
   }
   emu::warp_sync();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
