@@ -25,10 +25,11 @@ template <typename... KArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
                           cudaStream_t stream, Args&&... args) {
   static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
-  const bool pdl = detail::tuning().pdl;
+  const detail::Tuning& tuning = detail::tuning();
+  const bool pdl = tuning.pdl;
   // The arguments as the kernel's parameter types.
   std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
-  if (const DriverLaunch launch = detail::tuning().driver_launch ? driver_launch() : nullptr) {
+  if (const DriverLaunch launch = tuning.driver_launch ? driver_launch() : nullptr) {
     if (const CUfunction f = driver_function(reinterpret_cast<const void*>(kernel))) {
       CUlaunchConfig cfg = {};
       cfg.gridDimX = grid.x;
