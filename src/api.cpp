@@ -256,23 +256,54 @@ Status validate(const PrefillBackwardParams& p) {
   return guarded([&] { return detail::validate_prefill_backward(p, &pr); });
 }
 
-// The CPU backends both run the fp64 reference backward; there is no CUDA backward yet.
+// The CPU backends both run the fp64 reference backward; CUDA tensors run the CUDA backward
+// (backward/backward.cu) with the caller's or an allocated workspace.
 Status prefill_backward(const PrefillBackwardParams& p) {
   return guarded([&]() -> Status {
     detail::PrefillBackwardProblem pr;
     Status s = detail::validate_prefill_backward(p, &pr);
     if (!s.ok()) return s;
-    const bool cuda_choice = p.exec.backend == Backend::kAuto || p.exec.backend == Backend::kCuda;
-    if (pr.fwd.device == Device::kCUDA && cuda_choice)
-      return {StatusCode::kUnsupported, "backend",
-              std::string("expected 'cpu' or 'reference' on CPU tensors (the prefill backward "
-                          "has no CUDA implementation yet), got '") +
-                  backend_name(p.exec.backend) + "' on CUDA tensors"};
     Backend be;
     s = choose_backend(p.exec, pr.fwd.device, &be);
     if (!s.ok()) return s;
+#ifdef KDA_WITH_CUDA
+    if (be == Backend::kCuda) {
+      ExecOptions exec = p.exec;
+      if (exec.allocate_workspace != nullptr) {
+        size_t need = 0;
+        s = cuda::prefill_backward_workspace_size(pr, &need);
+        if (!s.ok()) return s;
+        if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need)) {
+          void* w = exec.allocate_workspace(need, exec.allocate_context);
+          if (w == nullptr)
+            return {StatusCode::kInternal, "workspace",
+                    "allocating " + std::to_string(need) + " bytes of device workspace failed"};
+          exec.workspace = w;
+          exec.workspace_bytes = need;
+        }
+      }
+      return cuda::prefill_backward(pr, exec);
+    }
+#endif
     if (be != Backend::kCpu && be != Backend::kCpuReference) return not_available();
     cpu::reference_prefill_backward(pr);
+    return Status::Ok();
+  });
+}
+
+Status prefill_backward_workspace_size(const PrefillBackwardParams& p, size_t* bytes) {
+  if (bytes == nullptr) return invalid("bytes", "expected a pointer, got nullptr");
+  *bytes = 0;
+  return guarded([&]() -> Status {
+    detail::PrefillBackwardProblem pr;
+    Status s = detail::validate_prefill_backward(p, &pr);
+    if (!s.ok()) return s;
+    Backend be;
+    s = choose_backend(p.exec, pr.fwd.device, &be);
+    if (!s.ok()) return s;
+#ifdef KDA_WITH_CUDA
+    if (be == Backend::kCuda) return cuda::prefill_backward_workspace_size(pr, bytes);
+#endif
     return Status::Ok();
   });
 }

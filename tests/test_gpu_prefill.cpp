@@ -42,57 +42,6 @@ struct GpuResult {
   HostTensor out, ht, pool, ckpt;
 };
 
-// Device mirrors of every tensor of `d`.
-struct DeviceData {
-  std::vector<std::unique_ptr<DeviceTensor>> keep;
-  PrefillParams p;
-  DeviceTensor *out = nullptr, *ht = nullptr, *pool = nullptr, *ckpt = nullptr;
-
-  explicit DeviceData(const PrefillData& d) {
-    p = d.params();
-    auto dev = [&](const HostTensor& h) -> DeviceTensor* {
-      keep.push_back(std::make_unique<DeviceTensor>(h));
-      return keep.back().get();
-    };
-    p.q = dev(d.q)->view();
-    p.k = dev(d.k)->view();
-    p.v = dev(d.v)->view();
-    p.g = dev(d.g)->view();
-    p.beta = dev(d.beta)->view();
-    p.A_log = dev(d.A_log)->view();
-    p.dt_bias = dev(d.dt_bias)->view();
-    p.cu_seqlens = dev(d.cu)->view();
-    out = dev(d.out);
-    p.out = out->view();
-    p.initial_state = dev(d.h0)->view();
-    ht = dev(d.ht);
-    p.final_state = ht->view();
-    pool = dev(d.pool);
-    p.state_pool = pool->view();
-    p.state_indices = dev(d.idx)->view();
-    ckpt = dev(d.ckpt);
-    p.checkpoints = ckpt->view();
-    p.checkpoint_offsets = dev(d.ckpt_off)->view();
-    p.exec.backend = Backend::kCuda;
-  }
-};
-
-// Device workspace of `bytes` (freed on destruction), poisoned with 0xff bytes (NaN as fp32 and
-// bf16): a kernel that read a part of the workspace that no kernel of the call wrote (the records'
-// zero parts, common.cuh) would put NaN into the results.
-struct DeviceBuffer {
-  void* ptr = nullptr;
-  explicit DeviceBuffer(size_t bytes) {
-    if (bytes) {
-      KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
-      KDA_TEST_CUDA(cudaMemset(ptr, 0xff, bytes));
-    }
-  }
-  ~DeviceBuffer() {
-    if (ptr) cudaFree(ptr);
-  }
-};
-
 void download(const DeviceTensor* dt, const HostTensor& like, HostTensor* dst) {
   if (like.empty()) return;
   *dst = like;

@@ -35,6 +35,23 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   const char* vs = std::getenv("EMU_VS");
   return emu_run::emu_problem(pr, exec.workspace, vs ? std::atoi(vs) : 0);
 }
+Status prefill_backward_workspace_size(const detail::PrefillBackwardProblem& bp, size_t* bytes) {
+  *bytes = 0;
+  Status s = bw::check_supported(bp);
+  if (!s.ok()) return s;
+  *bytes = bw::workspace_layout(bp.fwd, 132).total;
+  return Status::Ok();
+}
+Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOptions& exec) {
+  Status s = bw::check_supported(bp);
+  if (!s.ok()) return s;
+  const size_t need = bw::workspace_layout(bp.fwd, 132).total;
+  if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
+    return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
+  if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // unwritten parts are NaN
+  emu_run::emu_backward(bp, exec.workspace);
+  return Status::Ok();
+}
 // Decode is not emulated: the CPU fast backend stands in (the same fp32 recurrence), so that tests
 // that chain prefill and decode check their own logic here.
 Status decode(const detail::DecodeProblem& pr, const ExecOptions&, bool) {

@@ -31,6 +31,7 @@
 #include <string>
 #include <vector>
 
+#include "cuda/backward/host.h"
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
@@ -41,13 +42,17 @@ namespace kda::cuda::pf {
 alignas(1024) uint8_t emu_smem_alias[240000];
 extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
 }  // namespace kda::cuda::pf
+namespace kda::cuda::bw {  // the backward kernels' `smem`: the same array
+extern uint8_t emu_smem_alias[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
+}  // namespace kda::cuda::bw
 
 namespace emu_run {
 using namespace kda;
 using namespace kda::cuda::pf;
+namespace bw = kda::cuda::bw;
 
-template <typename K>
-static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const Params& p) {
+template <typename K, typename P = Params>
+static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const P& p) {
   emu::smem_base = emu_smem_alias;
   emu::smem_size = smem_bytes;
   if (smem_bytes > (int)sizeof(emu_smem_alias)) {
@@ -132,6 +137,38 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   if (!s.ok()) return s;
   run_kernels(p, pb, rb, pr, vs_override, fp16);
   return Status::Ok();
+}
+
+// Runs the emulated CUDA prefill backward (kernels of cuda/backward/kernels.cuh in the launch
+// order of bw::plan_launches) on host tensors, with the workspace at `wsp`.
+static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
+  bw::BwdParams P;
+  bw::make_params(bp, wsp, 132, &P);
+  bw::BwdLaunch plan[6];
+  const int count = bw::plan_launches(P, plan);
+  for (int i = 0; i < count; ++i) {
+    const bw::BwdLaunch& l = plan[i];
+    switch (l.kernel) {
+      case bw::BwdKernel::kPrepare:
+        launch(bw::bwd_prepare_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kStates:
+        launch(bw::bwd_states_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kDStates:
+        launch(bw::bwd_dstates_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kChunk:
+        launch(bw::bwd_chunk_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kQk:
+        launch(bw::bwd_qk_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kParams:
+        launch(bw::bwd_params_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+    }
+  }
 }
 
 }  // namespace emu_run

@@ -259,7 +259,10 @@ struct PrefillParams {
 // every token of every sequence in a fixed order, so results are bitwise deterministic.
 //
 // Backends: kCpuReference runs the analytic fp64 backward (reference_backward.cpp); kCpu runs
-// the same reference for now; kCuda (and kAuto on CUDA tensors) returns kUnsupported.
+// the same reference for now; kCuda (and kAuto on CUDA tensors) runs the chunked CUDA backward
+// (sm_90a; bf16/fp16 q/k/v, K = V = 128) on exec.stream: no allocation (exec.workspace of at
+// least prefill_backward_workspace_size() bytes, or exec.allocate_workspace), no
+// synchronization.
 struct PrefillBackwardParams {
   PrefillParams forward;  // the forward's inputs (see above)
 
@@ -280,6 +283,9 @@ struct PrefillBackwardParams {
 // Computes the gradients; on any error nothing is written. validate() checks alone.
 Status prefill_backward(const PrefillBackwardParams& params);
 Status validate(const PrefillBackwardParams& params);
+// Bytes of device workspace prefill_backward(params) needs (0 for CPU tensors): ~372 KB per
+// (64-token chunk, value head) plus ~224 KB per SM.
+Status prefill_backward_workspace_size(const PrefillBackwardParams& params, size_t* bytes);
 
 // ---------------------------------------------------------------------------------------------
 // Decode (spec section 5)

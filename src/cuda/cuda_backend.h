@@ -20,4 +20,9 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
 
+// The prefill backward (backward/backward.cu): a validated problem on one CUDA device, launched
+// on exec.stream with at least prefill_backward_workspace_size() bytes of exec.workspace.
+Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOptions& exec);
+Status prefill_backward_workspace_size(const detail::PrefillBackwardProblem& bp, size_t* bytes);
+
 }  // namespace kda::cuda

@@ -63,7 +63,12 @@ enum class KernelSlot : int {
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged,
   kBulk = kStaged + 4,
-  kCount = kBulk + 8,
+  // prefill backward: records, state passes, chunk gradients
+  kBwdPrepare = kBulk + 8,
+  kBwdStates,
+  kBwdDStates,
+  kBwdChunk,
+  kCount,
 };
 static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
 

@@ -1,0 +1,912 @@
+// kernels.cuh — the CUDA prefill backward (sm_90a; docs/backward.md section 4). Six kernels on
+// the caller's stream, in this order, over the chunked form of docs/design.md section 3 (64-token
+// chunks, per value head):
+//   1. bwd_prepare_kernel   (chunk, value head): preprocessing, Akk, Aqk, X = (I + diag(b) Akk)^-1,
+//                           W = X diag(b) exp(G) k, Ut = X diag(b) v, exp(G) q, exp(G_L - G) k,
+//                           exp(G_L) into an fp32 record.
+//   2. bwd_states_kernel    (sequence, value head, 32 value columns): the forward state pass,
+//                           S at every chunk start.
+//   3. bwd_dstates_kernel   (sequence, value head, 32 value columns): the reverse pass, dS' (the
+//                           gradient of the state leaving each chunk) and d_initial_state:
+//                             dU = Aqk^T dO + Kd dS',  dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU.
+//   4. bwd_chunk_kernel     (chunk, value head; persistent blocks with a scratch slot each): every
+//                           gradient of the chunk's tokens from S, dS', the record and dO:
+//                           dv, dbeta, dg written; dq, dk (before the group sum and the l2norm
+//                           chain) and the A_log / dt_bias partials to the workspace.
+//   5. bwd_qk_kernel        (chunk, q/k head): the group's value heads summed in order, scale and
+//                           l2norm chained, dq and dk written.
+//   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
+// Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation) through gemm_tf32, with
+// operands in shared or global memory. Exponentials never see a positive argument: Akk / Aqk and
+// their gradients factor exp(G_t - G_s) around the first token r of a 16-token row block,
+// exp(G_t - G_r) exp(G_r - G_s), off the diagonal blocks, and take exp(G_t - G_s) (t >= s) per
+// element inside them, so gates of -1000 give zeros, never inf or NaN.
+#pragma once
+
+#include "cuda/prefill/common.cuh"
+
+namespace kda::cuda::bw {
+
+using namespace pf;  // the prefill's device helpers (and, in emulation, the PTX wrappers)
+using pf::IndexView;
+using pf::kChunk;
+using pf::kHeadDim;
+using pf::Params;
+using pf::SeqSpan;
+using pf::StateView;
+using pf::load_any;
+using pf::store_any;
+
+inline constexpr int kD = kHeadDim;  // K == V == 128
+inline constexpr int kC = kChunk;    // 64 tokens per chunk
+inline constexpr int kTile = kC * kD;
+
+// The fp32 record of one (chunk slot, value head), row-major, rows t >= L zero:
+inline constexpr int kRecW = 0;                  // [64][128] X diag(b) exp(G) k^
+inline constexpr int kRecUt = kRecW + kTile;     // [64][128] X diag(b) v
+inline constexpr int kRecQg = kRecUt + kTile;    // [64][128] exp(G) q^
+inline constexpr int kRecKd = kRecQg + kTile;    // [64][128] exp(G_L - G) k^
+inline constexpr int kRecAqk = kRecKd + kTile;   // [64][64]  q^_t . (exp(G_t - G_s) k^_s), s <= t
+inline constexpr int kRecAkk = kRecAqk + kC * kC;  // [64][64] the same with k^_t, s < t
+inline constexpr int kRecX = kRecAkk + kC * kC;    // [64][64]  (I + diag(b) Akk)^-1
+inline constexpr int kRecGL = kRecX + kC * kC;     // [128]     exp(G_L)
+inline constexpr int kRecFloats = kRecGL + kD;     // 45,184 floats
+inline constexpr int kStateFloats = kD * kD;       // S or dS': [128 key][128 value]
+inline constexpr int kPartFloats = kD + 4;         // ddt_bias partial [128], dA_log partial
+inline constexpr int kScratchTiles = 7;            // bwd_chunk_kernel's per-block tiles
+inline constexpr int kScratchFloats = kScratchTiles * kTile;
+
+inline constexpr int kPrepThreads = 256, kChunkThreads = 256, kPassThreads = 128, kQkThreads = 256;
+inline constexpr int kParamThreads = 128;
+inline constexpr int kSlice = 32;  // value columns per pass block
+inline constexpr int kSlices = kD / kSlice;
+
+// Shared memory (floats) of the kernels.
+inline constexpr int kPrepSmemFloats = 3 * kTile + 3 * kC * kC + 12288 + 2 * kC;
+inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
+inline constexpr int kChunkSmemFloats = 4 * kTile + 4 * kC * kC + 4 * kD + 2 * kC;
+inline constexpr int kPrepSmemBytes = kPrepSmemFloats * 4;
+inline constexpr int kPassSmemBytes = kPassSmemFloats * 4;
+inline constexpr int kChunkSmemBytes = kChunkSmemFloats * 4;
+static_assert(kPrepSmemBytes <= 232448 && kPassSmemBytes <= 232448 && kChunkSmemBytes <= 232448,
+              "backward shared memory");
+
+struct BwdParams {
+  Params f;  // the forward's inputs (q, k, v, g, beta, A_log, dt_bias, initial_state, shapes, math)
+  StridedView d_out;         // [B, T, HV, V], optional (absent: zero)
+  StateView d_final_state;   // optional (absent: zero)
+  StridedView dq, dk, dv, dg, dbeta;  // optional outputs
+  float* dA_log = nullptr;   // [HV] (stride dA_log_s), optional
+  float* ddt_bias = nullptr;  // [HV, K] (row stride ddt_bias_s), optional
+  int64_t dA_log_s = 1, ddt_bias_s = kD;
+  StateView d_initial_state;  // optional
+  // Workspace parts (fp32).
+  float* rec = nullptr;      // [slots][HV][kRecFloats]
+  float* states = nullptr;   // [slots][HV][kStateFloats]: S at the chunk's start
+  float* dstates = nullptr;  // [slots][HV][kStateFloats]: gradient of the state leaving it
+  float* dqk = nullptr;      // [slots][HV][2][64][128]: dq^, dk^ of the chunk's tokens
+  float* part = nullptr;     // [slots][HV][kPartFloats]
+  float* scratch = nullptr;  // [chunk_blocks][kScratchFloats]
+  int64_t chunk_blocks = 0;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+// One chunk of one sequence: batch row b, first token t0 (of the row), L tokens (1..64).
+struct ChunkTask {
+  bool valid = false;
+  int64_t n = 0, b = 0, t0 = 0;
+  int L = 0;
+};
+__device__ __forceinline__ ChunkTask chunk_task(const Params& p, int64_t slot) {
+  ChunkTask c;
+  int64_t n;
+  if (!p.varlen) {
+    n = p.chunks_per_seq > 0 ? slot / p.chunks_per_seq : p.N;
+  } else {  // the last n whose first slot (varlen_base) is <= slot
+    int64_t lo = 0, hi = p.N - 1;
+    while (lo < hi) {
+      const int64_t mid = (lo + hi + 1) / 2;
+      if (pf::varlen_base(p, mid) <= slot)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    n = lo;
+  }
+  if (n < 0 || n >= p.N) return c;
+  const SeqSpan sp = pf::seq_span(p, n);
+  const int64_t j = slot - sp.base;
+  if (j < 0 || j * kC >= sp.len) return c;
+  c.valid = true;
+  c.n = n;
+  c.b = sp.b;
+  c.t0 = sp.bos + j * kC;
+  const int64_t rest = sp.len - j * kC;
+  c.L = static_cast<int>(rest < kC ? rest : kC);
+  return c;
+}
+
+// Element (key i, value j) of row `row`, head hv of a state tensor.
+__device__ __forceinline__ int64_t state_off(const StateView& s, bool kfirst, int64_t row, int hv,
+                                             int i, int j) {
+  return row * s.s0 + hv * s.s1 + (kfirst ? static_cast<int64_t>(i) * s.s2 + j
+                                          : static_cast<int64_t>(j) * s.s2 + i);
+}
+
+__device__ __forceinline__ float warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// C(m, n) = sum_k A(m, k) B(k, n) over M x N x Kd (M a multiple of 16, N and Kd of 8), on tf32
+// mma.sync with fp32 accumulation: A(m, k) = a[m * a_rs + k * a_cs], B(k, n) = b[k * b_rs +
+// n * b_cs], shared or global memory. The block's warps take the 16 x 32 output tiles in turn;
+// each output element is handed once to epi(m, n, value) by the thread that owns it, and which
+// thread owns (m, n) depends only on M, N and the block size: two products of the same M x N may
+// update the same elements one after the other without a barrier.
+template <typename Epi>
+__device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
+                                          const float* b, int b_rs, int b_cs, Epi&& epi) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = static_cast<int>(blockDim.x >> 5);
+  const int g = lane >> 2, c = lane & 3;
+  const int mt = M >> 4, nt = (N + 31) >> 5;
+  for (int tile = warp; tile < mt * nt; tile += nwarps) {
+    const int m0 = (tile / nt) << 4, n0 = (tile % nt) << 5;
+    const int nj = (N - n0) >= 32 ? 4 : (N - n0) >> 3;
+    float acc[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    const float* a0 = a + static_cast<int64_t>(m0 + g) * a_rs + static_cast<int64_t>(c) * a_cs;
+    const float* a1 = a0 + static_cast<int64_t>(8) * a_rs;
+    for (int k0 = 0; k0 < Kd; k0 += 8) {
+      const int64_t ka = static_cast<int64_t>(k0) * a_cs, ka4 = ka + static_cast<int64_t>(4) * a_cs;
+      uint32_t af[4];
+      af[0] = f32_to_tf32(a0[ka]);
+      af[1] = f32_to_tf32(a1[ka]);
+      af[2] = f32_to_tf32(a0[ka4]);
+      af[3] = f32_to_tf32(a1[ka4]);
+      const float* bk = b + static_cast<int64_t>(k0 + c) * b_rs;
+      const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        if (j < nj) {
+          const int64_t nn = static_cast<int64_t>(n0 + 8 * j + g) * b_cs;
+          mma_tf32(acc[j], af, f32_to_tf32(bk[nn]), f32_to_tf32(bk4[nn]));
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (j < nj) {
+        const int n = n0 + 8 * j + 2 * c;
+        epi(m0 + g, n, acc[j][0]);
+        epi(m0 + g, n + 1, acc[j][1]);
+        epi(m0 + g + 8, n, acc[j][2]);
+        epi(m0 + g + 8, n + 1, acc[j][3]);
+      }
+    }
+  }
+}
+
+// Per-token preprocessing (spec section 2) of a chunk's tokens for value head hv, into shared
+// memory: qh, kh [64][128] (l2norm; q scaled), G [64][128] the cumulative log decay from the
+// chunk's start, bv[64] the activated beta. Rows t >= L: qh = kh = 0, bv = 0, G = G_{L-1}.
+// One warp per token row, four channels per lane.
+__device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, int hv, float* qh,
+                                           float* kh, float* G, float* bv) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nwarps = static_cast<int>(blockDim.x >> 5);
+  const int h = hv / p.groups;
+  const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+  for (int t = warp; t < kC; t += nwarps) {
+    const bool live = t < c.L;
+    const int64_t tok = c.t0 + t;
+    float xq[4], xk[4];
+    float sq = 0.f, sk = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = lane + 32 * e;
+      xq[e] = live ? load_any(p.q.data, p.q.dtype, p.q.offset(c.b, tok, h) + i) : 0.f;
+      xk[e] = live ? load_any(p.k.data, p.k.dtype, p.k.offset(c.b, tok, h) + i) : 0.f;
+      sq += xq[e] * xq[e];
+      sk += xk[e] * xk[e];
+      float a = 0.f;
+      if (live) {
+        const float gi = load_any(p.g.data, p.g.dtype, p.g.offset(c.b, tok, hv) + i);
+        const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
+        a = detail::log_decay<float>(p.gate, gi, expA, bias, p.lower_bound);
+      }
+      G[t * kD + i] = a;
+    }
+    sq = warp_sum(sq);
+    sk = warp_sum(sk);
+    const float fq = p.use_qk_l2norm ? p.scale / sqrtf(sq + static_cast<float>(detail::kL2NormEps))
+                                     : p.scale;
+    const float fk =
+        p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      qh[t * kD + lane + 32 * e] = xq[e] * fq;
+      kh[t * kD + lane + 32 * e] = xk[e] * fk;
+    }
+    if (lane == 0) {
+      float b = 0.f;
+      if (live)
+        b = detail::activate_beta<float>(
+            p.beta_logits, p.allow_neg_eigval,
+            load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, tok, hv)));
+      bv[t] = b;
+    }
+  }
+  __syncthreads();
+  // Cumulative sum per channel, in token order.
+  for (int i = threadIdx.x; i < kD; i += blockDim.x) {
+    float run = 0.f;
+    for (int t = 0; t < kC; ++t) {
+      run += G[t * kD + i];
+      G[t * kD + i] = run;
+    }
+  }
+  __syncthreads();
+}
+
+// Pair index p (0..135) of the lower triangle of a 16 x 16 block, row-major: (tt, ss), ss <= tt.
+__device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
+  int t = static_cast<int>((sqrtf(8.f * static_cast<float>(p) + 1.f) - 1.f) * 0.5f);
+  while (t * (t + 1) / 2 > p) --t;
+  while ((t + 1) * (t + 2) / 2 <= p) ++t;
+  *tt = t;
+  *ss = p - t * (t + 1) / 2;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Records
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kPrepThreads, 1)
+    bwd_prepare_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Params& p = P.f;
+  float* qh = reinterpret_cast<float*>(smem);
+  float* kh = qh + kTile;
+  float* G = kh + kTile;
+  float* Akk = G + kTile;
+  float* Aqk = Akk + kC * kC;
+  float* X = Aqk + kC * kC;
+  float* sc = X + kC * kC;  // 12288 floats of staging
+  float* bv = sc + 12288;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+  const ChunkTask c = chunk_task(p, slot);
+  if (!c.valid) return;
+  float* rec = P.rec + (slot * p.HV + hv) * static_cast<int64_t>(kRecFloats);
+
+  load_chunk(p, c, hv, qh, kh, G, bv);
+
+  // Diagonal 16 x 16 blocks of Aqk (s <= t) and Akk (s < t): a warp per pair, lanes over keys.
+  for (int task = warp; task < 4 * 136; task += kPrepThreads / 32) {
+    const int J = task / 136;
+    int tt, ss;
+    tri_pair(task % 136, &tt, &ss);
+    const int t = 16 * J + tt, s = 16 * J + ss;
+    float aq = 0.f, ak = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const int i = lane + 32 * e;
+      const float x = expf(G[t * kD + i] - G[s * kD + i]) * kh[s * kD + i];
+      aq += qh[t * kD + i] * x;
+      ak += kh[t * kD + i] * x;
+    }
+    aq = warp_sum(aq);
+    ak = warp_sum(ak);
+    if (lane == 0) {
+      Aqk[t * kC + s] = aq;
+      Akk[t * kC + s] = s < t ? ak : 0.f;
+    }
+  }
+  // Above the diagonal blocks: zero; at and above the diagonal of Akk, above it of Aqk: zero.
+  for (int e = tid; e < kC * kC; e += kPrepThreads) {
+    const int t = e / kC, s = e % kC;
+    if (s / 16 > t / 16) {
+      Aqk[e] = 0.f;
+      Akk[e] = 0.f;
+    } else if (s / 16 == t / 16 && s > t) {
+      Aqk[e] = 0.f;
+      Akk[e] = 0.f;
+    }
+  }
+  // Off-diagonal blocks of row block J (rows r .. r + 15, columns s < r): exp(G_t - G_r) q^_t
+  // against exp(G_r - G_s) k^_s, both factors <= 1.
+  float* Qr = sc;             // [16][128]
+  float* Kr = sc + 16 * kD;   // [16][128]
+  float* Kc = sc + 32 * kD;   // [48][128]
+  for (int J = 1; J < 4; ++J) {
+    const int r = 16 * J;
+    __syncthreads();
+    for (int e = tid; e < 16 * kD; e += kPrepThreads) {
+      const int tt = e / kD, i = e % kD, t = r + tt;
+      const float f = expf(G[t * kD + i] - G[r * kD + i]);
+      Qr[e] = qh[t * kD + i] * f;
+      Kr[e] = kh[t * kD + i] * f;
+    }
+    for (int e = tid; e < r * kD; e += kPrepThreads) {
+      const int s = e / kD, i = e % kD;
+      Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
+    }
+    __syncthreads();
+    gemm_tf32(16, r, kD, Qr, kD, 1, Kc, 1, kD,
+              [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
+    gemm_tf32(16, r, kD, Kr, kD, 1, Kc, 1, kD,
+              [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
+  }
+  __syncthreads();
+
+  // X = (I + diag(b) Akk)^-1, unit lower triangular, by forward substitution (fp32), a row at a
+  // time: X[t][j] = [t == j] - b_t sum_{j <= s < t} Akk[t][s] X[s][j].
+  for (int e = tid; e < kC * kC; e += kPrepThreads) X[e] = (e / kC == e % kC) ? 1.f : 0.f;
+  __syncthreads();
+  for (int t = 1; t < kC; ++t) {
+    if (tid < t) {
+      const int j = tid;
+      float s = 0.f;
+      for (int u = j; u < t; ++u) s += Akk[t * kC + u] * X[u * kC + j];
+      X[t * kC + j] = -bv[t] * s;
+    }
+    __syncthreads();
+  }
+
+  // W = X (b exp(G) k^), Ut = X (b v).
+  float* Kb = sc;  // [64][128]
+  for (int e = tid; e < kTile; e += kPrepThreads) {
+    const int t = e / kD;
+    Kb[e] = bv[t] * expf(G[e]) * kh[e];
+  }
+  __syncthreads();
+  gemm_tf32(kC, kD, kC, X, kC, 1, Kb, kD, 1,
+            [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
+  __syncthreads();
+  float* Vb = sc;
+  for (int e = tid; e < kTile; e += kPrepThreads) {
+    const int t = e / kD, j = e % kD;
+    Vb[e] = t < c.L ? bv[t] * load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j)
+                    : 0.f;
+  }
+  __syncthreads();
+  gemm_tf32(kC, kD, kC, X, kC, 1, Vb, kD, 1,
+            [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
+
+  const float* GL = G + (kC - 1) * kD;  // rows >= L repeat G_{L-1}
+  for (int e = tid; e < kTile; e += kPrepThreads) {
+    const int i = e % kD;
+    rec[kRecQg + e] = expf(G[e]) * qh[e];
+    rec[kRecKd + e] = expf(GL[i] - G[e]) * kh[e];
+  }
+  for (int e = tid; e < kC * kC; e += kPrepThreads) {
+    rec[kRecAqk + e] = Aqk[e];
+    rec[kRecAkk + e] = Akk[e];
+    rec[kRecX + e] = X[e];
+  }
+  for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2, 3. The state passes (one block per sequence, value head and 32 value columns)
+// ---------------------------------------------------------------------------------------------
+
+// Copies `floats` floats (a multiple of 4, 16-byte aligned both sides) global -> shared.
+__device__ __forceinline__ void copy_in(float* dst, const float* src, int floats) {
+  for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
+    *reinterpret_cast<float4*>(dst + e) = *reinterpret_cast<const float4*>(src + e);
+}
+
+struct PassTask {
+  int64_t n;
+  int hv, j0;
+  SeqSpan sp;
+  int64_t chunks;
+};
+__device__ __forceinline__ PassTask pass_task(const Params& p) {
+  PassTask t;
+  const int64_t x = blockIdx.x;
+  t.j0 = static_cast<int>(x % kSlices) * kSlice;
+  t.hv = static_cast<int>((x / kSlices) % p.HV);
+  t.n = x / kSlices / p.HV;
+  t.sp = pf::seq_span(p, t.n);
+  t.chunks = (t.sp.len + kC - 1) / kC;
+  return t;
+}
+
+// S at every chunk start: S <- diag(exp(G_L)) S + Kd^T (Ut - W S).
+__global__ void __launch_bounds__(kPassThreads) bwd_states_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Params& p = P.f;
+  float* S = reinterpret_cast<float*>(smem);  // [128][32]
+  float* Ws = S + kD * kSlice;                // [64][128]
+  float* Kds = Ws + kTile;                    // [64][128]
+  float* U = Kds + kTile + kC * kC;           // [64][32]
+  float* gl = U + 2 * kC * kSlice;            // [128]
+  const PassTask t = pass_task(p);
+  const int tid = threadIdx.x;
+  for (int e = tid; e < kD * kSlice; e += kPassThreads) {
+    const int i = e / kSlice, j = t.j0 + e % kSlice;
+    S[e] = p.initial_state.data != nullptr
+               ? load_any(p.initial_state.data, p.initial_state.dtype,
+                          state_off(p.initial_state, p.kfirst, t.n, t.hv, i, j))
+               : 0.f;
+  }
+  for (int64_t ch = 0; ch < t.chunks; ++ch) {
+    const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
+    const float* rec = P.rec + rs * kRecFloats;
+    float* out = P.states + rs * kStateFloats;
+    __syncthreads();
+    for (int e = tid; e < kD * kSlice; e += kPassThreads)
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[e];
+    copy_in(Ws, rec + kRecW, kTile);
+    copy_in(Kds, rec + kRecKd, kTile);
+    copy_in(gl, rec + kRecGL, kD);
+    __syncthreads();
+    gemm_tf32(kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1, [&](int m, int n, float v) {
+      U[m * kSlice + n] = rec[kRecUt + m * kD + t.j0 + n] - v;
+    });
+    __syncthreads();
+    for (int e = tid; e < kD * kSlice; e += kPassThreads) S[e] *= gl[e / kSlice];
+    __syncthreads();
+    gemm_tf32(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
+              [&](int m, int n, float v) { S[m * kSlice + n] += v; });
+  }
+}
+
+// dS' of every chunk (stored before the chunk is reversed) and d_initial_state.
+__global__ void __launch_bounds__(kPassThreads)
+    bwd_dstates_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Params& p = P.f;
+  float* D = reinterpret_cast<float*>(smem);  // [128][32]
+  float* Qgs = D + kD * kSlice;               // [64][128]
+  float* Kds = Qgs + kTile;                   // [64][128]
+  float* Aqks = Kds + kTile;                  // [64][64]
+  float* dO = Aqks + kC * kC;                 // [64][32]
+  float* dU = dO + kC * kSlice;               // [64][32]
+  float* gl = dU + kC * kSlice;               // [128]
+  const PassTask t = pass_task(p);
+  const int tid = threadIdx.x;
+  const StateView& df = P.d_final_state;
+  for (int e = tid; e < kD * kSlice; e += kPassThreads) {
+    const int i = e / kSlice, j = t.j0 + e % kSlice;
+    D[e] = df.data != nullptr ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
+                              : 0.f;
+  }
+  for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
+    const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
+    const float* rec = P.rec + rs * kRecFloats;
+    float* out = P.dstates + rs * kStateFloats;
+    const int64_t tok0 = t.sp.bos + ch * kC;
+    const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
+    __syncthreads();
+    for (int e = tid; e < kD * kSlice; e += kPassThreads)
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[e];
+    copy_in(Qgs, rec + kRecQg, kTile);
+    copy_in(Kds, rec + kRecKd, kTile);
+    copy_in(Aqks, rec + kRecAqk, kC * kC);
+    copy_in(gl, rec + kRecGL, kD);
+    for (int e = tid; e < kC * kSlice; e += kPassThreads) {
+      const int r = e / kSlice, j = t.j0 + e % kSlice;
+      dO[e] = P.d_out.data != nullptr && r < L
+                  ? load_any(P.d_out.data, P.d_out.dtype,
+                             P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
+                  : 0.f;
+    }
+    __syncthreads();
+    // dU = Aqk^T dO + Kd dS'
+    gemm_tf32(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+              [&](int m, int n, float v) { dU[m * kSlice + n] = v; });
+    gemm_tf32(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
+              [&](int m, int n, float v) { dU[m * kSlice + n] += v; });
+    __syncthreads();
+    // dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU
+    for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
+    __syncthreads();
+    gemm_tf32(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+              [&](int m, int n, float v) { D[m * kSlice + n] += v; });
+    gemm_tf32(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
+              [&](int m, int n, float v) { D[m * kSlice + n] -= v; });
+  }
+  __syncthreads();
+  const StateView& di = P.d_initial_state;
+  if (di.data != nullptr)
+    for (int e = tid; e < kD * kSlice; e += kPassThreads) {
+      const int i = e / kSlice, j = t.j0 + e % kSlice;
+      store_any(di.data, di.dtype, state_off(di, p.kfirst, t.n, t.hv, i, j), D[e]);
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. The chunk gradients
+// ---------------------------------------------------------------------------------------------
+
+// Local derivatives of the gate (spec section 2) at one element: da/dg and da/dA_log.
+__device__ __forceinline__ void gate_derivatives(const Params& p, float graw, float expA,
+                                                 float bias, float* dadg, float* dadA) {
+  const float x = graw + bias;
+  if (p.gate == detail::kGateSoftplus) {
+    const float sp = detail::softplus<float>(x);
+    const float sg = x > 20.f ? 1.f : detail::sigmoid<float>(x);
+    *dadg = -expA * sg;
+    *dadA = -expA * sp;
+  } else if (p.gate == detail::kGateLowerBound) {
+    const float z = expA * x;
+    const float s = detail::sigmoid<float>(z);
+    const float dz = p.lower_bound * s * (1.f - s);
+    *dadg = expA * dz;
+    *dadA = dz * z;
+  } else {
+    *dadg = 1.f;
+    *dadA = 0.f;
+  }
+}
+
+__global__ void __launch_bounds__(kChunkThreads, 1)
+    bwd_chunk_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem[];
+  const Params& p = P.f;
+  float* qh = reinterpret_cast<float*>(smem);
+  float* kh = qh + kTile;
+  float* G = kh + kTile;
+  float* dG = G + kTile;
+  float* dAqk = dG + kTile;        // [64][64]
+  float* dAkk = dAqk + kC * kC;    // [64][64] (dM first)
+  float* dX = dAkk + kC * kC;      // [64][64]
+  float* T1 = dX + kC * kC;        // [64][64]
+  float* dgl = T1 + kC * kC;       // [128] exp(G_L) * rowsum(S * dS')
+  float* pgl = dgl + kD;           // [2][128] partial sums of Kd * dKd over t
+  float* misc = pgl + 2 * kD;      // [128]
+  float* bv = misc + kD;           // [64]
+  float* db = bv + kC;             // [64]
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
+  float* sV = scr;               // v, then Kc
+  float* sdO = sV + kTile;       // dO, then Qr / Kr
+  float* sU = sdO + kTile;       // U
+  float* sdU = sU + kTile;       // dU
+  float* sdW = sdU + kTile;      // dW
+  float* sKb = sdW + kTile;      // b exp(G) k^, then dKb
+  float* sVb = sKb + kTile;      // b v, then dVb
+
+  const int64_t tasks = p.num_slots * p.HV;
+  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
+    const int hv = static_cast<int>(task % p.HV);
+    const int64_t slot = task / p.HV;
+    float* part = P.part + task * kPartFloats;
+    const ChunkTask c = chunk_task(p, slot);
+    __syncthreads();
+    if (!c.valid) {
+      for (int e = tid; e < kPartFloats; e += kChunkThreads) part[e] = 0.f;
+      continue;
+    }
+    const float* rec = P.rec + task * kRecFloats;
+    const float* S = P.states + task * kStateFloats;
+    const float* D = P.dstates + task * kStateFloats;
+    float* dqh = P.dqk + task * (2 * kTile);  // dq^ (first dQg)
+    float* dkh = dqh + kTile;                 // dk^ (first dKd)
+
+    load_chunk(p, c, hv, qh, kh, G, bv);
+    for (int e = tid; e < kTile; e += kChunkThreads) {
+      const int t = e / kD, j = e % kD;
+      const bool live = t < c.L;
+      const float v = live ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
+      sV[e] = v;
+      sVb[e] = bv[t] * v;
+      sdO[e] = live && P.d_out.data != nullptr
+                   ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(c.b, c.t0 + t, hv) + j)
+                   : 0.f;
+      sKb[e] = bv[t] * expf(G[e]) * kh[e];
+      dG[e] = 0.f;
+    }
+    for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
+    __syncthreads();
+
+    // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
+    gemm_tf32(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1,
+              [&](int m, int n, float v) { sU[m * kD + n] = rec[kRecUt + m * kD + n] - v; });
+    gemm_tf32(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
+              [&](int m, int n, float v) { sdU[m * kD + n] = v; });
+    gemm_tf32(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
+              [&](int m, int n, float v) { sdU[m * kD + n] += v; });
+    // dQg = dO S^T.
+    gemm_tf32(kC, kD, kD, sdO, kD, 1, S, 1, kD,
+              [&](int m, int n, float v) { dqh[m * kD + n] = v; });
+    // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
+    for (int i = warp; i < kD; i += kChunkThreads / 32) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s += S[i * kD + lane + 32 * e] * D[i * kD + lane + 32 * e];
+      s = warp_sum(s);
+      if (lane == 0) dgl[i] = s * rec[kRecGL + i];
+    }
+    __syncthreads();
+    // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
+    gemm_tf32(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
+              [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
+    gemm_tf32(kC, kD, kD, sU, kD, 1, D, 1, kD,
+              [&](int m, int n, float v) { dkh[m * kD + n] = v; });
+    gemm_tf32(kC, kD, kD, sdU, kD, 1, S, 1, kD,
+              [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
+    __syncthreads();
+    // dX = dW Kb^T + dU Vb^T.
+    gemm_tf32(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
+              [&](int m, int n, float v) { dX[m * kC + n] = v; });
+    gemm_tf32(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
+              [&](int m, int n, float v) { dX[m * kC + n] += v; });
+    __syncthreads();
+    // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
+    gemm_tf32(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
+              [&](int m, int n, float v) { sKb[m * kD + n] = v; });
+    gemm_tf32(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
+              [&](int m, int n, float v) { sVb[m * kD + n] = v; });
+    gemm_tf32(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
+              [&](int m, int n, float v) { T1[m * kC + n] = v; });
+    __syncthreads();
+    // dM = -X^T T1 (strictly lower part used).
+    gemm_tf32(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
+              [&](int m, int n, float v) { dAkk[m * kC + n] = -v; });
+    __syncthreads();
+    // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
+    // dAkk = b_t dM (s < t); dv = b_t dVb.
+    for (int t = warp; t < kC; t += kChunkThreads / 32) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int u = lane + 32 * e;
+        s += u < t ? dAkk[t * kC + u] * rec[kRecAkk + t * kC + u] : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = lane + 32 * e;
+        s += sVb[t * kD + i] * sV[t * kD + i] + sKb[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
+      }
+      s = warp_sum(s);
+      if (lane == 0) db[t] = s;
+      const float b = bv[t];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int u = lane + 32 * e;
+        dAkk[t * kC + u] = u < t ? b * dAkk[t * kC + u] : 0.f;
+      }
+      if (P.dv.data != nullptr && t < c.L)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int j = lane + 32 * e;
+          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j,
+                    b * sVb[t * kD + j]);
+        }
+    }
+    __syncthreads();
+    // Elementwise: dK~ = b dKb; dG = Qg dQg + K~ dK~ - Kd dKd; dq^ = exp(G) dQg;
+    // dk^ = exp(G) dK~ + exp(G_L - G) dKd; sum_t Kd dKd for G_L.
+    {
+      const int i = tid & (kD - 1), half = tid >> 7;
+      const float gLi = G[(kC - 1) * kD + i];
+      float acc = 0.f;
+      for (int t = half * 32; t < half * 32 + 32; ++t) {
+        const int e = t * kD + i;
+        const float eg = expf(G[e]), el = expf(gLi - G[e]);
+        const float dKt = bv[t] * sKb[e];
+        const float dQg = dqh[e], dKd = dkh[e];
+        const float kdk = el * kh[e] * dKd;
+        dG[e] = eg * qh[e] * dQg + eg * kh[e] * dKt - kdk;
+        acc += kdk;
+        dqh[e] = eg * dQg;
+        dkh[e] = eg * dKt + el * dKd;
+      }
+      pgl[half * kD + i] = acc;
+    }
+    __syncthreads();
+    // Intra-chunk products, diagonal blocks: a thread per (key i, row block J), per element
+    // exp(G_t - G_s) (t >= s).
+    for (int rep = 0; rep < 2; ++rep) {
+      const int i = tid & (kD - 1), J = (tid >> 7) + 2 * rep, r = 16 * J;
+      float aq[16], akp[16], akm[16];
+#pragma unroll
+      for (int l = 0; l < 16; ++l) aq[l] = akp[l] = akm[l] = 0.f;
+#pragma unroll
+      for (int tt = 0; tt < 16; ++tt) {
+        const int t = r + tt;
+        const float gt = G[t * kD + i], qt = qh[t * kD + i], kt = kh[t * kD + i];
+#pragma unroll
+        for (int ss = 0; ss <= tt; ++ss) {
+          const int s = r + ss;
+          const float E = expf(gt - G[s * kD + i]);
+          const float ks = kh[s * kD + i] * E;
+          const float wq = dAqk[t * kC + s];
+          aq[tt] += wq * ks;
+          akm[ss] += wq * qt * E;
+          if (ss < tt) {
+            const float wk = dAkk[t * kC + s];
+            akp[tt] += wk * ks;
+            akm[ss] += wk * kt * E;
+          }
+        }
+      }
+#pragma unroll
+      for (int l = 0; l < 16; ++l) {
+        const int e = (r + l) * kD + i;
+        dqh[e] += aq[l];
+        dkh[e] += akp[l] + akm[l];
+        dG[e] += qh[e] * aq[l] + kh[e] * (akp[l] - akm[l]);
+      }
+    }
+    // Off-diagonal blocks of row block J: rows r..r+15 against columns s < r.
+    float* Kc = sV;       // [48][128] exp(G_r - G_s) k^_s
+    float* Qr = sdO;      // [16][128] exp(G_t - G_r) q^_t
+    float* Kr = sdO + 16 * kD;
+    for (int J = 1; J < 4; ++J) {
+      const int r = 16 * J;
+      __syncthreads();
+      for (int e = tid; e < 16 * kD; e += kChunkThreads) {
+        const int t = r + e / kD, i = e % kD;
+        const float f = expf(G[t * kD + i] - G[r * kD + i]);
+        Qr[e] = qh[t * kD + i] * f;
+        Kr[e] = kh[t * kD + i] * f;
+      }
+      for (int e = tid; e < r * kD; e += kChunkThreads) {
+        const int s = e / kD, i = e % kD;
+        Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
+      }
+      __syncthreads();
+      // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
+      gemm_tf32(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
+        const int e = (r + m) * kD + n;
+        const float x = expf(G[e] - G[r * kD + n]) * v;
+        dqh[e] += x;
+        dG[e] += qh[e] * x;
+      });
+      gemm_tf32(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
+        const int e = (r + m) * kD + n;
+        const float x = expf(G[e] - G[r * kD + n]) * v;
+        dkh[e] += x;
+        dG[e] += kh[e] * x;
+      });
+      // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
+      gemm_tf32(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1, [&](int m, int n, float v) {
+        const int e = m * kD + n;
+        const float x = expf(G[r * kD + n] - G[e]) * v;
+        dkh[e] += x;
+        dG[e] -= kh[e] * x;
+      });
+      gemm_tf32(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1, [&](int m, int n, float v) {
+        const int e = m * kD + n;
+        const float x = expf(G[r * kD + n] - G[e]) * v;
+        dkh[e] += x;
+        dG[e] -= kh[e] * x;
+      });
+    }
+    __syncthreads();
+
+    // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t'; the gate chain.
+    if (tid < kD) {
+      const int i = tid;
+      const int last = c.L - 1;
+      dG[last * kD + i] += pgl[i] + pgl[kD + i] + dgl[i];
+      const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+      const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
+      float run = 0.f, ddt = 0.f, dA = 0.f;
+      for (int t = last; t >= 0; --t) {
+        run += dG[t * kD + i];
+        const float graw = load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t, hv) + i);
+        float dadg, dadA;
+        gate_derivatives(p, graw, expA, bias, &dadg, &dadA);
+        const float dg = run * dadg;
+        ddt += dg;
+        dA += run * dadA;
+        if (P.dg.data != nullptr)
+          store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
+      }
+      part[i] = p.gate == detail::kGatePrecomputed ? 0.f : ddt;
+      misc[i] = dA;
+    }
+    __syncthreads();
+    if (warp == 0) {
+      float s = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s += misc[lane + 32 * e];
+      s = warp_sum(s);
+      if (lane == 0) part[kD] = s;
+    }
+    // dbeta through the beta form.
+    if (P.dbeta.data != nullptr && tid < c.L) {
+      const int t = tid;
+      float f = 1.f;
+      if (p.beta_logits) {
+        const float x = load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, c.t0 + t, hv));
+        const float s = detail::sigmoid<float>(x);
+        f = (p.allow_neg_eigval ? 2.f : 1.f) * s * (1.f - s);
+      }
+      store_any(P.dbeta.data, P.dbeta.dtype, P.dbeta.offset(c.b, c.t0 + t, hv), db[t] * f);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. dq, dk: the group sum, the scale and the l2norm chain (a warp per token)
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kQkThreads) bwd_qk_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  const Params& p = P.f;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int h = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.H));
+  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.H);
+  const ChunkTask c = chunk_task(p, slot);
+  if (!c.valid) return;
+  for (int t = warp; t < c.L; t += kQkThreads / 32) {
+    const int64_t tok = c.t0 + t;
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const StridedView& out = which == 0 ? P.dq : P.dk;
+      if (out.data == nullptr) continue;
+      const StridedView& in = which == 0 ? p.q : p.k;
+      float d[4] = {0.f, 0.f, 0.f, 0.f}, x[4];
+      for (int hv = h * p.groups; hv < (h + 1) * p.groups; ++hv) {
+        const float* src = P.dqk + (slot * p.HV + hv) * (2 * kTile) + which * kTile + t * kD;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] += src[lane + 32 * e];
+      }
+      float ss = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        x[e] = load_any(in.data, in.dtype, in.offset(c.b, tok, h) + lane + 32 * e);
+        ss += x[e] * x[e];
+      }
+      ss = warp_sum(ss);
+      const float sc = which == 0 ? p.scale : 1.f;
+      if (p.use_qk_l2norm) {
+        const float r = sqrtf(ss + static_cast<float>(detail::kL2NormEps)), ir = 1.f / r;
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) dot += x[e] * ir * d[e] * sc;
+        dot = warp_sum(dot);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] = (d[e] * sc - x[e] * ir * dot) * ir;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[e] *= sc;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        store_any(out.data, out.dtype, out.offset(c.b, tok, h) + lane + 32 * e, d[e]);
+    }
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. dA_log, ddt_bias: the chunks' partials summed in slot order (deterministic)
+// ---------------------------------------------------------------------------------------------
+
+__global__ void __launch_bounds__(kParamThreads)
+    bwd_params_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  const Params& p = P.f;
+  const int hv = static_cast<int>(blockIdx.x), i = threadIdx.x;
+  float ddt = 0.f, dA = 0.f;
+  for (int64_t slot = 0; slot < p.num_slots; ++slot) {
+    const float* part = P.part + (slot * p.HV + hv) * kPartFloats;
+    ddt += part[i];
+    if (i == 0) dA += part[kD];
+  }
+  if (P.ddt_bias != nullptr) P.ddt_bias[hv * P.ddt_bias_s + i] = ddt;
+  if (P.dA_log != nullptr && i == 0) P.dA_log[hv * P.dA_log_s] = dA;
+}
+
+}  // namespace kda::cuda::bw
