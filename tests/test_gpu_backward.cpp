@@ -2,14 +2,14 @@
 // reference backward.
 //
 // Every test starts with KDA_SKIP_WITHOUT_SM90(). The reference is kda::prefill_backward with
-// Backend::kCpuReference on widen(data) and the upstream gradients widened to fp32. Tolerances
-// (relative L2 over the whole tensor) come from where the CUDA backward rounds:
-//   * every product runs on tf32 operands (11 significant bits, relative rounding <= 2^-11 =
-//     4.9e-4 per operand) with fp32 accumulation: ~1e-3 on a gradient that is a sum of products;
-//   * bf16 gradients add their own storage rounding (~1.7e-3 relative L2, tolerance_for(bf16));
-//   * dg and dbeta are differences of such sums (the reverse cumulative sum of dG and the gate
-//     chain; dbeta sums four terms of both signs), which loses up to ~3x relative accuracy;
-// so dq, dk, dv, d_initial_state, dA_log, ddt_bias: 4e-3; dg, dbeta: 8e-3 (each also reported).
+// Backend::kCpuReference on widen(data) and the upstream gradients widened to fp32. Each
+// gradient's tolerance (relative L2 over the whole tensor) is derived from where the CUDA
+// backward rounds: the storage rounding of the reference itself to the gradient's dtype (measured
+// per tensor: ~1.7e-3 for bf16, ~2e-4 for fp16, 0 for fp32), plus 2.5e-3 for the kernels' own
+// arithmetic. Every product is 3xTF32 (an fp32-accurate split, kernels.cuh), which measures
+// 1e-7..1e-5 in emulation on l2-normalized inputs; the allowance covers the ill-conditioned case
+// (no l2norm, |k|^2 ~ 128: 1.2e-3 on d_initial_state, 1.5e-3 above storage on dbeta) and a plain
+// tf32 product (up to 3.5e-3 on dA_log / ddt_bias would fail it: they sum dG with cancellation).
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
@@ -78,7 +78,7 @@ Grads reference_grads(const PrefillData& d, const Grads& up) {
   const PrefillData w = widen(d);
   Grads r = make_grads(d, DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32,
                        false, 0);
-  r.d_out = up.d_out.to(DType::kFloat32);
+  r.d_out = up.d_out.empty() ? HostTensor{} : up.d_out.to(DType::kFloat32);
   if (!up.d_final.empty()) r.d_final = up.d_final.to(DType::kFloat32);
   if (!r.dh0.empty() && !w.h0.empty()) r.dh0 = HostTensor(w.h0.dtype, w.h0.shape);
   PrefillBackwardParams b = backward_params(w.params(), r);
@@ -134,24 +134,22 @@ Status cuda_grads(const PrefillData& d, Grads* g, cudaStream_t stream = nullptr,
   return s;
 }
 
-struct Tol {
-  double main = 4e-3, chain = 8e-3;
-};
+// The kernels' allowance on top of the storage rounding (header).
+constexpr double kKernelAllowance = 2.5e-3;
 
-void expect_grads(const Grads& got, const Grads& ref, const Tol& tol, const std::string& what,
+void expect_grads(const Grads& got, const Grads& ref, const std::string& what,
                   bool in_kernel_gate) {
   struct Item {
     const char* name;
     const HostTensor *g, *r;
-    double tol;
-  } items[] = {{"dq", &got.dq, &ref.dq, tol.main},
-               {"dk", &got.dk, &ref.dk, tol.main},
-               {"dv", &got.dv, &ref.dv, tol.main},
-               {"dg", &got.dg, &ref.dg, tol.chain},
-               {"dbeta", &got.dbeta, &ref.dbeta, tol.chain},
-               {"dA_log", &got.dA_log, &ref.dA_log, tol.main},
-               {"ddt_bias", &got.ddt_bias, &ref.ddt_bias, tol.main},
-               {"d_initial_state", &got.dh0, &ref.dh0, tol.main}};
+  } items[] = {{"dq", &got.dq, &ref.dq},
+               {"dk", &got.dk, &ref.dk},
+               {"dv", &got.dv, &ref.dv},
+               {"dg", &got.dg, &ref.dg},
+               {"dbeta", &got.dbeta, &ref.dbeta},
+               {"dA_log", &got.dA_log, &ref.dA_log},
+               {"ddt_bias", &got.ddt_bias, &ref.ddt_bias},
+               {"d_initial_state", &got.dh0, &ref.dh0}};
   for (const Item& it : items) {
     if (it.g->empty()) continue;
     const bool zero = !in_kernel_gate && (std::string(it.name) == "dA_log" ||
@@ -161,11 +159,13 @@ void expect_grads(const Grads& got, const Grads& ref, const Tol& tol, const std:
         ASSERT_EQ(it.g->get(i), 0.0) << what << " " << it.name << "[" << i << "]";
       continue;
     }
-    const Compare c = compare(*it.g, *it.r, it.tol);
-    EXPECT_TRUE(c.ok(it.tol)) << what << " " << it.name << ": rel_l2 " << c.rel_l2 << " (tol "
-                              << it.tol << "), nonfinite " << c.nonfinite << ", "
-                              << c.first_mismatches;
-    std::printf("[ %s ] %-16s rel_l2 %.3e\n", what.c_str(), it.name, c.rel_l2);
+    const double floor = compare(it.r->to(it.g->dtype), *it.r, 1.0).rel_l2;
+    const double tol = floor + kKernelAllowance;
+    const Compare c = compare(*it.g, *it.r, tol);
+    EXPECT_TRUE(c.ok(tol)) << what << " " << it.name << ": rel_l2 " << c.rel_l2 << " (tol " << tol
+                           << "), nonfinite " << c.nonfinite << ", " << c.first_mismatches;
+    std::printf("[ %s ] %-16s rel_l2 %.3e (storage rounding %.3e)\n", what.c_str(), it.name,
+                c.rel_l2, floor);
   }
 }
 
@@ -182,7 +182,7 @@ PrefillCase base_case() {
   return c;
 }
 
-void check_case(const PrefillCase& c, bool d_final = true, const Tol& tol = Tol{}) {
+void check_case(const PrefillCase& c, bool d_final = true) {
   const PrefillData d = make_prefill(c);
   const DType gdt = d.g.dtype, bdt = d.beta.dtype;
   const DType sdt = d.h0.empty() ? DType::kFloat32 : d.h0.dtype;
@@ -190,7 +190,7 @@ void check_case(const PrefillCase& c, bool d_final = true, const Tol& tol = Tol{
   const Grads ref = reference_grads(d, g);
   const Status s = cuda_grads(d, &g);
   ASSERT_TRUE(s.ok()) << s.to_string();
-  expect_grads(g, ref, tol, c.name(), c.gate != GateForm::kPrecomputed);
+  expect_grads(g, ref, c.name(), c.gate != GateForm::kPrecomputed);
 }
 
 TEST(GpuBackward, SoftplusOneChunkTail) {
@@ -249,6 +249,33 @@ TEST(GpuBackward, DenseBatchNoUpstreamState) {
   c.gate_beta_fp32 = true;
   c.state_dtype = DType::kBFloat16;
   check_case(c, /*d_final=*/false);
+}
+
+// Five chunks per sequence through both state passes, GVA of 2, two q/k heads.
+TEST(GpuBackward, LongerSequencesGva) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.seqlens = {300};
+  c.H = 2;
+  c.HV = 4;
+  c.gate = GateForm::kLowerBound;
+  c.lower_bound = -2.0;
+  check_case(c);
+}
+
+// Weak decay (precomputed gates near 0: long memory), only d_final_state upstream.
+TEST(GpuBackward, WeakDecayFinalStateOnly) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.gate = GateForm::kPrecomputed;
+  c.weak_decay = true;
+  c.seqlens = {200};
+  const PrefillData d = make_prefill(c);
+  Grads g = make_grads(d, c.dtype, d.g.dtype, d.beta.dtype, DType::kFloat32, true, 9);
+  g.d_out = HostTensor{};
+  const Grads ref = reference_grads(d, g);
+  ASSERT_TRUE(cuda_grads(d, &g).ok());
+  expect_grads(g, ref, c.name(), false);
 }
 
 // Captured into a CUDA graph and replayed: the same gradients as the direct call.

@@ -9,9 +9,9 @@ through it) is differentiable when grad mode is on and an input requires grad.
 
 Both save the inputs and run one backward, :func:`backward`, through the custom op
 ``kda::prefill_backward``: the analytic fp64 reference (``kda._C.prefill_backward``) on CPU
-tensors. There is no CUDA backward yet: on tensors of another device the op raises
-NotImplementedError when the backward runs (a forward through CUDA tensors that require grad
-works; nothing is moved between devices). Calls where no input requires grad never come here.
+tensors and the CUDA backward (sm_90a) on CUDA tensors, on torch's current stream with its
+workspace from torch's caching allocator; nothing is moved between devices. Calls where no
+input requires grad never come here.
 """
 
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -89,19 +89,21 @@ def backward_impl(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, A_lo
                   num_threads: int) -> List[Tensor]:
     """The gradients of the inputs flagged in `needs` (in INPUTS order, each in its input's
     dtype) from the upstream gradients d_out and d_final_state (None: zero)."""
-    if q.device.type != "cpu":
+    device = q.device
+    if device.type not in ("cpu", "cuda"):
         raise NotImplementedError(
-            f"the CUDA prefill backward is not implemented yet; gradients of kda.prefill are "
-            f"computed for CPU tensors only (got {q.device.type} tensors). Train on CPU "
-            f"tensors, or run the forward under torch.no_grad() / torch.inference_mode()")
+            f"the prefill backward runs on CPU and CUDA tensors, got {device.type} tensors")
     inputs = dict(zip(INPUTS, (q, k, v, g, beta, A_log, dt_bias, initial_state)))
     grads: Dict[str, Tensor] = {}
     for name, grad, need in zip(INPUTS, _GRADS, needs):
         x = inputs[name]
         if need and x is not None:
             dt = torch.float32 if grad in _FP32_GRADS else x.dtype
-            grads[grad] = torch.empty(x.shape, dtype=dt)
-    _C.prefill_backward(**inputs, cu_seqlens=cu_seqlens,
+            grads[grad] = torch.empty(x.shape, dtype=dt, device=device)
+    cuda: Dict[str, Any] = {}
+    if device.type == "cuda":
+        cuda = dict(stream=_torch_ops.stream(q), allocate=_torch_ops.allocate_workspace)
+    _C.prefill_backward(**inputs, cu_seqlens=cu_seqlens, **cuda,
                         d_out=None if d_out is None else d_out.contiguous(),
                         d_final_state=None if d_final_state is None else d_final_state.contiguous(),
                         **grads, scale=scale, use_qk_l2norm=use_qk_l2norm, gate=gate,

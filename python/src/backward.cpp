@@ -4,7 +4,10 @@
 // cu_seqlens, initial_state, state_layout and the math options as kda.prefill names them),
 // the upstream gradients d_out, d_final_state, the gradient outputs dq, dk, dv, dg, dbeta,
 // dA_log, ddt_bias, d_initial_state (written in place; absent = not computed), and backend,
-// num_threads. The GIL is released while the backward runs.
+// num_threads, stream (CUDA: the cudaStream_t as an int), workspace (CUDA: a device array of at
+// least the call's workspace bytes) and allocate (CUDA: allocate(nbytes, device_index) -> array,
+// called once when `workspace` is absent or too small). The GIL is released while the backward
+// runs.
 #include "backward.h"
 
 #include <string>
@@ -43,7 +46,10 @@ constexpr const char* kKeywords[] = {"q",
                                      "beta_logits",
                                      "allow_neg_eigval",
                                      "backend",
-                                     "num_threads"};
+                                     "num_threads",
+                                     "stream",
+                                     "workspace",
+                                     "allocate"};
 
 void run_prefill_backward(const nb::kwargs& kwargs) {
   for (auto item : kwargs) {
@@ -100,10 +106,26 @@ void run_prefill_backward(const nb::kwargs& kwargs) {
       r.choice("backend", option("backend", nb::str("auto")), backend_name, kNumBackends);
   p.exec.num_threads =
       static_cast<int>(r.integer("num_threads", option("num_threads", nb::int_(0))));
+  p.exec.stream = reinterpret_cast<void*>(r.address("stream", option("stream", nb::int_(0))));
+  r.workspace("workspace", get("workspace"), &p.exec.workspace, &p.exec.workspace_bytes);
+  Allocation alloc;
+  alloc.allocate = get("allocate");
+  if (!alloc.allocate.is_none()) {
+    alloc.reader = &r;
+    alloc.device_index = f.q.device_index;
+    p.exec.allocate_workspace = allocate_workspace;
+    p.exec.allocate_context = &alloc;
+  }
   Status s;
   {
     nb::gil_scoped_release release;
     s = kda::prefill_backward(p);
+  }
+  if (!alloc.error.empty()) {
+    const std::string msg = "argument 'workspace': allocating the device workspace failed: " +
+                            alloc.error;
+    PyErr_SetString(PyExc_RuntimeError, msg.c_str());
+    throw nb::python_error();
   }
   if (!s.ok()) r.raise(s);
 }

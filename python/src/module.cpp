@@ -84,39 +84,6 @@ class Args {
   size_t next_ = 0;
 };
 
-// What the workspace allocator needs: the Python callable and where the array it returns goes.
-struct Allocation {
-  Reader* reader = nullptr;
-  nb::handle allocate;
-  int device_index = 0;
-  nb::object array;   // keeps the workspace alive until the call returns
-  std::string error;  // the allocator's exception, re-raised after the call
-};
-
-void* allocate_workspace(size_t bytes, void* context) {
-  auto* a = static_cast<Allocation*>(context);
-  nb::gil_scoped_acquire gil;
-  try {
-    a->array = a->allocate(bytes, a->device_index);
-    void* data = nullptr;
-    size_t got = 0;
-    a->reader->workspace("workspace", a->array, &data, &got);
-    if (got < bytes) {
-      a->error = "the allocator returned " + std::to_string(got) + " bytes, " +
-                 std::to_string(bytes) + " needed";
-      return nullptr;
-    }
-    return data;
-  } catch (nb::python_error& e) {
-    // The exception's type and message, without the traceback that what() appends.
-    a->error = std::string(Py_TYPE(e.value().ptr())->tp_name) + ": " + nb::str(e.value()).c_str();
-    return nullptr;
-  } catch (const std::exception& e) {
-    a->error = e.what();
-    return nullptr;
-  }
-}
-
 template <size_t N>
 void read_math(Args<N>& c, Reader& r, MathOptions* m) {
   m->use_qk_l2norm = r.flag("use_qk_l2norm", c.next("use_qk_l2norm"));

@@ -398,4 +398,29 @@ void Reader::raise(const Status& status) const {
   }
 }
 
+// ExecOptions::allocate_workspace over an Allocation (views.h).
+void* allocate_workspace(size_t bytes, void* context) {
+  auto* a = static_cast<Allocation*>(context);
+  nb::gil_scoped_acquire gil;
+  try {
+    a->array = a->allocate(bytes, a->device_index);
+    void* data = nullptr;
+    size_t got = 0;
+    a->reader->workspace("workspace", a->array, &data, &got);
+    if (got < bytes) {
+      a->error = "the allocator returned " + std::to_string(got) + " bytes, " +
+                 std::to_string(bytes) + " needed";
+      return nullptr;
+    }
+    return data;
+  } catch (nb::python_error& e) {
+    // The exception's type and message, without the traceback that what() appends.
+    a->error = std::string(Py_TYPE(e.value().ptr())->tp_name) + ": " + nb::str(e.value()).c_str();
+    return nullptr;
+  } catch (const std::exception& e) {
+    a->error = e.what();
+    return nullptr;
+  }
+}
+
 }  // namespace kda::python

@@ -92,4 +92,16 @@ int Reader::choice_code(const char* arg, nb::handle obj, NameOf&& value_name, in
   value_error(arg, "expected one of " + names + ", got '" + s + "'");
 }
 
+// What the workspace allocator of ExecOptions needs: the Python callable
+// allocate(nbytes, device_index) -> array and where the array it returns goes.
+struct Allocation {
+  Reader* reader = nullptr;
+  nb::handle allocate;
+  int device_index = 0;
+  nb::object array;   // keeps the workspace alive until the call returns
+  std::string error;  // the allocator's exception, re-raised after the call
+};
+// ExecOptions::allocate_workspace over an Allocation (the context); takes the GIL.
+void* allocate_workspace(size_t bytes, void* context);
+
 }  // namespace kda::python

@@ -16,8 +16,8 @@
 //   5. bwd_qk_kernel        (chunk, q/k head): the group's value heads summed in order, scale and
 //                           l2norm chained, dq and dk written.
 //   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
-// Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation) through gemm_tf32, with
-// operands in shared or global memory. Exponentials never see a positive argument: Akk / Aqk and
+// Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate)
+// through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive argument: Akk / Aqk and
 // their gradients factor exp(G_t - G_s) around the first token r of a 16-token row block,
 // exp(G_t - G_r) exp(G_r - G_s), off the diagonal blocks, and take exp(G_t - G_s) (t >= s) per
 // element inside them, so gates of -1000 give zeros, never inf or NaN.
@@ -148,6 +148,10 @@ __device__ __forceinline__ float warp_sum(float x) {
 // each output element is handed once to epi(m, n, value) by the thread that owns it, and which
 // thread owns (m, n) depends only on M, N and the block size: two products of the same M x N may
 // update the same elements one after the other without a barrier.
+// 3xTF32: each operand split into two tf32 terms, the product of the small ones dropped
+// (~fp32 accuracy, three mma per product). With single tf32 products the fp32 gradients that
+// sum dG with cancellation (dA_log, ddt_bias) measure up to 3.5e-3 in emulation against ~1e-5.
+inline constexpr bool kSplit = true;
 template <typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
@@ -165,18 +169,27 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
     const float* a1 = a0 + static_cast<int64_t>(8) * a_rs;
     for (int k0 = 0; k0 < Kd; k0 += 8) {
       const int64_t ka = static_cast<int64_t>(k0) * a_cs, ka4 = ka + static_cast<int64_t>(4) * a_cs;
-      uint32_t af[4];
-      af[0] = f32_to_tf32(a0[ka]);
-      af[1] = f32_to_tf32(a1[ka]);
-      af[2] = f32_to_tf32(a0[ka4]);
-      af[3] = f32_to_tf32(a1[ka4]);
+      const float av[4] = {a0[ka], a1[ka], a0[ka4], a1[ka4]};
+      uint32_t af[4], al[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        af[e] = f32_to_tf32(av[e]);
+        al[e] = f32_to_tf32(av[e] - __uint_as_float(af[e]));
+      }
       const float* bk = b + static_cast<int64_t>(k0 + c) * b_rs;
       const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (j < nj) {
           const int64_t nn = static_cast<int64_t>(n0 + 8 * j + g) * b_cs;
-          mma_tf32(acc[j], af, f32_to_tf32(bk[nn]), f32_to_tf32(bk4[nn]));
+          const float b0 = bk[nn], b1 = bk4[nn];
+          const uint32_t b0h = f32_to_tf32(b0), b1h = f32_to_tf32(b1);
+          if constexpr (kSplit) {
+            mma_tf32(acc[j], al, b0h, b1h);
+            mma_tf32(acc[j], af, f32_to_tf32(b0 - __uint_as_float(b0h)),
+                     f32_to_tf32(b1 - __uint_as_float(b1h)));
+          }
+          mma_tf32(acc[j], af, b0h, b1h);
         }
       }
     }
