@@ -18,7 +18,11 @@ struct DeviceSplit {
   bool varlen;
   GateForm gate;
   StateLayout layout = StateLayout::kVFirst;
+  int64_t checkpoint_every = 0;  // checkpoints (global rows and offsets)
+  bool pool = false;             // pool mode (make_split_prefill's slots)
 };
+
+inline void PrintTo(const DeviceSplit& s, std::ostream* os) { *os << s.name; }
 
 // The problem of a split. A precomputed gate is drawn weak (near 0) so that M carries the start
 // state across a slice.
@@ -33,6 +37,8 @@ inline PrefillCase case_of(const DeviceSplit& s) {
   c.gate = s.gate;
   c.weak_decay = s.gate == GateForm::kPrecomputed;
   c.layout = s.layout;
+  c.checkpoint_every = s.checkpoint_every;
+  c.pool = s.pool;
   return c;
 }
 

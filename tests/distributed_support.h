@@ -1,9 +1,13 @@
 // distributed_support.h — the context-parallel tests' ranks as threads of one process: a group
-// that all-gathers through shared memory, and per-rank token slices of a whole-input view.
+// that all-gathers through shared memory, per-rank token slices of a whole-input view, and which
+// checkpoint rows and pool slots a rank writes (spec section 9, as kda.distributed.prefill's
+// tests state it).
 #pragma once
 
+#include <algorithm>
 #include <condition_variable>
 #include <cstdint>
+#include <cstring>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -105,6 +109,66 @@ inline PrefillParams slice_of(const PrefillParams& whole, const std::vector<int6
     p.cu_seqlens = cu->view();
   }
   return p;
+}
+
+// The problem of a split case: make_prefill, and in pool mode with N >= 4 sequences the last one
+// given a slot >= P (no pooled state, as a negative slot: start from zero, write nothing).
+inline PrefillData make_split_prefill(const PrefillCase& c) {
+  PrefillData d = make_prefill(c);
+  if (c.pool && d.N >= 4) d.idx.set(d.N - 1, static_cast<double>(d.pool.shape[0] + 1));
+  return d;
+}
+
+// Rows `rows` of a state tensor [rows, ...], their bytes copied (a contiguous tensor).
+inline HostTensor rows_of(const HostTensor& t, const std::vector<int64_t>& rows) {
+  std::vector<int64_t> shape = t.shape;
+  shape[0] = static_cast<int64_t>(rows.size());
+  HostTensor r(t.dtype, shape);
+  const int64_t per_row = t.shape[0] > 0 ? t.numel() / t.shape[0] : 0;
+  const size_t es = dtype_size(t.dtype);
+  for (size_t i = 0; i < rows.size(); ++i)
+    for (int64_t e = 0; e < per_row; ++e)
+      std::memcpy(r.storage.data() + r.offset(static_cast<int64_t>(i) * per_row + e) * es,
+                  t.storage.data() + t.offset(rows[i] * per_row + e) * es, es);
+  return r;
+}
+
+// Tokens [lo, hi) of the whole input: the checkpoint rows a rank holding them writes. Row
+// offsets[n] + j is the state after (j + 1) * every tokens of sequence n; it is the rank's when
+// that token lies in [lo, hi) (dense: every row one sequence of T tokens).
+inline std::vector<int64_t> checkpoint_rows_of(const PrefillData& d, int64_t lo, int64_t hi) {
+  std::vector<int64_t> rows;
+  const int64_t every = d.c.checkpoint_every;
+  for (int64_t n = 0; n < d.N; ++n) {
+    const int64_t first = d.c.varlen ? d.cu_host[n] : 0;  // the sequence's first token
+    for (int64_t row = d.ckpt_off.get(n); row < d.ckpt_off.get(n + 1); ++row) {
+      const int64_t last = first + (row - static_cast<int64_t>(d.ckpt_off.get(n)) + 1) * every - 1;
+      if (lo <= last && last < hi) rows.push_back(row);
+    }
+  }
+  return rows;
+}
+
+// The pool slots a rank holding tokens [lo, hi) writes: those of the sequences whose last token
+// it holds (not a sequence without tokens), when the slot is in [0, P).
+inline std::vector<int64_t> pool_slots_of(const PrefillData& d, int64_t lo, int64_t hi) {
+  std::vector<int64_t> slots;
+  const int64_t P = d.pool.shape[0];
+  for (int64_t n = 0; n < d.N; ++n) {
+    const int64_t slot = static_cast<int64_t>(d.idx.get(n));
+    const int64_t first = d.c.varlen ? d.cu_host[n] : 0;
+    const int64_t last = d.c.varlen ? d.cu_host[n + 1] - 1 : d.T - 1;
+    if (slot >= 0 && slot < P && last >= first && lo <= last && last < hi) slots.push_back(slot);
+  }
+  return slots;
+}
+
+// The rows [0, rows) not in `in`.
+inline std::vector<int64_t> other_rows(int64_t rows, const std::vector<int64_t>& in) {
+  std::vector<int64_t> out;
+  for (int64_t r = 0; r < rows; ++r)
+    if (std::find(in.begin(), in.end(), r) == in.end()) out.push_back(r);
+  return out;
 }
 
 }  // namespace kda::test

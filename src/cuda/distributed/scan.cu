@@ -1,14 +1,17 @@
 // scan.cu — the device side of the context-parallel prefill (include/kda/distributed.h): the
-// identity and zeros of the M pass, and the scan over ranks.
+// identity, zeros and piece lengths before the passes, the parts' layout with checkpoints, and
+// the scan over ranks.
 //
-// The scan is a serial chain of `world` steps h <- M_j h + S_j per (sequence, value head), each
-// a K x K by K x C product (2 MFLOP for K = V = 128): one block per (sequence, value head), the
-// state in fp64 in the workspace (two buffers, one per step parity), every thread a strided set
-// of the R x C elements (scan::step_element, the host scan's arithmetic). Performance is not
-// critical: a few steps, next to three prefill passes.
+// The scan is a serial chain of `world * parts` steps h <- M_j h + S_j per (sequence, value
+// head), each a K x K by K x C product (2 MFLOP for K = V = 128): one block per (sequence, value
+// head), the state in fp64 in the workspace (two buffers, one per step parity), every thread a
+// strided set of the R x C elements (scan::step_element, the host scan's arithmetic).
+// Performance is not critical: a few steps, next to three prefill passes.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
+
+#include <algorithm>
 
 #include "cuda/common/check.h"
 #include "cuda/common/device.h"
@@ -57,6 +60,17 @@ __global__ void prepare_kernel(const scan::Buffers b) {
   for (int64_t i = blockIdx.x * blockDim.x + threadIdx.x; i < static_cast<int64_t>(b.zero_bytes);
        i += stride)
     zeros[i] = 0;
+  if (b.lengths != nullptr)
+    for (int64_t n = blockIdx.x * blockDim.x + threadIdx.x; n < b.N; n += stride)
+      b.lengths[n] = scan::local_length(b, n);
+}
+
+// Grid: any; the parts' layout, one sequence per thread (N = 0: the one entry of each array).
+__global__ void layout_kernel(const scan::Buffers b) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  const int64_t first = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b.N == 0 && first == 0) scan::write_part_layout(b, -1);
+  for (int64_t n = first; n < b.N; n += stride) scan::write_part_layout(b, n);
 }
 
 // Grid: N * HV blocks of kThreads, block (n, hv).
@@ -66,32 +80,50 @@ __global__ void scan_kernel(const scan::Buffers b) {
   const int64_t n = pair / r.HV, hv = pair % r.HV;
   const int64_t RC = r.R * r.C;
   double* h = b.h + pair * RC;
-  double* next = b.h + (r.N * r.HV + pair) * RC;
+  double* next = b.h + (b.N * r.HV + pair) * RC;
+  const bool pool = b.state_pool.ndim != 0;
+  const int64_t slot =
+      pool ? rules::pool_slot(scan::index_at(b.state_indices, n), b.state_pool.shape[0])
+           : rules::kNoSlot;
+  const bool holds_last = b.lengths != nullptr && scan::piece_of(b, n).holds_last();
+  const int64_t boundary = b.parts == 2 ? scan::piece_rows_of(b, n).boundary : -1;
 
-  // Load: the initial state (zero when absent), widened to fp64.
+  // Load: the initial state, or the pool slot's (zero when absent / no slot), widened to fp64.
+  const TensorView& t0 = pool ? b.state_pool : b.initial_state;
+  const int64_t row0 = pool ? slot : n;
   for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
-    h[e] = b.initial_state.ndim != 0 ? load_state(b.initial_state, n, hv, e / r.C, e % r.C) : 0.0;
+    h[e] = t0.ndim != 0 && row0 >= 0 ? load_state(t0, row0, hv, e / r.C, e % r.C) : 0.0;
   __syncthreads();
 
-  // Scan: this rank's start state when its turn comes, then through every rank's map.
+  // Scan: every rank's parts in order; this rank's start states when its turn comes, and the
+  // checkpoint at its head's end.
   for (int j = 0; j < b.world; ++j) {
-    if (j == b.rank)
-      for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
-        b.start[pair * RC + e] = static_cast<float>(h[e]);
     const float* rec = b.records + j * r.floats();
-    for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
-      next[e] = scan::step_element(h, rec + r.m(n, hv), rec + r.s(n, hv), e / r.C, e % r.C, r.K,
-                                   r.C, b.v_first);
-    __syncthreads();
-    double* t = h;
-    h = next;
-    next = t;
+    for (int part = 0; part < b.parts; ++part) {
+      const int64_t pi = n * b.parts + part;  // the part's row in the records and `start`
+      if (j == b.rank)
+        for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
+          b.start[(pi * r.HV + hv) * RC + e] = static_cast<float>(h[e]);
+      for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
+        next[e] = scan::step_element(h, rec + r.m(pi, hv), rec + r.s(pi, hv), e / r.C, e % r.C, r.K,
+                                     r.C, b.v_first);
+      __syncthreads();
+      double* t = h;
+      h = next;
+      next = t;
+      if (j == b.rank && part == 0 && boundary >= 0)
+        for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
+          store_state(b.checkpoints, boundary, hv, e / r.C, e % r.C, h[e]);
+    }
   }
 
-  // Store: the final state, rounded to its dtype.
-  if (b.final_state.ndim != 0)
+  // Store: the final state, rounded to its dtype; the pool slot, by the rank holding the
+  // sequence's last token.
+  const TensorView& t = pool ? b.state_pool : b.final_state;
+  const int64_t row = pool ? (holds_last ? slot : rules::kNoSlot) : n;
+  if (t.ndim != 0 && row >= 0)
     for (int64_t e = threadIdx.x; e < RC; e += blockDim.x)
-      store_state(b.final_state, n, hv, e / r.C, e % r.C, h[e]);
+      store_state(t, row, hv, e / r.C, e % r.C, h[e]);
 }
 
 }  // namespace
@@ -100,6 +132,16 @@ Status distributed_prepare(const scan::Buffers& b, int device, void* stream) {
   DeviceGuard guard(device);
   KDA_CUDA_CHECK(guard.status());
   prepare_kernel<<<16, kThreads, 0, static_cast<cudaStream_t>(stream)>>>(b);
+  KDA_CUDA_CHECK(cudaGetLastError());
+  return Status::Ok();
+}
+
+Status distributed_layout(const scan::Buffers& b, int device, void* stream) {
+  DeviceGuard guard(device);
+  KDA_CUDA_CHECK(guard.status());
+  const int64_t blocks = std::min<int64_t>((b.N + kThreads - 1) / kThreads, 64);
+  layout_kernel<<<static_cast<unsigned>(std::max<int64_t>(blocks, 1)), kThreads, 0,
+                  static_cast<cudaStream_t>(stream)>>>(b);
   KDA_CUDA_CHECK(cudaGetLastError());
   return Status::Ok();
 }
