@@ -131,7 +131,8 @@ Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
                    "expected tensors on a CUDA device for the 'cuda' backend, got cpu tensors");
   if (be == Backend::kCuda && !cuda_compiled())
     return {StatusCode::kUnsupported, "backend",
-            "'cuda' requested, but this build has no CUDA backend"};
+            "expected a build with the CUDA backend for CUDA tensors or 'cuda', but this build "
+            "has none"};
   if (exec.num_threads < 0 || exec.num_threads > kMaxNumThreads)
     return invalid("num_threads", "expected 0 (all hardware threads) to " +
                                       std::to_string(kMaxNumThreads) + ", got " +
