@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # On an H100/H200: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# hostcost racecheck profile srcprofile (default: build demo tests sanitize bench fla python hostcost).
+# hostcost racecheck backward profile srcprofile (default: build demo tests sanitize bench fla python
+# hostcost). backward: the CUDA backward's tests under memcheck, racecheck and synccheck, then
+# forward + backward against FLA (bench/peers/fla_train_bench.py; TRAIN_ACCURACY=1 adds the
+# gradient error table; needs the kda package installed, e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
@@ -111,6 +114,21 @@ if has racecheck; then
   fi
 fi
 
+if has backward; then
+  if command -v compute-sanitizer >/dev/null; then
+    for tool in memcheck racecheck synccheck; do
+      extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
+      timeout 300 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 ./$B/tests/kda_gpu_tests \
+        --gtest_filter='GpuBackward.*' --gtest_brief=1 >"$OUT/backward_$tool.log" 2>&1
+      rc=$?
+      note "$tool (backward) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/backward_$tool.log" | tail -1)"
+    done
+  fi
+  args=(); [ "${TRAIN_ACCURACY:-0}" = 1 ] && args=(--accuracy)
+  PYTHONPATH=$site timeout 500 python3 bench/peers/fla_train_bench.py "${args[@]}" --json "$OUT/train.json" >"$OUT/fla_train.log" 2>&1
+  note "train bench rc=$?"
+fi
+
 if has bench; then
   for b in decode prefill; do
     if [ -x ./$B/bench/bench_gpu_$b ]; then
@@ -211,7 +229,7 @@ if has hostcost; then
 fi
 
 echo
-for f in bench_decode bench_prefill fla_decode fla_prefill host_cost_cpp host_cost_py; do
+for f in bench_decode bench_prefill fla_decode fla_prefill fla_train host_cost_cpp host_cost_py; do
   n=14; [[ $f == host_cost_* ]] && n=24  # the breakdown tables
   [ -f "$OUT/$f.log" ] && { echo "---- $f"; tail -$n "$OUT/$f.log"; }
 done

@@ -408,12 +408,11 @@ std::vector<BadBackward> bad_backward_inputs() {
   if (!cuda_compiled())
     cases.push_back({"cuda_tensors",
                      [](P& p, D&) {
-                       for (TensorView* t :
-                            {&p.forward.q, &p.forward.k, &p.forward.v, &p.forward.g,
-                             &p.forward.beta, &p.forward.A_log, &p.forward.dt_bias,
-                             &p.forward.cu_seqlens, &p.forward.initial_state, &p.d_out,
-                             &p.d_final_state, &p.dq, &p.dk, &p.dv, &p.dg, &p.dbeta, &p.dA_log,
-                             &p.ddt_bias, &p.d_initial_state})
+                       for (TensorView* t : {&p.forward.q, &p.forward.k, &p.forward.v, &p.forward.g,
+                                             &p.forward.beta, &p.forward.A_log, &p.forward.dt_bias,
+                                             &p.forward.cu_seqlens, &p.forward.initial_state,
+                                             &p.d_out, &p.d_final_state, &p.dq, &p.dk, &p.dv, &p.dg,
+                                             &p.dbeta, &p.dA_log, &p.ddt_bias, &p.d_initial_state})
                          t->device = Device::kCUDA;
                        p.exec.backend = Backend::kAuto;
                      },

@@ -76,8 +76,8 @@ PrefillBackwardParams backward_params(const PrefillParams& fwd, const Grads& g) 
 // The fp64 reference gradients of `d` with upstream gradients `up`.
 Grads reference_grads(const PrefillData& d, const Grads& up) {
   const PrefillData w = widen(d);
-  Grads r = make_grads(d, DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32,
-                       false, 0);
+  Grads r =
+      make_grads(d, DType::kFloat32, DType::kFloat32, DType::kFloat32, DType::kFloat32, false, 0);
   r.d_out = up.d_out.empty() ? HostTensor{} : up.d_out.to(DType::kFloat32);
   if (!up.d_final.empty()) r.d_final = up.d_final.to(DType::kFloat32);
   if (!r.dh0.empty() && !w.h0.empty()) r.dh0 = HostTensor(w.h0.dtype, w.h0.shape);
@@ -106,8 +106,8 @@ Status cuda_grads(const PrefillData& d, Grads* g, cudaStream_t stream = nullptr,
   b.forward.checkpoint_every = 0;
   b.d_out = dev(g->d_out)->view();
   b.d_final_state = dev(g->d_final)->view();
-  HostTensor* outs[] = {&g->dq, &g->dk, &g->dv, &g->dg, &g->dbeta, &g->dA_log, &g->ddt_bias,
-                        &g->dh0};
+  HostTensor* outs[] = {&g->dq,    &g->dk,     &g->dv,       &g->dg,
+                        &g->dbeta, &g->dA_log, &g->ddt_bias, &g->dh0};
   DeviceTensor* douts[8];
   for (int i = 0; i < 8; ++i) douts[i] = dev(*outs[i]);
   b.dq = douts[0]->view();
@@ -126,8 +126,7 @@ Status cuda_grads(const PrefillData& d, Grads* g, cudaStream_t stream = nullptr,
   DeviceBuffer ws(bytes);
   b.exec.workspace = ws.ptr;
   b.exec.workspace_bytes = bytes;
-  s = graph ? capture_and_replay(stream, [&] { return prefill_backward(b); })
-            : prefill_backward(b);
+  s = graph ? capture_and_replay(stream, [&] { return prefill_backward(b); }) : prefill_backward(b);
   KDA_TEST_CUDA(cudaStreamSynchronize(stream));
   KDA_TEST_CUDA(cudaGetLastError());
   for (int i = 0; i < 8; ++i) douts[i]->download(*outs[i]);
@@ -152,8 +151,8 @@ void expect_grads(const Grads& got, const Grads& ref, const std::string& what,
                {"d_initial_state", &got.dh0, &ref.dh0}};
   for (const Item& it : items) {
     if (it.g->empty()) continue;
-    const bool zero = !in_kernel_gate && (std::string(it.name) == "dA_log" ||
-                                          std::string(it.name) == "ddt_bias");
+    const bool zero =
+        !in_kernel_gate && (std::string(it.name) == "dA_log" || std::string(it.name) == "ddt_bias");
     if (zero) {
       for (int64_t i = 0; i < it.g->numel(); ++i)
         ASSERT_EQ(it.g->get(i), 0.0) << what << " " << it.name << "[" << i << "]";
@@ -278,6 +277,15 @@ TEST(GpuBackward, WeakDecayFinalStateOnly) {
   expect_grads(g, ref, c.name(), false);
 }
 
+// Only empty sequences: d_initial_state is d_final_state, the parameter gradients are zero.
+TEST(GpuBackward, EmptySequences) {
+  KDA_SKIP_WITHOUT_SM90();
+  PrefillCase c = base_case();
+  c.varlen = true;
+  c.seqlens = {0, 0, 0};
+  check_case(c);
+}
+
 // Captured into a CUDA graph and replayed: the same gradients as the direct call.
 TEST(GpuBackward, GraphCaptureMatchesDirect) {
   KDA_SKIP_WITHOUT_SM90();
@@ -291,8 +299,13 @@ TEST(GpuBackward, GraphCaptureMatchesDirect) {
   ASSERT_TRUE(cuda_grads(d, &a, stream, false).ok());
   ASSERT_TRUE(cuda_grads(d, &b, stream, true).ok());
   KDA_TEST_CUDA(cudaStreamDestroy(stream));
-  for (auto [x, y] : {std::pair{&a.dq, &b.dq}, {&a.dk, &b.dk}, {&a.dv, &b.dv}, {&a.dg, &b.dg},
-                      {&a.dbeta, &b.dbeta}, {&a.dA_log, &b.dA_log}, {&a.ddt_bias, &b.ddt_bias},
+  for (auto [x, y] : {std::pair{&a.dq, &b.dq},
+                      {&a.dk, &b.dk},
+                      {&a.dv, &b.dv},
+                      {&a.dg, &b.dg},
+                      {&a.dbeta, &b.dbeta},
+                      {&a.dA_log, &b.dA_log},
+                      {&a.ddt_bias, &b.ddt_bias},
                       {&a.dh0, &b.dh0}})
     EXPECT_TRUE(bitwise_equal(*x, *y));
 }

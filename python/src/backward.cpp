@@ -122,8 +122,8 @@ void run_prefill_backward(const nb::kwargs& kwargs) {
     s = kda::prefill_backward(p);
   }
   if (!alloc.error.empty()) {
-    const std::string msg = "argument 'workspace': allocating the device workspace failed: " +
-                            alloc.error;
+    const std::string msg =
+        "argument 'workspace': allocating the device workspace failed: " + alloc.error;
     PyErr_SetString(PyExc_RuntimeError, msg.c_str());
     throw nb::python_error();
   }

@@ -136,7 +136,8 @@ struct BwdLaunch {
 inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[6]) {
   const Params& p = P.f;
   int n = 0;
-  const int64_t tasks = p.num_slots * p.HV;
+  // No workspace (no sequence or no chunk slot): no chunk to process.
+  const int64_t tasks = P.rec != nullptr ? p.num_slots * p.HV : 0;
   const int64_t pass_blocks = p.N * p.HV * kSlices;
   if (tasks > 0) {
     out[n++] = {BwdKernel::kPrepare, tasks, kPrepThreads, kPrepSmemBytes};

@@ -17,10 +17,10 @@
 //                           l2norm chained, dq and dk written.
 //   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
 // Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate)
-// through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive argument: Akk / Aqk and
-// their gradients factor exp(G_t - G_s) around the first token r of a 16-token row block,
-// exp(G_t - G_r) exp(G_r - G_s), off the diagonal blocks, and take exp(G_t - G_s) (t >= s) per
-// element inside them, so gates of -1000 give zeros, never inf or NaN.
+// through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
+// argument. Off the diagonal 16 x 16 blocks, Akk / Aqk and their gradients factor the decay
+// around the first token r of the row block, exp(G_t - G_r) exp(G_r - G_s); inside them they
+// take exp(G_t - G_s), t >= s, per element. Gates of -1000 give zeros, never inf or NaN.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -31,10 +31,10 @@ using namespace pf;  // the prefill's device helpers (and, in emulation, the PTX
 using pf::IndexView;
 using pf::kChunk;
 using pf::kHeadDim;
+using pf::load_any;
 using pf::Params;
 using pf::SeqSpan;
 using pf::StateView;
-using pf::load_any;
 using pf::store_any;
 
 inline constexpr int kD = kHeadDim;  // K == V == 128
@@ -42,11 +42,11 @@ inline constexpr int kC = kChunk;    // 64 tokens per chunk
 inline constexpr int kTile = kC * kD;
 
 // The fp32 record of one (chunk slot, value head), row-major, rows t >= L zero:
-inline constexpr int kRecW = 0;                  // [64][128] X diag(b) exp(G) k^
-inline constexpr int kRecUt = kRecW + kTile;     // [64][128] X diag(b) v
-inline constexpr int kRecQg = kRecUt + kTile;    // [64][128] exp(G) q^
-inline constexpr int kRecKd = kRecQg + kTile;    // [64][128] exp(G_L - G) k^
-inline constexpr int kRecAqk = kRecKd + kTile;   // [64][64]  q^_t . (exp(G_t - G_s) k^_s), s <= t
+inline constexpr int kRecW = 0;                    // [64][128] X diag(b) exp(G) k^
+inline constexpr int kRecUt = kRecW + kTile;       // [64][128] X diag(b) v
+inline constexpr int kRecQg = kRecUt + kTile;      // [64][128] exp(G) q^
+inline constexpr int kRecKd = kRecQg + kTile;      // [64][128] exp(G_L - G) k^
+inline constexpr int kRecAqk = kRecKd + kTile;     // [64][64]  q^_t . (exp(G_t - G_s) k^_s), s <= t
 inline constexpr int kRecAkk = kRecAqk + kC * kC;  // [64][64] the same with k^_t, s < t
 inline constexpr int kRecX = kRecAkk + kC * kC;    // [64][64]  (I + diag(b) Akk)^-1
 inline constexpr int kRecGL = kRecX + kC * kC;     // [128]     exp(G_L)
@@ -73,11 +73,11 @@ static_assert(kPrepSmemBytes <= 232448 && kPassSmemBytes <= 232448 && kChunkSmem
 
 struct BwdParams {
   Params f;  // the forward's inputs (q, k, v, g, beta, A_log, dt_bias, initial_state, shapes, math)
-  StridedView d_out;         // [B, T, HV, V], optional (absent: zero)
-  StateView d_final_state;   // optional (absent: zero)
+  StridedView d_out;                  // [B, T, HV, V], optional (absent: zero)
+  StateView d_final_state;            // optional (absent: zero)
   StridedView dq, dk, dv, dg, dbeta;  // optional outputs
-  float* dA_log = nullptr;   // [HV] (stride dA_log_s), optional
-  float* ddt_bias = nullptr;  // [HV, K] (row stride ddt_bias_s), optional
+  float* dA_log = nullptr;            // [HV] (stride dA_log_s), optional
+  float* ddt_bias = nullptr;          // [HV, K] (row stride ddt_bias_s), optional
   int64_t dA_log_s = 1, ddt_bias_s = kD;
   StateView d_initial_state;  // optional
   // Workspace parts (fp32).
@@ -132,8 +132,8 @@ __device__ __forceinline__ ChunkTask chunk_task(const Params& p, int64_t slot) {
 // Element (key i, value j) of row `row`, head hv of a state tensor.
 __device__ __forceinline__ int64_t state_off(const StateView& s, bool kfirst, int64_t row, int hv,
                                              int i, int j) {
-  return row * s.s0 + hv * s.s1 + (kfirst ? static_cast<int64_t>(i) * s.s2 + j
-                                          : static_cast<int64_t>(j) * s.s2 + i);
+  return row * s.s0 + hv * s.s1 +
+         (kfirst ? static_cast<int64_t>(i) * s.s2 + j : static_cast<int64_t>(j) * s.s2 + i);
 }
 
 __device__ __forceinline__ float warp_sum(float x) {
@@ -238,8 +238,8 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
     }
     sq = warp_sum(sq);
     sk = warp_sum(sk);
-    const float fq = p.use_qk_l2norm ? p.scale / sqrtf(sq + static_cast<float>(detail::kL2NormEps))
-                                     : p.scale;
+    const float fq =
+        p.use_qk_l2norm ? p.scale / sqrtf(sq + static_cast<float>(detail::kL2NormEps)) : p.scale;
     const float fk =
         p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
 #pragma unroll
@@ -338,9 +338,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   // Off-diagonal blocks of row block J (rows r .. r + 15, columns s < r): exp(G_t - G_r) q^_t
   // against exp(G_r - G_s) k^_s, both factors <= 1.
-  float* Qr = sc;             // [16][128]
-  float* Kr = sc + 16 * kD;   // [16][128]
-  float* Kc = sc + 32 * kD;   // [48][128]
+  float* Qr = sc;            // [16][128]
+  float* Kr = sc + 16 * kD;  // [16][128]
+  float* Kc = sc + 32 * kD;  // [48][128]
   for (int J = 1; J < 4; ++J) {
     const int r = 16 * J;
     __syncthreads();
@@ -389,8 +389,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   float* Vb = sc;
   for (int e = tid; e < kTile; e += kPrepThreads) {
     const int t = e / kD, j = e % kD;
-    Vb[e] = t < c.L ? bv[t] * load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j)
-                    : 0.f;
+    Vb[e] =
+        t < c.L ? bv[t] * load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
   }
   __syncthreads();
   gemm_tf32(kC, kD, kC, X, kC, 1, Vb, kD, 1,
@@ -438,7 +438,8 @@ __device__ __forceinline__ PassTask pass_task(const Params& p) {
 }
 
 // S at every chunk start: S <- diag(exp(G_L)) S + Kd^T (Ut - W S).
-__global__ void __launch_bounds__(kPassThreads) bwd_states_kernel(const __grid_constant__ BwdParams P) {
+__global__ void __launch_bounds__(kPassThreads)
+    bwd_states_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
@@ -496,8 +497,9 @@ __global__ void __launch_bounds__(kPassThreads)
   const StateView& df = P.d_final_state;
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
-    D[e] = df.data != nullptr ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
-                              : 0.f;
+    D[e] = df.data != nullptr
+               ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
+               : 0.f;
   }
   for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
@@ -514,10 +516,10 @@ __global__ void __launch_bounds__(kPassThreads)
     copy_in(gl, rec + kRecGL, kD);
     for (int e = tid; e < kC * kSlice; e += kPassThreads) {
       const int r = e / kSlice, j = t.j0 + e % kSlice;
-      dO[e] = P.d_out.data != nullptr && r < L
-                  ? load_any(P.d_out.data, P.d_out.dtype,
-                             P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
-                  : 0.f;
+      dO[e] =
+          P.d_out.data != nullptr && r < L
+              ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
+              : 0.f;
     }
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
@@ -577,25 +579,25 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kTile;
   float* G = kh + kTile;
   float* dG = G + kTile;
-  float* dAqk = dG + kTile;        // [64][64]
-  float* dAkk = dAqk + kC * kC;    // [64][64] (dM first)
-  float* dX = dAkk + kC * kC;      // [64][64]
-  float* T1 = dX + kC * kC;        // [64][64]
-  float* dgl = T1 + kC * kC;       // [128] exp(G_L) * rowsum(S * dS')
-  float* pgl = dgl + kD;           // [2][128] partial sums of Kd * dKd over t
-  float* misc = pgl + 2 * kD;      // [128]
-  float* bv = misc + kD;           // [64]
-  float* db = bv + kC;             // [64]
+  float* dAqk = dG + kTile;      // [64][64]
+  float* dAkk = dAqk + kC * kC;  // [64][64] (dM first)
+  float* dX = dAkk + kC * kC;    // [64][64]
+  float* T1 = dX + kC * kC;      // [64][64]
+  float* dgl = T1 + kC * kC;     // [128] exp(G_L) * rowsum(S * dS')
+  float* pgl = dgl + kD;         // [2][128] partial sums of Kd * dKd over t
+  float* misc = pgl + 2 * kD;    // [128]
+  float* bv = misc + kD;         // [64]
+  float* db = bv + kC;           // [64]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  float* sV = scr;               // v, then Kc
-  float* sdO = sV + kTile;       // dO, then Qr / Kr
-  float* sU = sdO + kTile;       // U
-  float* sdU = sU + kTile;       // dU
-  float* sdW = sdU + kTile;      // dW
-  float* sKb = sdW + kTile;      // b exp(G) k^, then dKb
-  float* sVb = sKb + kTile;      // b v, then dVb
+  float* sV = scr;           // v, then Kc
+  float* sdO = sV + kTile;   // dO, then Qr / Kr
+  float* sU = sdO + kTile;   // U
+  float* sdU = sU + kTile;   // dU
+  float* sdW = sdU + kTile;  // dW
+  float* sKb = sdW + kTile;  // b exp(G) k^, then dKb
+  float* sVb = sKb + kTile;  // b v, then dVb
 
   const int64_t tasks = p.num_slots * p.HV;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -652,8 +654,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
     gemm_tf32(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
               [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
-    gemm_tf32(kC, kD, kD, sU, kD, 1, D, 1, kD,
-              [&](int m, int n, float v) { dkh[m * kD + n] = v; });
+    gemm_tf32(kC, kD, kD, sU, kD, 1, D, 1, kD, [&](int m, int n, float v) { dkh[m * kD + n] = v; });
     gemm_tf32(kC, kD, kD, sdU, kD, 1, S, 1, kD,
               [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     __syncthreads();
@@ -687,7 +688,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
-        s += sVb[t * kD + i] * sV[t * kD + i] + sKb[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
+        s += sVb[t * kD + i] * sV[t * kD + i] +
+             sKb[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
       }
       s = warp_sum(s);
       if (lane == 0) db[t] = s;
@@ -701,8 +703,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = lane + 32 * e;
-          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j,
-                    b * sVb[t * kD + j]);
+          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j, b * sVb[t * kD + j]);
         }
     }
     __syncthreads();
@@ -761,8 +762,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       }
     }
     // Off-diagonal blocks of row block J: rows r..r+15 against columns s < r.
-    float* Kc = sV;       // [48][128] exp(G_r - G_s) k^_s
-    float* Qr = sdO;      // [16][128] exp(G_t - G_r) q^_t
+    float* Kc = sV;   // [48][128] exp(G_r - G_s) k^_s
+    float* Qr = sdO;  // [16][128] exp(G_t - G_r) q^_t
     float* Kr = sdO + 16 * kD;
     for (int J = 1; J < 4; ++J) {
       const int r = 16 * J;
@@ -913,7 +914,7 @@ __global__ void __launch_bounds__(kParamThreads)
   const Params& p = P.f;
   const int hv = static_cast<int>(blockIdx.x), i = threadIdx.x;
   float ddt = 0.f, dA = 0.f;
-  for (int64_t slot = 0; slot < p.num_slots; ++slot) {
+  for (int64_t slot = 0; P.part != nullptr && slot < p.num_slots; ++slot) {
     const float* part = P.part + (slot * p.HV + hv) * kPartFloats;
     ddt += part[i];
     if (i == 0) dA += part[kD];
