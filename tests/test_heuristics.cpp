@@ -41,6 +41,7 @@ TEST(Tuning, Defaults) {
   EXPECT_EQ(t.prefill_prefetch, 0);
   EXPECT_EQ(t.prefill_segment, 0);
   EXPECT_EQ(t.num_threads, 0);
+  EXPECT_TRUE(t.backward_split);
 }
 
 TEST(Tuning, ParsesEveryKnob) {
@@ -55,7 +56,9 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_CUDA_PREFILL_CHUNK", "16"},
                                    {"KDA_CUDA_PREFILL_PREFETCH", "auto"},
                                    {"KDA_CUDA_PREFILL_SEGMENT", "192"},
+                                   {"KDA_CUDA_BACKWARD_SPLIT", "0"},
                                    {"KDA_NUM_THREADS", "3"}});
+  EXPECT_FALSE(t.backward_split);
   EXPECT_FALSE(t.pdl);
   EXPECT_FALSE(t.driver_launch);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);

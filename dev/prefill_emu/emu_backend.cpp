@@ -49,7 +49,10 @@ Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOpti
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
   if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // unwritten parts are NaN
-  emu_run::emu_backward(bp, exec.workspace);
+  if (detail::tuning().backward_split)
+    emu_run::emu_backward<true>(bp, exec.workspace);
+  else
+    emu_run::emu_backward<false>(bp, exec.workspace);
   return Status::Ok();
 }
 // Decode is not emulated: the CPU fast backend stands in (the same fp32 recurrence), so that tests

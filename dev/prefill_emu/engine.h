@@ -141,6 +141,7 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
 
 // Runs the emulated CUDA prefill backward (kernels of cuda/backward/kernels.cuh in the launch
 // order of bw::plan_launches) on host tensors, with the workspace at `wsp`.
+template <bool kSplit>
 static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
   bw::BwdParams P;
   bw::make_params(bp, wsp, 132, &P);
@@ -150,16 +151,16 @@ static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
     const bw::BwdLaunch& l = plan[i];
     switch (l.kernel) {
       case bw::BwdKernel::kPrepare:
-        launch(bw::bwd_prepare_kernel, l.blocks, l.threads, l.smem, P);
+        launch(bw::bwd_prepare_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kStates:
-        launch(bw::bwd_states_kernel, l.blocks, l.threads, l.smem, P);
+        launch(bw::bwd_states_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kDStates:
-        launch(bw::bwd_dstates_kernel, l.blocks, l.threads, l.smem, P);
+        launch(bw::bwd_dstates_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kChunk:
-        launch(bw::bwd_chunk_kernel, l.blocks, l.threads, l.smem, P);
+        launch(bw::bwd_chunk_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kQk:
         launch(bw::bwd_qk_kernel, l.blocks, l.threads, l.smem, P);

@@ -40,6 +40,7 @@ struct Tuning {
   int prefill_prefetch = 0;    // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
   int prefill_segment = 0;     // KDA_CUDA_PREFILL_SEGMENT: tokens per segment (0: heuristic;
                                // -1: one segment per sequence)
+  bool backward_split = true;  // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
   int num_threads = 0;         // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
 
@@ -98,6 +99,7 @@ Tuning parse_tuning(Get&& get) {
     t.prefill_segment = -1;
   else if (seg >= 64 && seg % 64 == 0 && seg < 1000000)
     t.prefill_segment = static_cast<int>(seg);
+  t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");
   if ((s = get("KDA_NUM_THREADS")) != nullptr) {
     const int n = std::atoi(s);
     if (n > 0) t.num_threads = n;

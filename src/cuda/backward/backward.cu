@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/tuning.h"
 #include "cuda/backward/host.h"
 #include "cuda/backward/kernels.cuh"
 #include "cuda/common/check.h"
@@ -17,14 +18,16 @@ namespace kda::cuda {
 namespace {
 
 template <typename Kernel>
-Status allow_smem(DeviceAttributes& d, KernelSlot slot, Kernel kernel, int bytes) {
-  return configure_once(d, slot, 0, [&] {
+Status allow_smem(DeviceAttributes& d, KernelSlot slot, int offset, Kernel kernel, int bytes) {
+  return configure_once(d, slot, offset, [&] {
     return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
   });
 }
 
+template <bool kSplit>
 Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) {
   using S = KernelSlot;
+  const int off = kSplit ? 0 : 4;
   bw::BwdLaunch plan[6];
   const int count = bw::plan_launches(P, plan);
   for (int i = 0; i < count; ++i) {
@@ -32,20 +35,20 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
     void (*kernel)(bw::BwdParams) = nullptr;
     switch (l.kernel) {
       case bw::BwdKernel::kPrepare:
-        kernel = bw::bwd_prepare_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdPrepare, kernel, l.smem));
+        kernel = bw::bwd_prepare_kernel<kSplit>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdPrepare, off, kernel, l.smem));
         break;
       case bw::BwdKernel::kStates:
-        kernel = bw::bwd_states_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdStates, kernel, l.smem));
+        kernel = bw::bwd_states_kernel<kSplit>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdStates, off, kernel, l.smem));
         break;
       case bw::BwdKernel::kDStates:
-        kernel = bw::bwd_dstates_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdDStates, kernel, l.smem));
+        kernel = bw::bwd_dstates_kernel<kSplit>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdDStates, off, kernel, l.smem));
         break;
       case bw::BwdKernel::kChunk:
-        kernel = bw::bwd_chunk_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdChunk, kernel, l.smem));
+        kernel = bw::bwd_chunk_kernel<kSplit>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdChunk, off, kernel, l.smem));
         break;
       case bw::BwdKernel::kQk:
         kernel = bw::bwd_qk_kernel;
@@ -87,7 +90,9 @@ Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOpti
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
   bw::BwdParams P;
   bw::make_params(bp, exec.workspace, d->sms, &P);
-  return launch(P, *d, static_cast<cudaStream_t>(exec.stream));
+  const cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
+  return detail::tuning().backward_split ? launch<true>(P, *d, stream)
+                                         : launch<false>(P, *d, stream);
 }
 
 }  // namespace kda::cuda

@@ -148,11 +148,11 @@ __device__ __forceinline__ float warp_sum(float x) {
 // each output element is handed once to epi(m, n, value) by the thread that owns it, and which
 // thread owns (m, n) depends only on M, N and the block size: two products of the same M x N may
 // update the same elements one after the other without a barrier.
-// 3xTF32: each operand split into two tf32 terms, the product of the small ones dropped
-// (~fp32 accuracy, three mma per product). With single tf32 products the fp32 gradients that
-// sum dG with cancellation (dA_log, ddt_bias) measure up to 3.5e-3 in emulation against ~1e-5.
-inline constexpr bool kSplit = true;
-template <typename Epi>
+// kSplit: 3xTF32, each operand split into two tf32 terms, the product of the small ones dropped
+// (~fp32 accuracy, three mma per product; the default, Tuning::backward_split). With single tf32
+// products the fp32 gradients that sum dG with cancellation (dA_log, ddt_bias) measure up to
+// 3.5e-3 in emulation against ~1e-5.
+template <bool kSplit, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -281,6 +281,7 @@ __device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
 // 1. Records
 // ---------------------------------------------------------------------------------------------
 
+template <bool kSplit>
 __global__ void __launch_bounds__(kPrepThreads, 1)
     bwd_prepare_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -355,9 +356,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
       Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
     }
     __syncthreads();
-    gemm_tf32(16, r, kD, Qr, kD, 1, Kc, 1, kD,
+    gemm_tf32<kSplit>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
               [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
-    gemm_tf32(16, r, kD, Kr, kD, 1, Kc, 1, kD,
+    gemm_tf32<kSplit>(16, r, kD, Kr, kD, 1, Kc, 1, kD,
               [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
   }
   __syncthreads();
@@ -383,7 +384,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     Kb[e] = bv[t] * expf(G[e]) * kh[e];
   }
   __syncthreads();
-  gemm_tf32(kC, kD, kC, X, kC, 1, Kb, kD, 1,
+  gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
             [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
   __syncthreads();
   float* Vb = sc;
@@ -393,7 +394,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
         t < c.L ? bv[t] * load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
   }
   __syncthreads();
-  gemm_tf32(kC, kD, kC, X, kC, 1, Vb, kD, 1,
+  gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
             [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
 
   const float* GL = G + (kC - 1) * kD;  // rows >= L repeat G_{L-1}
@@ -438,6 +439,7 @@ __device__ __forceinline__ PassTask pass_task(const Params& p) {
 }
 
 // S at every chunk start: S <- diag(exp(G_L)) S + Kd^T (Ut - W S).
+template <bool kSplit>
 __global__ void __launch_bounds__(kPassThreads)
     bwd_states_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -468,18 +470,19 @@ __global__ void __launch_bounds__(kPassThreads)
     copy_in(Kds, rec + kRecKd, kTile);
     copy_in(gl, rec + kRecGL, kD);
     __syncthreads();
-    gemm_tf32(kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1, [&](int m, int n, float v) {
+    gemm_tf32<kSplit>(kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1, [&](int m, int n, float v) {
       U[m * kSlice + n] = rec[kRecUt + m * kD + t.j0 + n] - v;
     });
     __syncthreads();
     for (int e = tid; e < kD * kSlice; e += kPassThreads) S[e] *= gl[e / kSlice];
     __syncthreads();
-    gemm_tf32(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
+    gemm_tf32<kSplit>(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
               [&](int m, int n, float v) { S[m * kSlice + n] += v; });
   }
 }
 
 // dS' of every chunk (stored before the chunk is reversed) and d_initial_state.
+template <bool kSplit>
 __global__ void __launch_bounds__(kPassThreads)
     bwd_dstates_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -523,17 +526,17 @@ __global__ void __launch_bounds__(kPassThreads)
     }
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
-    gemm_tf32(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+    gemm_tf32<kSplit>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
               [&](int m, int n, float v) { dU[m * kSlice + n] = v; });
-    gemm_tf32(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
+    gemm_tf32<kSplit>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
               [&](int m, int n, float v) { dU[m * kSlice + n] += v; });
     __syncthreads();
     // dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
-    gemm_tf32(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+    gemm_tf32<kSplit>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
               [&](int m, int n, float v) { D[m * kSlice + n] += v; });
-    gemm_tf32(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
+    gemm_tf32<kSplit>(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
               [&](int m, int n, float v) { D[m * kSlice + n] -= v; });
   }
   __syncthreads();
@@ -570,6 +573,7 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
+template <bool kSplit>
 __global__ void __launch_bounds__(kChunkThreads, 1)
     bwd_chunk_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -633,14 +637,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
 
     // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
-    gemm_tf32(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1,
+    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1,
               [&](int m, int n, float v) { sU[m * kD + n] = rec[kRecUt + m * kD + n] - v; });
-    gemm_tf32(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
+    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
               [&](int m, int n, float v) { sdU[m * kD + n] = v; });
-    gemm_tf32(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
+    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
               [&](int m, int n, float v) { sdU[m * kD + n] += v; });
     // dQg = dO S^T.
-    gemm_tf32(kC, kD, kD, sdO, kD, 1, S, 1, kD,
+    gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
               [&](int m, int n, float v) { dqh[m * kD + n] = v; });
     // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
     for (int i = warp; i < kD; i += kChunkThreads / 32) {
@@ -652,28 +656,28 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     }
     __syncthreads();
     // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
-    gemm_tf32(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
+    gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
               [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
-    gemm_tf32(kC, kD, kD, sU, kD, 1, D, 1, kD, [&](int m, int n, float v) { dkh[m * kD + n] = v; });
-    gemm_tf32(kC, kD, kD, sdU, kD, 1, S, 1, kD,
+    gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD, [&](int m, int n, float v) { dkh[m * kD + n] = v; });
+    gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
               [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     __syncthreads();
     // dX = dW Kb^T + dU Vb^T.
-    gemm_tf32(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
+    gemm_tf32<kSplit>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
               [&](int m, int n, float v) { dX[m * kC + n] = v; });
-    gemm_tf32(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
+    gemm_tf32<kSplit>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
               [&](int m, int n, float v) { dX[m * kC + n] += v; });
     __syncthreads();
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
-    gemm_tf32(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
+    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
               [&](int m, int n, float v) { sKb[m * kD + n] = v; });
-    gemm_tf32(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
+    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
               [&](int m, int n, float v) { sVb[m * kD + n] = v; });
-    gemm_tf32(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
+    gemm_tf32<kSplit>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
               [&](int m, int n, float v) { T1[m * kC + n] = v; });
     __syncthreads();
     // dM = -X^T T1 (strictly lower part used).
-    gemm_tf32(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
+    gemm_tf32<kSplit>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
               [&](int m, int n, float v) { dAkk[m * kC + n] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
@@ -780,26 +784,26 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       }
       __syncthreads();
       // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
-      gemm_tf32(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
+      gemm_tf32<kSplit>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
         const int e = (r + m) * kD + n;
         const float x = expf(G[e] - G[r * kD + n]) * v;
         dqh[e] += x;
         dG[e] += qh[e] * x;
       });
-      gemm_tf32(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
+      gemm_tf32<kSplit>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
         const int e = (r + m) * kD + n;
         const float x = expf(G[e] - G[r * kD + n]) * v;
         dkh[e] += x;
         dG[e] += kh[e] * x;
       });
       // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
-      gemm_tf32(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1, [&](int m, int n, float v) {
+      gemm_tf32<kSplit>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1, [&](int m, int n, float v) {
         const int e = m * kD + n;
         const float x = expf(G[r * kD + n] - G[e]) * v;
         dkh[e] += x;
         dG[e] -= kh[e] * x;
       });
-      gemm_tf32(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1, [&](int m, int n, float v) {
+      gemm_tf32<kSplit>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1, [&](int m, int n, float v) {
         const int e = m * kD + n;
         const float x = expf(G[r * kD + n] - G[e]) * v;
         dkh[e] += x;

@@ -63,12 +63,12 @@ enum class KernelSlot : int {
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged,
   kBulk = kStaged + 4,
-  // prefill backward: records, state passes, chunk gradients
+  // prefill backward: records, state passes, chunk gradients (+ 4 with single tf32 products)
   kBwdPrepare = kBulk + 8,
   kBwdStates,
   kBwdDStates,
   kBwdChunk,
-  kCount,
+  kCount = kBwdPrepare + 8,
 };
 static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
 
