@@ -136,8 +136,8 @@ Status cuda_grads(const PrefillData& d, Grads* g, cudaStream_t stream = nullptr,
 // The kernels' allowance on top of the storage rounding (header).
 constexpr double kKernelAllowance = 2.5e-3;
 
-void expect_grads(const Grads& got, const Grads& ref, const std::string& what,
-                  bool in_kernel_gate, double allowance = kKernelAllowance) {
+void expect_grads(const Grads& got, const Grads& ref, const std::string& what, bool in_kernel_gate,
+                  double allowance = kKernelAllowance) {
   struct Item {
     const char* name;
     const HostTensor *g, *r;
@@ -181,8 +181,7 @@ PrefillCase base_case() {
   return c;
 }
 
-void check_case(const PrefillCase& c, bool d_final = true,
-                double allowance = kKernelAllowance) {
+void check_case(const PrefillCase& c, bool d_final = true, double allowance = kKernelAllowance) {
   const PrefillData d = make_prefill(c);
   const DType gdt = d.g.dtype, bdt = d.beta.dtype;
   const DType sdt = d.h0.empty() ? DType::kFloat32 : d.h0.dtype;

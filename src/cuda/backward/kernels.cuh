@@ -357,9 +357,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     }
     __syncthreads();
     gemm_tf32<kSplit>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
-              [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
+                      [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
     gemm_tf32<kSplit>(16, r, kD, Kr, kD, 1, Kc, 1, kD,
-              [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
+                      [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
   }
   __syncthreads();
 
@@ -385,7 +385,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   __syncthreads();
   gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
-            [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
+                    [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
   __syncthreads();
   float* Vb = sc;
   for (int e = tid; e < kTile; e += kPrepThreads) {
@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   __syncthreads();
   gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
-            [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
+                    [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
 
   const float* GL = G + (kC - 1) * kD;  // rows >= L repeat G_{L-1}
   for (int e = tid; e < kTile; e += kPrepThreads) {
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(kPassThreads)
     for (int e = tid; e < kD * kSlice; e += kPassThreads) S[e] *= gl[e / kSlice];
     __syncthreads();
     gemm_tf32<kSplit>(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
-              [&](int m, int n, float v) { S[m * kSlice + n] += v; });
+                      [&](int m, int n, float v) { S[m * kSlice + n] += v; });
   }
 }
 
@@ -527,17 +527,17 @@ __global__ void __launch_bounds__(kPassThreads)
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
     gemm_tf32<kSplit>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
-              [&](int m, int n, float v) { dU[m * kSlice + n] = v; });
+                      [&](int m, int n, float v) { dU[m * kSlice + n] = v; });
     gemm_tf32<kSplit>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
-              [&](int m, int n, float v) { dU[m * kSlice + n] += v; });
+                      [&](int m, int n, float v) { dU[m * kSlice + n] += v; });
     __syncthreads();
     // dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
     gemm_tf32<kSplit>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
-              [&](int m, int n, float v) { D[m * kSlice + n] += v; });
+                      [&](int m, int n, float v) { D[m * kSlice + n] += v; });
     gemm_tf32<kSplit>(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
-              [&](int m, int n, float v) { D[m * kSlice + n] -= v; });
+                      [&](int m, int n, float v) { D[m * kSlice + n] -= v; });
   }
   __syncthreads();
   const StateView& di = P.d_initial_state;
@@ -637,15 +637,16 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
 
     // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
-    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1,
-              [&](int m, int n, float v) { sU[m * kD + n] = rec[kRecUt + m * kD + n] - v; });
+    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1, [&](int m, int n, float v) {
+      sU[m * kD + n] = rec[kRecUt + m * kD + n] - v;
+    });
     gemm_tf32<kSplit>(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
-              [&](int m, int n, float v) { sdU[m * kD + n] = v; });
+                      [&](int m, int n, float v) { sdU[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
-              [&](int m, int n, float v) { sdU[m * kD + n] += v; });
+                      [&](int m, int n, float v) { sdU[m * kD + n] += v; });
     // dQg = dO S^T.
     gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
-              [&](int m, int n, float v) { dqh[m * kD + n] = v; });
+                      [&](int m, int n, float v) { dqh[m * kD + n] = v; });
     // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
     for (int i = warp; i < kD; i += kChunkThreads / 32) {
       float s = 0.f;
@@ -657,28 +658,29 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
     // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
-              [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
-    gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD, [&](int m, int n, float v) { dkh[m * kD + n] = v; });
+                      [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
+    gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD,
+                      [&](int m, int n, float v) { dkh[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
-              [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
+                      [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     __syncthreads();
     // dX = dW Kb^T + dU Vb^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
-              [&](int m, int n, float v) { dX[m * kC + n] = v; });
+                      [&](int m, int n, float v) { dX[m * kC + n] = v; });
     gemm_tf32<kSplit>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
-              [&](int m, int n, float v) { dX[m * kC + n] += v; });
+                      [&](int m, int n, float v) { dX[m * kC + n] += v; });
     __syncthreads();
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
     gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
-              [&](int m, int n, float v) { sKb[m * kD + n] = v; });
+                      [&](int m, int n, float v) { sKb[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
-              [&](int m, int n, float v) { sVb[m * kD + n] = v; });
+                      [&](int m, int n, float v) { sVb[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
-              [&](int m, int n, float v) { T1[m * kC + n] = v; });
+                      [&](int m, int n, float v) { T1[m * kC + n] = v; });
     __syncthreads();
     // dM = -X^T T1 (strictly lower part used).
     gemm_tf32<kSplit>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
-              [&](int m, int n, float v) { dAkk[m * kC + n] = -v; });
+                      [&](int m, int n, float v) { dAkk[m * kC + n] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
     // dAkk = b_t dM (s < t); dv = b_t dVb.
