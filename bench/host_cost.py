@@ -71,14 +71,16 @@ def decode_inputs(dev: str, B: int, H: int, K: int, dtype: torch.dtype) -> Dict[
 
 
 def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, Callable[[], Any]]:
-    cpu_opts = {} if p["q"].is_cuda else {"num_threads": threads}
+    # CPU tensors: `threads` CPU backend threads; CUDA tensors: the default (0, unused there).
+    # Passed as a plain keyword: a **dict in the call would add its own building to each figure.
+    nt = 0 if p["q"].is_cuda else threads
     out = torch.empty_like(p["v"])
     ht = torch.empty_like(p["h0"])
 
     def prefill() -> Any:
         return kda.prefill(p["q"], p["k"], p["v"], p["g"], p["beta"], A_log=p["A_log"],
                            dt_bias=p["dt_bias"], gate="lower_bound", beta_logits=True,
-                           initial_state=p["h0"], output_final_state=True, **cpu_opts)
+                           initial_state=p["h0"], output_final_state=True, num_threads=nt)
 
     def fwd() -> Any:
         return kda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], None, out, p["A_log"],
@@ -87,7 +89,7 @@ def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, C
     def decode() -> Any:
         return kda.decode(d["q"], d["k"], d["v"], d["g"], d["beta"], d["pool"],
                           A_log=d["A_log"], dt_bias=d["dt_bias"], state_indices=d["slots"],
-                          gate="softplus", beta_logits=True, **cpu_opts)
+                          gate="softplus", beta_logits=True, num_threads=nt)
 
     return {"kda.prefill": prefill, "kda.fwd": fwd, "kda.decode": decode}
 

@@ -35,14 +35,12 @@ _FP32_GRADS = ("dA_log", "ddt_bias")
 # checkpoints), which the backward does not have.
 _SERVING = ("state_pool", "state_indices", "checkpoints", "checkpoint_offsets")
 
-_grad_enabled = torch.is_grad_enabled
-
-
-def needs_grad(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any,
-               initial_state: Any) -> bool:
-    """True when grad mode is on and a differentiable input is a tensor that requires grad."""
-    # Unrolled (no loop): this runs on every eager call, autograd or not.
-    return _grad_enabled() and (
+def requires_grad(q: Any, k: Any, v: Any, g: Any, beta: Any, A_log: Any, dt_bias: Any,
+                  initial_state: Any) -> bool:
+    """True when a differentiable input is a tensor that requires grad (kda.prefill asks only
+    while grad mode is on)."""
+    # Unrolled (no loop): this runs on every eager call with grad mode on, autograd or not.
+    return (
         getattr(q, "requires_grad", False) or getattr(k, "requires_grad", False)
         or getattr(v, "requires_grad", False) or getattr(g, "requires_grad", False)
         or getattr(beta, "requires_grad", False) or getattr(A_log, "requires_grad", False)

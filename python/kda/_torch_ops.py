@@ -2,13 +2,14 @@
 ``kda::prefill`` / ``kda::decode`` (imported the first time a torch tensor reaches kda).
 
 Eager calls go straight to the extension: it reads each tensor's pointer, shape, strides, dtype and
-device through the tensor's attributes (torch.Tensor and its dtypes are registered with ``kda._C``
-here; the extension neither includes nor links torch), with torch's current stream and, for the
-CUDA workspace, torch's caching allocator. While torch.compile traces a call, ``kda.prefill`` /
-``kda.decode`` call the custom ops instead: both mutate their output arguments in place and return
-nothing, so the fake (meta) implementations have nothing to compute, torch.compile sees an opaque
-op with declared mutations, and CUDA-graph capture records the kernel launches on the current
-stream. The ops run the same extension call as eager mode.
+device through torch's DLTensor reader (the DLPack C exchange table of torch.Tensor, where this
+torch has one) or else the tensor's attributes (torch.Tensor and its dtypes are registered with
+``kda._C`` here; the extension neither includes nor links torch), with torch's current stream and,
+for the CUDA workspace, torch's caching allocator. While torch.compile traces a call,
+``kda.prefill`` / ``kda.decode`` call the custom ops instead: both mutate their output arguments in
+place and return nothing, so the fake (meta) implementations have nothing to compute,
+torch.compile sees an opaque op with declared mutations, and CUDA-graph capture records the
+kernel launches on the current stream. The ops run the same extension call as eager mode.
 """
 
 from typing import Any, Callable, Dict, Optional, Tuple
@@ -20,18 +21,35 @@ from . import _C
 Tensor = torch.Tensor
 OptTensor = Optional[torch.Tensor]
 
-_C.register_torch(torch.Tensor, (torch.float32, torch.float16, torch.bfloat16, torch.int32,
-                                 torch.int64))
+
+def register(dltensor_reader: bool = True) -> bool:
+    """Registers torch.Tensor, nn.Parameter and the dtypes with the extension; returns whether it
+    reads plain tensors through torch's DLTensor reader (torch's DLPack exchange table,
+    ``torch.Tensor.__dlpack_c_exchange_api__``, where this torch has it and `dltensor_reader`)
+    rather than through their attributes."""
+    mode_enabled = getattr(torch._C, "_is_torch_function_mode_enabled", None)
+    return _C.register_torch(
+        torch.Tensor, (torch.float32, torch.float16, torch.bfloat16, torch.int32, torch.int64),
+        torch.nn.Parameter, mode_enabled if dltensor_reader else None)
+
+
+DLTENSOR_READER: bool = register()
 
 _DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
-_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
+def _current_stream(index: int) -> int:
+    return int(torch.cuda.current_stream(index).cuda_stream)
+
+
+# The address of torch's current CUDA stream on a device index: torch's raw lookup (no Stream
+# object, no device query) where this torch has it.
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or _current_stream
 
 
 def stream(t: torch.Tensor) -> int:
     """The address of torch's current CUDA stream on `t`'s device (`t` a CUDA tensor)."""
-    if _raw_stream is not None:
-        return int(_raw_stream(t.get_device()))
-    return int(torch.cuda.current_stream(t.device).cuda_stream)
+    return _raw_stream(t.get_device())
 
 
 _CUDA_DEVICES: Dict[int, torch.device] = {}
@@ -65,11 +83,11 @@ def prefill_device(q: torch.Tensor, workspace: OptTensor) -> tuple:
     through `allocate` when the call needs one), and the key to keep it under after the call
     (None: keep nothing)."""
     index = q.get_device()
-    s = int(_raw_stream(index)) if _raw_stream is not None else stream(q)
+    s = _raw_stream(index)
     if workspace is not None or _capturing():
         return s, workspace, allocate_workspace, None
     key = (index, s)
-    return s, take_workspace(key), allocate_workspace, key
+    return s, _workspaces.pop(key, None), allocate_workspace, key
 
 
 def take_workspace(key: Tuple[int, int]) -> OptTensor:
@@ -79,9 +97,19 @@ def take_workspace(key: Tuple[int, int]) -> OptTensor:
 
 def keep_workspace(key: Tuple[int, int], used: OptTensor, allocated: OptTensor) -> None:
     """Keeps the workspace of a call for the next call on its device and stream: the one the
-    extension `allocated` for it, else the one it `used`."""
-    ws = allocated if allocated is not None else used
-    if ws is None or ws.numel() * ws.element_size() > WORKSPACE_KEEP_BYTES:
+    extension `allocated` for it, else the one it `used` (the one taken from the cache for the
+    call, which was within WORKSPACE_KEEP_BYTES when it was kept)."""
+    ws = allocated
+    if ws is None:
+        if used is None:
+            return
+        if key not in _workspaces:  # the warm call: back where it was taken from
+            if len(_workspaces) >= _WORKSPACE_STREAMS:
+                del _workspaces[next(iter(_workspaces))]  # the oldest entry
+            _workspaces[key] = used
+            return
+        ws = used  # a concurrent call on the stream kept one meanwhile: the larger stays
+    if ws.numel() * ws.element_size() > WORKSPACE_KEEP_BYTES:
         return
     held = _workspaces.get(key)
     if held is not None and held.numel() >= ws.numel():
@@ -97,13 +125,14 @@ def release_workspaces() -> None:
 
 
 _contiguous = torch.contiguous_format
+_empty_like = torch.empty_like
 
 
 def empty_out(v: Any, dt: torch.dtype) -> Any:
     """The output [B, T, HV, V] of dtype `dt`, like v (on v's device: a v on another device than
     q is reported before out); None when v is not a tensor (the extension reports it)."""
     if isinstance(v, Tensor):
-        return torch.empty_like(v, dtype=dt, memory_format=_contiguous)
+        return _empty_like(v, dtype=dt, memory_format=_contiguous)
     return None
 
 
@@ -112,7 +141,7 @@ def empty_state(q: Any, v: Any, initial_state: Any, cu_seqlens: Any, layout: Any
     final state), else [N, HV, V, K] (or K-first) fp32; None when q or v is malformed (the
     extension reports them)."""
     if isinstance(initial_state, Tensor):
-        return torch.empty_like(initial_state, memory_format=_contiguous)
+        return _empty_like(initial_state, memory_format=_contiguous)
     try:
         n = cu_seqlens.shape[0] - 1 if cu_seqlens is not None else q.shape[0]
         K, HV, V = q.shape[-1], v.shape[-2], v.shape[-1]
@@ -191,12 +220,14 @@ def _register() -> Dict[str, Callable[..., None]]:
 OPS: Dict[str, Callable[..., None]] = _register()
 
 
-_is_compiling = getattr(torch.compiler, "is_compiling", None) or (lambda: False)
+def _never_compiling() -> bool:
+    return False
 
 
-def compiling() -> bool:
-    """True while torch.compile (dynamo) traces the caller."""
-    return _is_compiling()
+# compiling() is True while torch.compile (dynamo) traces the caller: torch's own function (one
+# call per eager call, which dynamo folds to True while it traces).
+compiling: Callable[[], bool] = getattr(torch.compiler, "is_compiling", None) or _never_compiling
+grad_enabled: Callable[[], bool] = torch.is_grad_enabled
 
 
 # ---------------------------------------------------------------------------------------------

@@ -42,14 +42,23 @@ _TORCH_OPS: Any = None
 _AUTOGRAD: Any = None
 
 
+class _NoTensor:
+    """Stands for torch.Tensor in `isinstance` checks until torch tensors have reached kda."""
+
+
+# torch.Tensor once kda._torch_ops is imported: `isinstance(q, _TENSOR)` is the first test of every
+# call (a plain isinstance, which torch.compile traces without a graph break).
+_TENSOR: Any = _NoTensor
+
+
 def _torch_module() -> Any:
     """kda._torch_ops, imported (torch registered with the extension, the custom ops defined) on
     first use with torch tensors, and kda._autograd with it; afterwards module globals, which
     torch.compile reads without tracing an import."""
-    global _TORCH_OPS, _AUTOGRAD
+    global _TORCH_OPS, _AUTOGRAD, _TENSOR
     if _TORCH_OPS is None:
         from . import _autograd, _torch_ops
-        _TORCH_OPS, _AUTOGRAD = _torch_ops, _autograd
+        _TORCH_OPS, _AUTOGRAD, _TENSOR = _torch_ops, _autograd, _torch_ops.Tensor
     return _TORCH_OPS
 
 
@@ -178,10 +187,14 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
         NotImplementedError: the chosen backend cannot run this valid call.
         RuntimeError: a CUDA or internal error.
     """
-    torch = _arrays.is_torch(q)
+    torch = isinstance(q, _TENSOR) or _arrays.is_torch(q)
     if torch:
         ops = _TORCH_OPS if _TORCH_OPS is not None else _torch_module()
-        if _AUTOGRAD.needs_grad(q, k, v, g, beta, A_log, dt_bias, initial_state):
+        traced = ops.compiling()
+        # The differentiable path when grad mode is on and an input requires grad: asked of the
+        # extension in eager calls (one C call), in Python while torch.compile traces.
+        if ops.grad_enabled() and (_AUTOGRAD if traced else _C).requires_grad(
+                q, k, v, g, beta, A_log, dt_bias, initial_state):
             return _AUTOGRAD.prefill(
                 (q, k, v, g, beta, A_log, dt_bias, initial_state, cu_seqlens),
                 dict(scale=scale, use_qk_l2norm=use_qk_l2norm, gate=gate,
@@ -192,7 +205,7 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
                 dict(state_pool=state_pool, state_indices=state_indices,
                      checkpoints=checkpoints, checkpoint_offsets=checkpoint_offsets),
                 checkpoint_every)
-        if ops.compiling():  # traced by torch.compile: straight to the op
+        if traced:  # traced by torch.compile: straight to the op
             arrays = dict(q=q, k=k, v=v, g=g, beta=beta, A_log=A_log, dt_bias=dt_bias,
                           cu_seqlens=cu_seqlens, initial_state=initial_state,
                           final_state=final_state, state_pool=state_pool,
@@ -210,7 +223,9 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
     names = NAMES.get()
     # Outputs the caller did not give, allocated like q (nothing is allocated for malformed q/v:
     # the extension reports those first). Every other check is the extension's (validated once).
-    allocate_final = (_check_bool("output_final_state", output_final_state, names)
+    allocate_final = ((output_final_state if output_final_state is True
+                       or output_final_state is False
+                       else _check_bool("output_final_state", output_final_state, names))
                       and final_state is None)
     if allocate_final and state_pool is not None:  # (a given final_state: the C++ check names it)
         raise ValueError(f"argument '{_name('output_final_state', names)}': expected False in "
@@ -314,7 +329,7 @@ def decode(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
     Raises:
         TypeError, ValueError, NotImplementedError, RuntimeError: as :func:`prefill`.
     """
-    torch = _arrays.is_torch(q)
+    torch = isinstance(q, _TENSOR) or _arrays.is_torch(q)
     if torch:
         ops = _TORCH_OPS if _TORCH_OPS is not None else _torch_module()
         if ops.compiling():  # traced by torch.compile: straight to the op
@@ -335,7 +350,7 @@ def decode(q: Array, k: Array, v: Array, g: Array, beta: Array, state: Array, *,
            else _arrays.canonical_dtype(out_dtype, _name("out_dtype", names)))
     if out is None:
         if torch:
-            out = ops.empty_out(v, ops.dtype(odt, q))
+            out = ops.empty_out(v, q.dtype if odt is None else ops.dtype(odt, q))
         elif hasattr(v, "shape") and _arrays.is_array(q):
             out = _arrays.empty(q, tuple(v.shape), odt, _name("out", names))
     elif odt is not None and _arrays.dtype_name(out) != odt:

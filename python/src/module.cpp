@@ -253,11 +253,24 @@ NB_MODULE(_C, m) {
   m.def("read_decode", &kp::run_decode<false>,
         "decode's argument reading and kda::validate only: writes nothing, launches nothing.");
   m.def("register_torch", &kp::register_torch, "tensor_type"_a, "dtypes"_a,
+        "parameter_type"_a = nb::none(), "mode_enabled"_a = nb::none(),
         "Registers torch.Tensor and (fp32, fp16, bf16, int32, int64) for reading tensors "
-        "without DLPack.");
+        "without DLPack capsules; torch.nn.Parameter, read like torch.Tensor; "
+        "torch._C._is_torch_function_mode_enabled, without which torch's DLTensor reader is "
+        "not used. Returns whether that reader is used.");
   m.def("checkpoint_offsets", &kda::checkpoint_offsets, "cu_seqlens"_a, "every"_a,
         "Checkpoint offsets [N + 1] for host cu_seqlens.");
   m.def("cuda_compiled", &kda::cuda_compiled, "Whether this build contains the CUDA backend.");
   m.def("info", &kp::info, "Version, build and CUDA device information.");
   kp::register_backward(m);
+
+  // (PyCFunction is the C API's generic type; METH_FASTCALL says the real signature.)
+  static PyMethodDef raw[] = {
+      {"requires_grad",
+       reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(&kp::any_requires_grad)),
+       METH_FASTCALL,
+       "requires_grad(*objects): whether one has a true `requires_grad` attribute (as "
+       "any(getattr(x, 'requires_grad', False) for x in objects))."},
+      {nullptr, nullptr, 0, nullptr}};
+  if (PyModule_AddFunctions(m.ptr(), raw) != 0) throw nb::python_error();
 }

@@ -28,14 +28,50 @@ struct Attribute {
   PyObject* descriptor = nullptr;
 };
 
+// The DLPack C exchange table (dlpack.h 1.2 and later: the PyCapsule "dlpack_exchange_api" held
+// by the array type's `__dlpack_c_exchange_api__`), as far as it is read here: the version header
+// and dltensor_from_py_object_no_sync (may be null), which describes an array as a DLTensor
+// without copies, references or allocations (the array's own shape and stride arrays, valid
+// while the array lives) and returns 0, or -1 with a Python error set.
+struct DLPackExchangeApi {
+  uint32_t major, minor;  // DLPack version of the table
+  const void* prev_api;
+  const void* managed_tensor_allocator;
+  const void* managed_tensor_from_py_object_no_sync;
+  const void* managed_tensor_to_py_object_no_sync;
+  int (*dltensor_from_py_object_no_sync)(void* py_object, nb::dlpack::dltensor* out);
+  const void* current_work_stream;
+};
+
 // torch.Tensor, its dtypes in kda::DType code order, and the attributes read per tensor; set once
 // by register_torch and kept for the life of the process.
 struct Torch {
   PyObject* tensor = nullptr;
+  PyObject* parameter = nullptr;  // torch.nn.Parameter (read as a plain tensor), or nullptr
   PyObject* dtypes[5] = {};
-  Attribute data_ptr, shape, stride, dtype, is_cuda, is_cpu, get_device, device;
+  Attribute data_ptr, shape, stride, dtype, is_cuda, is_cpu, get_device, device, requires_grad;
+  // torch.Tensor's DLTensor reader (nullptr: none, every tensor is read through its attributes)
+  // and torch._C._is_torch_function_mode_enabled: while a torch function mode is active, tensors
+  // are read through their attributes, which the mode sees.
+  int (*dltensor)(void* py_object, nb::dlpack::dltensor* out) = nullptr;
+  PyObject* mode_enabled = nullptr;
 };
 Torch g_torch;
+
+const DLPackExchangeApi* exchange_api(PyObject* type) {
+  PyObject* capsule = PyObject_GetAttrString(type, "__dlpack_c_exchange_api__");
+  if (capsule == nullptr) {
+    PyErr_Clear();
+    return nullptr;
+  }
+  const auto* api = static_cast<const DLPackExchangeApi*>(
+      PyCapsule_IsValid(capsule, "dlpack_exchange_api")
+          ? PyCapsule_GetPointer(capsule, "dlpack_exchange_api")
+          : nullptr);
+  Py_DECREF(capsule);  // the table is static in the library that owns the type
+  if (api == nullptr || api->major != 1 || api->minor < 2) return nullptr;
+  return api;
+}
 
 Attribute attribute(PyObject* type, const char* name, PyTypeObject* kind) {
   Attribute a;
@@ -112,19 +148,66 @@ void compact_if_empty(TensorView* t) {
   }
 }
 
+// The rank, sizes and element strides of a DLPack array (strides == NULL: compact row-major, as
+// DLPack before 1.2 allows), then compact_if_empty.
+void set_dims(TensorView* t, int32_t ndim, const int64_t* shape, const int64_t* strides) {
+  t->ndim = ndim;
+  int64_t compact = 1;
+  for (int i = ndim - 1; i >= 0; --i) {
+    t->shape[i] = shape[i];
+    t->strides[i] = strides != nullptr ? strides[i] : compact;
+    compact *= shape[i];
+  }
+  compact_if_empty(t);
+}
+
+// *t: the view of a DLTensor of a kind the library takes (its dtypes, the CPU or a CUDA device,
+// rank 1..kMaxDims); false for anything else (which the attribute reader then reports).
+bool view_of(const nb::dlpack::dltensor& dl, TensorView* t) {
+  const std::optional<DType> dtype = to_dtype(dl.dtype);
+  if (!dtype || dl.ndim < 1 || dl.ndim > kMaxDims || dl.shape == nullptr) return false;
+  if (dl.device.device_type == nb::device::cuda::value) {
+    t->device = Device::kCUDA;
+    t->device_index = dl.device.device_id;
+  } else if (dl.device.device_type != nb::device::cpu::value) {
+    return false;
+  }
+  t->dtype = *dtype;
+  t->data = static_cast<char*>(dl.data) + dl.byte_offset;
+  set_dims(t, dl.ndim, dl.shape, dl.strides);
+  return true;
+}
+
 bool is_torch_tensor(nb::handle obj) {
   return g_torch.tensor != nullptr &&
          PyObject_TypeCheck(obj.ptr(), reinterpret_cast<PyTypeObject*>(g_torch.tensor));
 }
 
+// A torch.Tensor or torch.nn.Parameter itself, not a subclass (which may override an attribute).
+bool is_plain(PyTypeObject* type) {
+  return type == reinterpret_cast<PyTypeObject*>(g_torch.tensor) ||
+         (g_torch.parameter != nullptr &&
+          type == reinterpret_cast<PyTypeObject*>(g_torch.parameter));
+}
+
 }  // namespace
 
-void register_torch(nb::handle tensor_type, nb::handle dtypes) {
+bool register_torch(nb::handle tensor_type, nb::handle dtypes, nb::handle parameter_type,
+                    nb::handle mode_enabled) {
   if (!PyType_Check(tensor_type.ptr())) throw nb::type_error("expected the torch.Tensor type");
   if (!PyTuple_Check(dtypes.ptr()) || PyTuple_GET_SIZE(dtypes.ptr()) != 5)
     throw nb::type_error("expected a tuple of 5 torch dtypes (fp32, fp16, bf16, int32, int64)");
+  if (!parameter_type.is_none() && !PyType_Check(parameter_type.ptr()))
+    throw nb::type_error("expected the torch.nn.Parameter type or None");
   Torch t;
   t.tensor = tensor_type.inc_ref().ptr();
+  if (!parameter_type.is_none()) t.parameter = parameter_type.inc_ref().ptr();
+  const DLPackExchangeApi* api = exchange_api(tensor_type.ptr());
+  if (api != nullptr && api->dltensor_from_py_object_no_sync != nullptr &&
+      PyCallable_Check(mode_enabled.ptr())) {
+    t.dltensor = api->dltensor_from_py_object_no_sync;
+    t.mode_enabled = mode_enabled.inc_ref().ptr();
+  }
   for (int i = 0; i < 5; ++i)
     t.dtypes[i] = nb::handle(PyTuple_GET_ITEM(dtypes.ptr(), i)).inc_ref().ptr();
   PyObject* type = tensor_type.ptr();
@@ -136,7 +219,35 @@ void register_torch(nb::handle tensor_type, nb::handle dtypes) {
   t.is_cpu = attribute(type, "is_cpu", &PyGetSetDescr_Type);
   t.get_device = attribute(type, "get_device", &PyMethodDescr_Type);
   t.device = attribute(type, "device", &PyGetSetDescr_Type);
+  t.requires_grad = attribute(type, "requires_grad", &PyGetSetDescr_Type);
   g_torch = t;
+  return t.dltensor != nullptr;
+}
+
+PyObject* any_requires_grad(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  const Attribute& a = g_torch.requires_grad;  // (no name before register_torch)
+  for (Py_ssize_t i = 0; i < nargs; ++i) {
+    PyObject* o = args[i];
+    if (o == Py_None) continue;  // getattr(None, "requires_grad", False) is False
+    PyTypeObject* type = Py_TYPE(o);
+    PyObject* r = nullptr;
+    if (is_plain(type) && a.descriptor != nullptr)
+      r = Py_TYPE(a.descriptor)->tp_descr_get(a.descriptor, o, reinterpret_cast<PyObject*>(type));
+    else if (a.name != nullptr)
+      r = PyObject_GetAttr(o, a.name);
+    else
+      r = PyObject_GetAttrString(o, "requires_grad");
+    if (r == nullptr) {
+      if (!PyErr_ExceptionMatches(PyExc_AttributeError)) return nullptr;
+      PyErr_Clear();
+      continue;
+    }
+    const int truth = PyObject_IsTrue(r);
+    Py_DECREF(r);
+    if (truth < 0) return nullptr;
+    if (truth != 0) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
 }
 
 std::string Reader::name(const char* api_name) const {
@@ -159,13 +270,42 @@ void Reader::value_error(const char* arg, const std::string& what) const {
   throw nb::value_error(("argument '" + name(arg) + "': " + what).c_str());
 }
 
-// A torch tensor through its Python attributes: six attribute reads, no DLPack capsule. A plain
-// torch.Tensor (not a subclass, which may override an attribute) has them read through the
-// type's descriptors directly, without the attribute lookup on the instance.
+// Whether plain tensors are read through torch's DLTensor reader in this call: torch has one
+// and no torch function mode is active (asked once per call, at the first plain tensor).
+bool Reader::fast_torch() {
+  if (fast_torch_ < 0) {
+    fast_torch_ = 0;
+    if (g_torch.dltensor != nullptr) {
+      PyObject* active = PyObject_CallNoArgs(g_torch.mode_enabled);
+      if (active == nullptr)
+        PyErr_Clear();
+      else
+        fast_torch_ = active == Py_False ? 1 : 0;
+      Py_XDECREF(active);
+    }
+  }
+  return fast_torch_ == 1;
+}
+
+// A torch tensor. A plain torch.Tensor or nn.Parameter (not a subclass, which may override an
+// attribute) is read by torch's DLTensor reader of the DLPack exchange table, where this torch
+// has it: pointer, shape, strides, dtype and device at once, without Python objects. Otherwise,
+// and for anything that reader refuses or that the library does not take (so that the messages
+// stay those below), through its Python attributes: six reads, for a plain tensor through the
+// type's descriptors directly (without the attribute lookup on the instance).
 TensorView Reader::torch_view(const char* arg, nb::handle obj) {
   PyObject* o = obj.ptr();
   PyTypeObject* type = Py_TYPE(o);
-  const bool plain = type == reinterpret_cast<PyTypeObject*>(g_torch.tensor);
+  const bool plain = is_plain(type);
+  if (plain && fast_torch()) {
+    nb::dlpack::dltensor dl;
+    TensorView t;
+    if (g_torch.dltensor(o, &dl) == 0) {
+      if (view_of(dl, &t)) return t;
+    } else {
+      PyErr_Clear();
+    }
+  }
   auto fail = [&](const char* what) {
     nb::python_error e;  // fetches (and clears) the Python error of the failed attribute read
     value_error(arg, std::string("expected a strided CPU or CUDA tensor with storage (") + what +
@@ -252,18 +392,10 @@ TensorView Reader::dlpack_view(const char* arg, const Array& a) {
   if (a.ndim() > static_cast<size_t>(kMaxDims))
     value_error(arg, "expected rank <= " + std::to_string(kMaxDims) + ", got rank " +
                          std::to_string(a.ndim()));
-  t.ndim = static_cast<int32_t>(a.ndim());
-  const int64_t* shape = a.shape_ptr();
-  const int64_t* strides = a.stride_ptr();
-  if (shape == nullptr) value_error(arg, "expected an array with a shape, got none (DLPack)");
-  int64_t compact = 1;  // DLPack allows strides == NULL for a compact row-major array
-  for (int i = t.ndim - 1; i >= 0; --i) {
-    t.shape[i] = shape[i];
-    t.strides[i] = strides != nullptr ? strides[i] : compact;  // DLPack strides count elements
-    compact *= shape[i];
-  }
+  if (a.shape_ptr() == nullptr)
+    value_error(arg, "expected an array with a shape, got none (DLPack)");
   t.data = const_cast<void*>(static_cast<const void*>(a.data()));
-  compact_if_empty(&t);
+  set_dims(&t, static_cast<int32_t>(a.ndim()), a.shape_ptr(), a.stride_ptr());
   return t;
 }
 

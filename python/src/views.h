@@ -2,8 +2,11 @@
 //
 // Arrays cross without copies, with their own strides (in elements), dtype and device, two ways:
 //   * torch tensors (once the package has registered torch.Tensor and its dtypes, see
-//     register_torch) are read through their Python attributes (data_ptr(), shape, stride(),
-//     dtype, is_cuda / is_cpu, get_device()): no DLPack capsule, no torch headers or library;
+//     register_torch): a plain torch.Tensor or nn.Parameter through torch's DLTensor reader of
+//     the DLPack C exchange table (torch.Tensor.__dlpack_c_exchange_api__, where this torch has
+//     it and no torch function mode is active); otherwise, and for whatever that reader refuses,
+//     through their Python attributes (data_ptr(), shape, stride(), dtype, is_cuda / is_cpu,
+//     get_device()). No DLPack capsule, no torch headers or library;
 //   * anything else through nanobind's ndarray caster (DLPack capsules, __dlpack__, buffer
 //     protocol).
 // Every conversion error is a Python exception whose message names the argument in the caller's
@@ -27,8 +30,18 @@ namespace kda::python {
 namespace nb = nanobind;
 
 // Registers torch.Tensor and the torch dtypes of kda::DType's codes 0..4 (fp32, fp16, bf16,
-// int32, int64), so that torch tensors are read without DLPack.
-void register_torch(nb::handle tensor_type, nb::handle dtypes);
+// int32, int64), so that torch tensors are read without DLPack capsules; torch.nn.Parameter (or
+// None), read like torch.Tensor; torch._C._is_torch_function_mode_enabled (or None), asked once
+// per call before torch's DLTensor reader is used. Returns whether that reader is used (this torch
+// has the DLPack exchange table).
+bool register_torch(nb::handle tensor_type, nb::handle dtypes, nb::handle parameter_type,
+                    nb::handle mode_enabled);
+
+// requires_grad(*objects) -> bool: whether one of the objects has a true `requires_grad`
+// attribute, as `any(getattr(x, "requires_grad", False) for x in objects)` (in order, stopping at
+// the first; plain tensors read through the type's descriptor). A METH_FASTCALL function: this
+// runs on every eager kda.prefill call with grad mode on.
+PyObject* any_requires_grad(PyObject* self, PyObject* const* args, Py_ssize_t nargs);
 
 class Reader {
  public:
@@ -69,11 +82,13 @@ class Reader {
   template <typename NameOf>
   int choice_code(const char* arg, nb::handle obj, NameOf&& value_name, int count);
   TensorView torch_view(const char* arg, nb::handle obj);
+  bool fast_torch();
   template <typename Array>
   TensorView dlpack_view(const char* arg, const Array& a);
 
   nb::handle names_;
-  int torch_ = -1;  // whether the first array (q) was a torch tensor: then every array must be
+  int torch_ = -1;  // whether the first array (q) was a torch tensor: then every array must be one
+  int fast_torch_ = -1;  // whether plain tensors are read by torch's DLTensor reader (-1: unknown)
   // Keeps the arrays imported through DLPack (and their capsules) alive for the call.
   std::vector<nb::ndarray<nb::ro>> inputs_;
   std::vector<nb::ndarray<>> outputs_;

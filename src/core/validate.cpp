@@ -44,10 +44,10 @@ bool is_float(DType d) {
 }
 bool is_index(DType d) { return d == DType::kInt32 || d == DType::kInt64; }
 
-// Largest element offset of a view with sizes and strides >= 0 (0 when empty); -1 when it does
-// not fit in int64.
-int64_t max_offset(const TensorView& t) {
-  if (t.numel() == 0) return 0;
+// Largest element offset of a view with sizes and strides >= 0 and `numel` elements (0 when
+// empty); -1 when it does not fit in int64.
+int64_t max_offset(const TensorView& t, int64_t numel) {
+  if (numel == 0) return 0;
   int64_t last = 0;
   for (int i = 0; i < t.ndim; ++i) {
     int64_t step = 0;
@@ -73,15 +73,15 @@ Status check_view(const char* arg, const TensorView& t, const TensorView& ref_de
       return Err(arg, "non-negative strides",
                  "stride " + std::to_string(t.strides[i]) + " in dimension " + std::to_string(i));
   }
-  if (t.numel() < 0)
-    return Err(arg, "an element count that fits in int64", "shape " + shape_str(t));
-  if (max_offset(t) < 0)
+  const int64_t numel = t.numel();
+  if (numel < 0) return Err(arg, "an element count that fits in int64", "shape " + shape_str(t));
+  if (max_offset(t, numel) < 0)
     return Err(arg, "element offsets that fit in int64",
                "shape " + shape_str(t) + " with strides " + strides_str(t));
   if (t.shape[t.ndim - 1] > 1 && t.strides[t.ndim - 1] != 1)
     return Err(arg, "a contiguous last dimension (stride 1)",
                "stride " + std::to_string(t.strides[t.ndim - 1]));
-  if (t.data == nullptr && t.numel() > 0) return Err(arg, "a data pointer", "nullptr");
+  if (t.data == nullptr && numel > 0) return Err(arg, "a data pointer", "nullptr");
   if (t.device != ref_device.device ||
       (t.device == Device::kCUDA && t.device_index != ref_device.device_index)) {
     auto dev = [](const TensorView& x) {

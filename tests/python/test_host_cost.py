@@ -186,6 +186,150 @@ def test_workspace_is_not_kept_while_capturing_or_when_given(cache):
     assert ops.take_workspace(key) is kept  # untouched by either call
 
 
+# --- the two tensor readers: torch's DLTensor reader and the attributes -------------------------
+
+class Recording(torch.overrides.TorchFunctionMode):
+    """A pass-through torch function mode that records what it sees: while one is active, the
+    extension reads tensors through their attributes (which the mode sees), not through torch's
+    DLTensor reader."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.seen.append(func)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_dltensor_reader_is_used_where_torch_has_one():
+    has = (hasattr(torch.Tensor, "__dlpack_c_exchange_api__")
+           and hasattr(torch._C, "_is_torch_function_mode_enabled"))
+    assert ops.DLTENSOR_READER is has
+
+
+@pytest.fixture
+def attribute_reader():
+    """The extension reads torch tensors through their attributes only for the test (torch
+    registered again without the DLTensor reader; as kda registers it afterwards)."""
+    assert ops.register(dltensor_reader=False) is False
+    yield
+    assert ops.register() is ops.DLTENSOR_READER
+
+
+def odd_layout_case(seed):
+    """A prefill whose tensors are views with gaps: q, k, v slices of one fused tensor, g with a
+    gap after each row, a size-1 batch dimension with an odd stride, out and the initial state
+    slices."""
+    d = to_torch(make_prefill(seed=seed, B=1, T=20, H=2, HV=2, K=32, V=32))
+    args, kw = split(d)
+    q, k, v, g, beta = args
+    fused = torch.cat([q, k, v], dim=2)  # [1, T, 6, 32]
+    q, k, v = fused[:, :, 0:2], fused[:, :, 2:4], fused[:, :, 4:6]
+    wide = torch.zeros(1, 20, 2, 48)
+    wide[..., :32] = g
+    g = wide[..., :32]
+    beta = torch.as_strided(beta.clone(), beta.shape, (7, beta.stride(1), 1))  # B = 1, stride 7
+    out = torch.zeros(1, 20, 2, 40)[..., :32]
+    h0 = torch.zeros(1, 2, 32, 33)[..., :32]
+    h0.copy_(torch.from_numpy(random_state(seed + 1, (1, 2, 32, 32))))
+    return (q, k, v, g, beta), dict(kw, initial_state=h0, out=out, output_final_state=True)
+
+
+def test_a_torch_function_mode_sees_the_tensor_reads():
+    """While a torch function mode is active, the extension reads tensors through their
+    attributes, which the mode sees (torch's DLTensor reader would bypass it)."""
+    args, kw = odd_layout_case(59)
+    mode = Recording()
+    with mode:
+        out, ht = kda.prefill(*args, **kw)
+    assert torch.Tensor.data_ptr in mode.seen and torch.Tensor.stride in mode.seen
+    ref, ref_h = kda.prefill(*args, **dict(kw, out=None))
+    assert torch.equal(out, ref) and torch.equal(ht, ref_h)
+
+
+def test_both_readers_read_the_same_tensors(request):
+    """Outputs of calls on views with gaps and odd strides are bitwise equal whichever reader
+    reads the tensors, and equal those of contiguous copies."""
+    args, kw = odd_layout_case(60)
+    out_a, ht_a = kda.prefill(*args, **kw)
+    out_a = out_a.clone()
+    request.getfixturevalue("attribute_reader")
+    out_b, ht_b = kda.prefill(*args, **kw)
+    assert torch.equal(out_a, out_b) and torch.equal(ht_a, ht_b)
+    contiguous = [a.contiguous() for a in args]
+    ref, ref_h = kda.prefill(*contiguous, **dict(kw, out=None,
+                                                 initial_state=kw["initial_state"].contiguous()))
+    assert torch.equal(out_b, ref) and torch.equal(ht_b, ref_h)
+
+
+@pytest.mark.parametrize("case", ["float64", "complex", "meta", "0-d", "sparse", "strided-last",
+                                  "int8"])
+def test_both_readers_report_the_same_errors(case, request):
+    """What torch's DLTensor reader refuses or the library does not take is read again through
+    the attributes, so every message is the attribute reader's."""
+    d = to_torch(make_prefill(seed=61, B=1, T=20))
+    args, kw = split(d)
+    arg, bad = {
+        "float64": ("k", lambda: args[1].double()),
+        "complex": ("v", lambda: args[2].to(torch.complex64)),
+        "meta": ("g", lambda: args[3].to("meta")),
+        "0-d": ("beta", lambda: torch.tensor(0.5)),
+        "sparse": ("g", lambda: args[3].to_sparse()),
+        "strided-last": ("dt_bias", lambda: kw["dt_bias"][:, :1].expand(-1, 32)),
+        "int8": ("A_log", lambda: kw["A_log"].to(torch.int8)),
+    }[case]
+    if arg in ("k", "v", "g", "beta"):
+        call_args = list(args)
+        call_args[("q", "k", "v", "g", "beta").index(arg)] = bad()
+        call_kw = kw
+    else:
+        call_args, call_kw = args, dict(kw, **{arg: bad()})
+    messages = []
+    for reader in ("default", "attributes"):
+        if reader == "attributes":
+            request.getfixturevalue("attribute_reader")
+        with pytest.raises(ValueError, match=f"argument '{arg}'") as e:
+            kda.prefill(*call_args, **call_kw)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+
+
+def test_requires_grad_is_getattrs_answer():
+    """_C.requires_grad(*xs) is any(getattr(x, 'requires_grad', False) for x in xs): in order,
+    stopping at the first true one, AttributeError read as False, other errors raised."""
+    from kda import _C
+
+    class Truthy:
+        requires_grad = 1
+
+    class Missing:
+        @property
+        def requires_grad(self):
+            raise AttributeError("none here")
+
+    class Broken:
+        @property
+        def requires_grad(self):
+            raise KeyError("broken")
+
+    class Overridden(torch.Tensor):
+        @property
+        def requires_grad(self):
+            return True
+
+    plain, grad = torch.zeros(2), torch.zeros(2, requires_grad=True)
+    assert _C.requires_grad() is False
+    assert _C.requires_grad(None, plain, 3, Missing(), torch.nn.Parameter(plain, False)) is False
+    assert _C.requires_grad(plain, grad) is True
+    assert _C.requires_grad(torch.nn.Parameter(plain)) is True
+    assert _C.requires_grad(Truthy()) is True
+    assert _C.requires_grad(plain.as_subclass(Overridden)) is True
+    assert _C.requires_grad(grad, Broken()) is True  # stops at the first
+    with pytest.raises(KeyError, match="broken"):
+        _C.requires_grad(plain, Broken())
+
+
 # --- the extension's argument reading alone ----------------------------------------------------
 
 def test_read_prefill_and_read_decode_validate_and_write_nothing():
