@@ -1,10 +1,11 @@
 """Host cost of one call from Python: wall time of back-to-back calls, no synchronization.
 
 Prints microseconds per call for kda.prefill, kda.fwd and kda.decode (on CUDA also on a side
-stream), for the parts of one call (an output allocation, the stream lookup, a no-op extension
-call, the extension's argument reading and validation alone, the extension call with everything
-preallocated), and for FLA's chunk_kda / fused_recurrent_kda_fwd and FlashKDA's fwd when they are
-importable; as JSON, then as a table.
+stream), for the parts of one call (an output allocation, the stream lookup, the capture check
+and the kept workspace, a no-op extension call, the autograd test, the extension's argument
+reading and validation alone, the extension call with everything preallocated), and for FLA's
+chunk_kda / fused_recurrent_kda_fwd and FlashKDA's fwd when they are importable; as JSON, then as
+a table.
 
 Protocol (targets.md, "Host cost of one call"): warm up, then time `--calls` calls in a row without
 synchronizing and divide by the number of calls; repeat `--repeats` times and report the median.
@@ -96,9 +97,10 @@ def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, C
 
 def breakdown_calls(p: Dict[str, Any], d: Dict[str, Any],
                     threads: int) -> Dict[str, Callable[[], Any]]:
-    """The parts of one call: an output allocation, the stream lookup, a no-op extension call,
-    the extension's argument reading and validation alone (validate_*), and the extension call
-    with every output and the workspace preallocated (_C.prefill / _C.decode)."""
+    """The parts of one call: an output allocation, the stream lookup, the capture check and the
+    kept workspace's round trip (CUDA), a no-op extension call, the autograd test, the
+    extension's argument reading and validation alone (read_*), and the extension call with every
+    output and the workspace preallocated (_C.prefill / _C.decode)."""
     from kda import _C, _torch_ops
 
     q, v = p["q"], p["v"]
@@ -130,6 +132,8 @@ def breakdown_calls(p: Dict[str, Any], d: Dict[str, Any],
         "torch.empty_like(v) (as kda)": lambda: torch.empty_like(
             v, dtype=q.dtype, memory_format=torch.contiguous_format),
         "no-op extension call": _C.cuda_compiled,
+        "_C.requires_grad (8 inputs, as kda)": lambda: _C.requires_grad(
+            q, p["k"], v, p["g"], p["beta"], p["A_log"], p["dt_bias"], p["h0"]),
         "_C.read_prefill (read, validate)": lambda: _C.read_prefill(*pre_args),
         "_C.prefill (all preallocated)": lambda: _C.prefill(*pre_args),
         "_C.read_decode (read, validate)": lambda: _C.read_decode(*dec_args),
@@ -137,6 +141,13 @@ def breakdown_calls(p: Dict[str, Any], d: Dict[str, Any],
     }
     if cuda:
         calls["stream lookup (raw)"] = lambda: _torch_ops.stream(q)
+        calls["capture check (torch)"] = _torch_ops._capturing
+
+        def workspace_round() -> None:  # what kda.prefill does around the call on CUDA
+            _, ws, _, key = _torch_ops.prefill_device(q, None)
+            if key is not None:
+                _torch_ops.keep_workspace(key, ws, None)
+        calls["stream, capture check, kept workspace"] = workspace_round
         calls["torch.cuda.current_stream()"] = torch.cuda.current_stream
     return calls
 
