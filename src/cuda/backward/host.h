@@ -59,39 +59,10 @@ inline StridedView grad_view(const TensorView& t) { return strided_view(t); }
 inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspace, int num_sms,
                         BwdParams* out) {
   const detail::PrefillProblem& pr = bp.fwd;
-  const auto& d = pr.d;
   BwdParams& P = *out;
   P = BwdParams{};
   Params& p = P.f;
-  p.q = strided_view(pr.q);
-  p.k = strided_view(pr.k);
-  p.v = strided_view(pr.v);
-  p.g = strided_view(pr.g);
-  p.beta = strided_view(pr.beta);
-  if (pr.A_log.present()) {
-    p.A_log = static_cast<const float*>(pr.A_log.data);
-    p.A_log_s = pr.A_log.strides[0];
-  }
-  if (pr.dt_bias.present()) {
-    p.dt_bias = static_cast<const float*>(pr.dt_bias.data);
-    p.dt_bias_s = pr.dt_bias.strides[0];
-  }
-  p.varlen = d.varlen;
-  p.cu_seqlens = pf::index_view(pr.cu_seqlens);
-  p.B = d.B;
-  p.T = d.T;
-  p.N = d.N;
-  p.H = static_cast<int>(d.H);
-  p.HV = static_cast<int>(d.HV);
-  p.groups = static_cast<int>(d.groups());
-  p.chunks_per_seq = (d.T + kC - 1) / kC;
-  p.num_slots = pf::chunk_slots(pr);
-  p.gate = static_cast<int>(pr.math.gate);
-  p.beta_logits = pr.math.beta_logits;
-  p.allow_neg_eigval = pr.math.allow_neg_eigval;
-  p.use_qk_l2norm = pr.math.use_qk_l2norm;
-  p.scale = static_cast<float>(pr.math.scale);
-  p.lower_bound = pr.math.lower_bound;
+  pf::input_params(pr, &p);
   p.initial_state = pf::state_view(pr.initial_state);
   p.kfirst = pr.layout == StateLayout::kKFirst;
 

@@ -95,6 +95,43 @@ inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
   return workspace_layout(pr, launch_plan(pr, num_sms, tuning).segment_tokens).total;
 }
 
+// The parameters of the forward's inputs, shapes and math (no outputs, workspace or states):
+// what the prefill and its backward (cuda/backward/host.h) read alike.
+inline void input_params(const detail::PrefillProblem& pr, Params* out) {
+  const auto& d = pr.d;
+  Params& p = *out;
+  p = Params{};
+  p.q = strided_view(pr.q);
+  p.k = strided_view(pr.k);
+  p.v = strided_view(pr.v);
+  p.g = strided_view(pr.g);
+  p.beta = strided_view(pr.beta);
+  if (pr.A_log.present()) {
+    p.A_log = static_cast<const float*>(pr.A_log.data);
+    p.A_log_s = pr.A_log.strides[0];
+  }
+  if (pr.dt_bias.present()) {
+    p.dt_bias = static_cast<const float*>(pr.dt_bias.data);
+    p.dt_bias_s = pr.dt_bias.strides[0];
+  }
+  p.varlen = d.varlen;
+  p.cu_seqlens = index_view(pr.cu_seqlens);
+  p.B = d.B;
+  p.T = d.T;
+  p.N = d.N;
+  p.H = static_cast<int>(d.H);
+  p.HV = static_cast<int>(d.HV);
+  p.groups = static_cast<int>(d.groups());
+  p.chunks_per_seq = (d.T + kChunk - 1) / kChunk;
+  p.num_slots = chunk_slots(pr);
+  p.gate = static_cast<int>(pr.math.gate);
+  p.beta_logits = pr.math.beta_logits;
+  p.allow_neg_eigval = pr.math.allow_neg_eigval;
+  p.use_qk_l2norm = pr.math.use_qk_l2norm;
+  p.scale = static_cast<float>(pr.math.scale);
+  p.lower_bound = pr.math.lower_bound;
+}
+
 // Kernel parameters of a validated, supported problem, and the workspace bytes they need
 // (workspace_bytes(); the caller checks `workspace` against them before any launch: the
 // parameters only point into it). Returns the block counts of both kernels.
@@ -115,37 +152,8 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
                 " chunk blocks)"};
 
   Params& p = *out;
-  p = Params{};
-  p.q = strided_view(pr.q);
-  p.k = strided_view(pr.k);
-  p.v = strided_view(pr.v);
-  p.g = strided_view(pr.g);
-  p.beta = strided_view(pr.beta);
+  input_params(pr, &p);
   p.out = strided_view(pr.out);
-  if (pr.A_log.present()) {
-    p.A_log = static_cast<const float*>(pr.A_log.data);
-    p.A_log_s = pr.A_log.strides[0];
-  }
-  if (pr.dt_bias.present()) {
-    p.dt_bias = static_cast<const float*>(pr.dt_bias.data);
-    p.dt_bias_s = pr.dt_bias.strides[0];
-  }
-  p.varlen = d.varlen;
-  p.cu_seqlens = index_view(pr.cu_seqlens);
-  p.B = d.B;
-  p.T = d.T;
-  p.N = d.N;
-  p.H = static_cast<int>(d.H);
-  p.HV = static_cast<int>(d.HV);
-  p.groups = static_cast<int>(d.groups());
-  p.chunks_per_seq = (d.T + kChunk - 1) / kChunk;
-  p.num_slots = slots;
-  p.gate = static_cast<int>(pr.math.gate);
-  p.beta_logits = pr.math.beta_logits;
-  p.allow_neg_eigval = pr.math.allow_neg_eigval;
-  p.use_qk_l2norm = pr.math.use_qk_l2norm;
-  p.scale = static_cast<float>(pr.math.scale);
-  p.lower_bound = pr.math.lower_bound;
   if (layout.total > 0 && workspace != nullptr) {
     const uintptr_t w = reinterpret_cast<uintptr_t>(workspace);
     p.ws = reinterpret_cast<uint8_t*>((w + 127) & ~static_cast<uintptr_t>(127));
