@@ -142,11 +142,13 @@ Status choose_backend(const ExecOptions& exec, Device device, Backend* out) {
 }
 
 #ifdef KDA_WITH_CUDA
-// The caller's workspace, or one from exec.allocate_workspace when the call needs more.
-Status cuda_workspace(const detail::PrefillProblem& pr, ExecOptions* exec) {
+// The caller's workspace, or one from exec.allocate_workspace when the call needs more than
+// exec.workspace_bytes: `size(&need)` gives the call's need.
+template <typename Size>
+Status cuda_workspace(ExecOptions* exec, Size&& size) {
   if (exec->allocate_workspace == nullptr) return Status::Ok();
   size_t need = 0;
-  Status s = cuda::prefill_workspace_size(pr, &need);
+  Status s = size(&need);
   if (!s.ok() || need == 0) return s;
   if (exec->workspace != nullptr && exec->workspace_bytes >= need) return Status::Ok();
   void* w = exec->allocate_workspace(need, exec->allocate_context);
@@ -218,7 +220,8 @@ Status prefill(const PrefillParams& p) {
 #ifdef KDA_WITH_CUDA
           case Backend::kCuda: {
             ExecOptions exec = p.exec;
-            Status s = cuda_workspace(pr, &exec);
+            Status s = cuda_workspace(
+                &exec, [&](size_t* need) { return cuda::prefill_workspace_size(pr, need); });
             return s.ok() ? cuda::prefill(pr, exec) : s;
           }
 #endif
@@ -270,19 +273,9 @@ Status prefill_backward(const PrefillBackwardParams& p) {
 #ifdef KDA_WITH_CUDA
     if (be == Backend::kCuda) {
       ExecOptions exec = p.exec;
-      if (exec.allocate_workspace != nullptr) {
-        size_t need = 0;
-        s = cuda::prefill_backward_workspace_size(pr, &need);
-        if (!s.ok()) return s;
-        if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need)) {
-          void* w = exec.allocate_workspace(need, exec.allocate_context);
-          if (w == nullptr)
-            return {StatusCode::kInternal, "workspace",
-                    "allocating " + std::to_string(need) + " bytes of device workspace failed"};
-          exec.workspace = w;
-          exec.workspace_bytes = need;
-        }
-      }
+      s = cuda_workspace(
+          &exec, [&](size_t* need) { return cuda::prefill_backward_workspace_size(pr, need); });
+      if (!s.ok()) return s;
       return cuda::prefill_backward(pr, exec);
     }
 #endif
