@@ -277,6 +277,24 @@ __device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
   *ss = p - t * (t + 1) / 2;
 }
 
+// The operands of row block r / 16 against the columns s < r, every factor <= 1:
+// Qr, Kr [16][128] = exp(G_t - G_r) q^_t, k^_t (t = r .. r + 15); Kc [r][128] = exp(G_r - G_s)
+// k^_s.
+__device__ __forceinline__ void stage_row_block(const float* qh, const float* kh, const float* G,
+                                                int r, float* Qr, float* Kr, float* Kc) {
+  const int n = static_cast<int>(blockDim.x);
+  for (int e = static_cast<int>(threadIdx.x); e < 16 * kD; e += n) {
+    const int t = r + e / kD, i = e % kD;
+    const float f = expf(G[t * kD + i] - G[r * kD + i]);
+    Qr[e] = qh[t * kD + i] * f;
+    Kr[e] = kh[t * kD + i] * f;
+  }
+  for (int e = static_cast<int>(threadIdx.x); e < r * kD; e += n) {
+    const int s = e / kD, i = e % kD;
+    Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
+  }
+}
+
 // ---------------------------------------------------------------------------------------------
 // 1. Records
 // ---------------------------------------------------------------------------------------------
@@ -345,16 +363,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   for (int J = 1; J < 4; ++J) {
     const int r = 16 * J;
     __syncthreads();
-    for (int e = tid; e < 16 * kD; e += kPrepThreads) {
-      const int tt = e / kD, i = e % kD, t = r + tt;
-      const float f = expf(G[t * kD + i] - G[r * kD + i]);
-      Qr[e] = qh[t * kD + i] * f;
-      Kr[e] = kh[t * kD + i] * f;
-    }
-    for (int e = tid; e < r * kD; e += kPrepThreads) {
-      const int s = e / kD, i = e % kD;
-      Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
-    }
+    stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
     __syncthreads();
     gemm_tf32<kSplit>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
                       [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
@@ -774,16 +783,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     for (int J = 1; J < 4; ++J) {
       const int r = 16 * J;
       __syncthreads();
-      for (int e = tid; e < 16 * kD; e += kChunkThreads) {
-        const int t = r + e / kD, i = e % kD;
-        const float f = expf(G[t * kD + i] - G[r * kD + i]);
-        Qr[e] = qh[t * kD + i] * f;
-        Kr[e] = kh[t * kD + i] * f;
-      }
-      for (int e = tid; e < r * kD; e += kChunkThreads) {
-        const int s = e / kD, i = e % kD;
-        Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
-      }
+      stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
       __syncthreads();
       // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
       gemm_tf32<kSplit>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
