@@ -332,7 +332,7 @@ def test_cuda_backward_matches_cpu_reference(compiled, varlen):
     if compiled:
         torch._dynamo.reset()
         f = torch.compile(step, fullgraph=True)
-    loss = f(*(t[n] for n in NAMES), w.cuda(), wf, None if cu is None else cu.cuda())
+    loss = f(*(t[n] for n in NAMES), w.cuda(), wf.cuda(), None if cu is None else cu.cuda())
     got = torch.autograd.grad(loss, [t[n] for n in NAMES])
     r = {n: v.float().requires_grad_() for n, v in x.items()}
     ref = torch.autograd.grad(step(*(r[n] for n in NAMES), w, wf, cu), [r[n] for n in NAMES])
