@@ -14,8 +14,11 @@ same with the softplus gate; each gradient's relative L2 error against kda's fp6
 backward on CPU copies of the same (bf16-exact) inputs, for FLA and kda. ``--accuracy-tokens``
 shortens the sequence (the reference is single-threaded per head: ~1 min at 8192 tokens).
 
+Profile (``--profile``): the GPU time of each kernel of one kda step on each timing case
+(torch.profiler, CUPTI), summed over the step and sorted, then the step's total.
+
 Usage: python3 bench/peers/fla_train_bench.py [--accuracy] [--accuracy-tokens N] [--json PATH]
-       [--no-fla]
+       [--no-fla] [--profile] [--cases T1,T2]
 Exits 0 with a message when torch or a CUDA GPU is missing, or fla is missing without --no-fla.
 """
 
@@ -89,6 +92,30 @@ def kda_step(kda, x, do, gate, backend="auto"):
     return torch.autograd.grad(o, [t[n] for n in NAMES], do)
 
 
+def profile_step(torch, kda, x, do, name):
+    """GPU time of each kernel of one kda step (after a warm-up step), in ms, largest first."""
+    from torch.profiler import ProfilerActivity, profile
+    kda_step(kda, x, do, "softplus")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        kda_step(kda, x, do, "softplus")
+        torch.cuda.synchronize()
+    rows = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = e.cuda_time_total
+        if us > 0:
+            rows[e.key] = (us / 1e3, e.count)
+    total = sum(ms for ms, _ in rows.values())
+    print(f"{name} profile: GPU time per kernel of one kda step (ms, calls)")
+    for key, (ms, count) in sorted(rows.items(), key=lambda kv: -kv[1][0])[:14]:
+        print(f"  {ms:9.3f} {count:4d}  {key[:90]}")
+    print(f"  {total:9.3f}       total")
+    sys.stdout.flush()
+    return {k: ms for k, (ms, _) in rows.items()}
+
+
 def rel_l2(got, ref):
     if got is None:
         return float("nan")
@@ -102,6 +129,9 @@ def main() -> int:
     ap.add_argument("--accuracy-tokens", type=int, default=8192)
     ap.add_argument("--json", help="write the results as JSON to this path")
     ap.add_argument("--no-fla", action="store_true", help="do not run FLA")
+    ap.add_argument("--profile", action="store_true",
+                    help="also the GPU time of each kernel of one kda step")
+    ap.add_argument("--cases", default="T1,T2", help="timing cases, comma-separated")
     args = ap.parse_args()
     try:
         import torch
@@ -137,14 +167,20 @@ def main() -> int:
 
     print(f"{'case':4} {'shape':12} {'FLA fwd':>8} {'FLA f+b':>8} {'kda fwd':>8} {'kda f+b':>8} "
           f"{'kda/FLA':>8} {'targets: FLA fwd':>16} {'f+b':>8}")
-    for name, B, T, H, fla_fwd_t, fla_fb_t in CASES:
+    cases = [c for c in CASES if c[0] in args.cases.split(",")]
+    for name, B, T, H, fla_fwd_t, fla_fb_t in cases:
         x, do = make_inputs(torch, dev, B, T, H)
+        if args.profile:
+            results.setdefault("profile", {})[name] = profile_step(torch, kda, x, do, name)
+        # kda first: FLA's first call compiles its Triton kernels (minutes).
+        kda_fwd = bench(functools.partial(kda_forward, kda, x))
+        kda_fb = bench(functools.partial(kda_step, kda, x, do, "softplus"))
+        print(f"{name:4} kda fwd {kda_fwd:.3f} ms, fwd + bwd {kda_fb:.3f} ms")
+        sys.stdout.flush()
         fla_fwd = fla_fb = float("nan")
         if chunk_kda is not None:
             fla_fwd = bench(functools.partial(fla_forward, chunk_kda, x))
             fla_fb = bench(functools.partial(fla_step, chunk_kda, x, do, "softplus"))
-        kda_fwd = bench(functools.partial(kda_forward, kda, x))
-        kda_fb = bench(functools.partial(kda_step, kda, x, do, "softplus"))
         print(f"{name:4} {f'{B} x {T}, H={H}':12} {fla_fwd:8.3f} {fla_fb:8.3f} {kda_fwd:8.3f} "
               f"{kda_fb:8.3f} {kda_fb / fla_fb:8.3f} {fla_fwd_t:8.2f} {fla_fb_t:8.2f}")
         sys.stdout.flush()

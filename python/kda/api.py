@@ -176,10 +176,11 @@ def prefill(q: Array, k: Array, v: Array, g: Array, beta: Array, *,
 
     Differentiable (torch tensors, grad mode on, an input requiring grad): ``backward()`` gives
     the gradients of q, k, v, g, beta, A_log, dt_bias and initial_state in their dtypes, from
-    the gradients of ``out`` and ``final_state``, through the analytic fp64 reference backward
-    (``kda._autograd``; CPU tensors: on CUDA tensors ``backward()`` raises NotImplementedError,
-    there is no CUDA backward yet). A given ``out`` / ``final_state`` is written in place as
-    part of the graph; pools and checkpoints raise NotImplementedError; ``workspace`` is unused.
+    the gradients of ``out`` and ``final_state`` (``kda._autograd``): the analytic fp64 reference
+    backward on CPU tensors, the CUDA backward on CUDA tensors (bf16 / fp16, head dim 128; tensors
+    of other devices raise NotImplementedError). A given ``out`` / ``final_state`` is written in
+    place as part of the graph; pools and checkpoints raise NotImplementedError; ``workspace`` is
+    unused.
 
     Raises:
         TypeError: an argument of the wrong type (the message names it).

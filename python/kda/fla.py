@@ -248,9 +248,8 @@ def chunk_kda(q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor,
         ``(o, final_state, h)`` with ``return_intermediate_states``. ``o`` has q's dtype.
 
     Differentiable as FLA's when an input requires grad (grad mode on): gradients of q, k, v, g,
-    beta, A_log, dt_bias and initial_state from the analytic backward of ``kda._autograd`` (CPU
-    tensors; on CUDA tensors ``backward()`` raises NotImplementedError, there is no CUDA
-    backward yet).
+    beta, A_log, dt_bias and initial_state from the analytic backward of ``kda._autograd`` (the
+    fp64 reference on CPU tensors, the CUDA backward on CUDA tensors).
 
     Not implemented (an error naming them when set): ``cp_context`` (context parallel),
     ``disable_recompute=True`` (a knob of FLA's backward), ``head_first=True``.
