@@ -1,7 +1,11 @@
-// emu_backend.cpp — emulated CUDA backend: kda::cuda::prefill runs the real kernel source on the
-// CPU (engine.h). Linked instead of the CUDA objects when building the GPU tests for emulation.
+// emu_backend.cpp — emulated CUDA backend: kda::cuda::prefill, its backward and the
+// context-parallel prefill's device side (kda::cuda::distributed_*) run the real kernel source on
+// the CPU (engine.h). Linked instead of the CUDA objects when building the GPU tests for
+// emulation.
 #include "cpu/backends.h"
 #include "cuda/cuda_backend.h"
+#include "cuda/distributed/scan.h"
+#include "cuda/distributed/scan_kernels.cuh"
 #include "engine.h"
 namespace kda::cuda {
 std::vector<DeviceInfo> devices() {
@@ -59,6 +63,21 @@ Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOpti
 // that chain prefill and decode check their own logic here.
 Status decode(const detail::DecodeProblem& pr, const ExecOptions&, bool) {
   cpu::fast_decode(pr, 1);
+  return Status::Ok();
+}
+// The context-parallel prefill's kernels (distributed/scan_kernels.cuh) on the grids of
+// distributed/scan.cu.
+Status distributed_prepare(const scan::Buffers& b, int, void*) {
+  emu_run::launch(dist::prepare_kernel, dist::kPrepareBlocks, dist::kThreads, 0, b);
+  return Status::Ok();
+}
+Status distributed_layout(const scan::Buffers& b, int, void*) {
+  emu_run::launch(dist::layout_kernel, dist::layout_blocks(b), dist::kThreads, 0, b);
+  return Status::Ok();
+}
+Status distributed_scan(const scan::Buffers& b, int, void*) {
+  const int64_t blocks = dist::scan_blocks(b);
+  if (blocks > 0) emu_run::launch(dist::scan_kernel, blocks, dist::kThreads, 0, b);
   return Status::Ok();
 }
 }  // namespace kda::cuda

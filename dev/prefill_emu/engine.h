@@ -1,6 +1,7 @@
 // engine.h — CPU emulation of the CUDA prefill kernels, for development without a GPU. Not part
 // of the library: a tool that runs the real kernel source (src/cuda/prefill/: prepare.cuh,
-// recurrence.cuh, their *_steps.cuh, common.cuh, host.h) on the host.
+// recurrence.cuh, their *_steps.cuh, common.cuh, host.h; the backward's kernels.cuh; the
+// context-parallel prefill's distributed/scan_kernels.cuh) on the host.
 //
 // Every CUDA thread of a block is a ucontext fiber (fibers.h), scheduled round-robin on one OS
 // thread; __syncthreads, named barriers and the warp collectives (shuffles, ballot, mma.sync,
@@ -28,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -51,8 +53,17 @@ using namespace kda;
 using namespace kda::cuda::pf;
 namespace bw = kda::cuda::bw;
 
+// The emulation's state (emu::threadIdx_ and the other fiber globals, the shared-memory array) is
+// process-wide: launches from several host threads (the ranks of the distributed tests) run one
+// at a time. A launch is synchronous, so holding the lock for its duration is enough.
+static std::mutex& launch_mutex() {
+  static std::mutex m;
+  return m;
+}
+
 template <typename K, typename P = Params>
 static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const P& p) {
+  const std::lock_guard<std::mutex> lock(launch_mutex());
   emu::smem_base = emu_smem_alias;
   emu::smem_size = smem_bytes;
   if (smem_bytes > (int)sizeof(emu_smem_alias)) {

@@ -21,9 +21,14 @@ struct cudaDeviceProp {
   size_t totalGlobalMem;
 };
 inline const char* cudaGetErrorString(cudaError_t) { return "emulated error"; }
+// Fresh device memory reads as 0xff bytes (NaN as fp32 / bf16, -1 as an index): a kernel that
+// reads what nothing wrote shows up.
 inline cudaError_t cudaMalloc(void** p, size_t n) {
-  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
-  return *p ? 0 : 2;
+  const size_t bytes = (n + 255) / 256 * 256;
+  *p = std::aligned_alloc(256, bytes > 0 ? bytes : 256);
+  if (*p == nullptr) return 2;
+  std::memset(*p, 0xff, bytes);
+  return 0;
 }
 inline cudaError_t cudaFree(void* p) {
   std::free(p);
@@ -35,6 +40,15 @@ inline cudaError_t cudaMemset(void* p, int v, size_t n) {
 }
 inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) {
   std::memcpy(d, s, n);
+  return 0;
+}
+inline cudaError_t cudaMemcpyAsync(void* d, const void* s, size_t n, cudaMemcpyKind, cudaStream_t) {
+  std::memcpy(d, s, n);
+  return 0;
+}
+inline cudaError_t cudaSetDevice(int) { return 0; }
+inline cudaError_t cudaGetDevice(int* d) {
+  *d = 0;
   return 0;
 }
 inline cudaError_t cudaGetDeviceCount(int* n) {
