@@ -89,6 +89,7 @@ __global__ void scan_kernel(const scan::Buffers b) {
   const scan::Record& r = b.record;
   const int64_t pair = blockIdx.x;
   const int64_t n = pair / r.HV, hv = pair % r.HV;
+  if (n >= b.N) return;  // a grid larger than scan_blocks(b) must not touch another block's state
   const int64_t RC = r.R * r.C;
   double* h = b.h + pair * RC;
   double* next = b.h + (b.N * r.HV + pair) * RC;
