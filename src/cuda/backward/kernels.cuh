@@ -60,6 +60,8 @@ inline constexpr int kPrepThreads = 256, kChunkThreads = 256, kPassThreads = 128
 inline constexpr int kParamThreads = 128;
 inline constexpr int kSlice = 32;  // value columns per pass block
 inline constexpr int kSlices = kD / kSlice;
+// The state passes prefetch the record parts of the chunk this many steps ahead into L2.
+inline constexpr int kPassPrefetch = 2;
 
 // Shared memory (floats) of the kernels.
 inline constexpr int kPrepSmemFloats = 3 * kTile + 3 * kC * kC + 12288 + 2 * kC;
@@ -142,16 +144,66 @@ __device__ __forceinline__ float warp_sum(float x) {
   return x;
 }
 
+// L2 prefetch (a hint, nothing to wait for) of `floats` floats at src (16-byte aligned, a multiple
+// of 4 floats), in bulk prefetches of at most kPrefetchPiece bytes: piece i is issued by thread
+// lead + i of the block.
+inline constexpr int kPrefetchPiece = 32768;
+__device__ __forceinline__ void prefetch_floats(const float* src, int floats, int lead) {
+  const int bytes = 4 * floats, i = static_cast<int>(threadIdx.x) - lead;
+  if (i >= 0 && i * kPrefetchPiece < bytes) {
+    const int off = i * kPrefetchPiece;
+    bulk_prefetch_l2(
+        reinterpret_cast<const uint8_t*>(src) + off,
+        static_cast<uint32_t>(bytes - off < kPrefetchPiece ? bytes - off : kPrefetchPiece));
+  }
+}
+// L2 prefetch (a hint) of the 128-byte lines that hold bytes [p, p + bytes), any alignment.
+__device__ __forceinline__ void prefetch_lines(const void* p, int bytes) {
+  const uintptr_t a = reinterpret_cast<uintptr_t>(p);
+  for (uintptr_t l = a & ~static_cast<uintptr_t>(127); l < a + bytes; l += 128)
+    prefetch_l2(reinterpret_cast<const void*>(l));
+}
+
+// L2 prefetch (a hint) of the token rows of chunk c that the kernels read: q, k (q/k head of hv),
+// g, beta, v and, if given, dO (value head hv). A thread per (tensor, row).
+__device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& c, int hv,
+                                              const StridedView* d_out) {
+  const int h = hv / p.groups;
+  for (int x = static_cast<int>(threadIdx.x); x < 6 * kC; x += static_cast<int>(blockDim.x)) {
+    const int which = x / kC, t = x % kC;
+    if (t >= c.L) continue;
+    const int64_t tok = c.t0 + t;
+    const StridedView* v = which == 0   ? &p.q
+                           : which == 1 ? &p.k
+                           : which == 2 ? &p.g
+                           : which == 3 ? &p.beta
+                           : which == 4 ? &p.v
+                                        : d_out;
+    if (v == nullptr || v->data == nullptr) continue;
+    const int64_t off = v->offset(c.b, tok, which < 2 ? h : hv);
+    const int esize = v->dtype == kF32 ? 4 : 2;
+    prefetch_lines(static_cast<const uint8_t*>(v->data) + off * esize,
+                   (which == 3 ? 1 : kD) * esize);
+  }
+}
+
 // C(m, n) = sum_k A(m, k) B(k, n) over M x N x Kd (M a multiple of 16, N and Kd of 8), on tf32
 // mma.sync with fp32 accumulation: A(m, k) = a[m * a_rs + k * a_cs], B(k, n) = b[k * b_rs +
 // n * b_cs], shared or global memory. The block's warps take the 16 x 32 output tiles in turn;
 // each output element is handed once to epi(m, n, value) by the thread that owns it, and which
 // thread owns (m, n) depends only on M, N and the block size: two products of the same M x N may
 // update the same elements one after the other without a barrier.
+// The k loop is software-pipelined: a ring of kGemmStages register sets of raw fragments, the
+// loads of k-step k + 8 (kGemmStages - 1) issued before the mma of step k, so that a step's loads
+// are in flight while the steps before it compute (the operands are often in global memory: an
+// L2 or HBM latency per step otherwise). The mma of an output element run in k order (the same
+// sums as one step at a time). 48 fragment registers; no kernel is register-bound at its
+// occupancy (one 256-thread block or two 128-thread blocks per SM).
 // kSplit: 3xTF32, each operand split into two tf32 terms, the product of the small ones dropped
 // (~fp32 accuracy, three mma per product; the default, Tuning::backward_split). With single tf32
 // products the fp32 gradients that sum dG with cancellation (dA_log, ddt_bias) measure up to
 // 3.5e-3 in emulation against ~1e-5.
+inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
 template <bool kSplit, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
@@ -167,29 +219,59 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
     for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const float* a0 = a + static_cast<int64_t>(m0 + g) * a_rs + static_cast<int64_t>(c) * a_cs;
     const float* a1 = a0 + static_cast<int64_t>(8) * a_rs;
-    for (int k0 = 0; k0 < Kd; k0 += 8) {
+    const float* b0 = b + static_cast<int64_t>(c) * b_rs + static_cast<int64_t>(n0 + g) * b_cs;
+    // The raw fp32 fragments of k-step k0: av (A rows g, g + 8, columns c, c + 4), bv[j] (B rows
+    // c, c + 4 of n-tile j).
+    auto load = [&](int k0, float(&av)[4], float(&bv)[4][2]) {
       const int64_t ka = static_cast<int64_t>(k0) * a_cs, ka4 = ka + static_cast<int64_t>(4) * a_cs;
-      const float av[4] = {a0[ka], a1[ka], a0[ka4], a1[ka4]};
+      av[0] = a0[ka];
+      av[1] = a1[ka];
+      av[2] = a0[ka4];
+      av[3] = a1[ka4];
+      const float* bk = b0 + static_cast<int64_t>(k0) * b_rs;
+      const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        const int64_t nn = static_cast<int64_t>(8 * j) * b_cs;
+        bv[j][0] = j < nj ? bk[nn] : 0.f;
+        bv[j][1] = j < nj ? bk4[nn] : 0.f;
+      }
+    };
+    auto step = [&](const float(&av)[4], const float(&bv)[4][2]) {
       uint32_t af[4], al[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         af[e] = f32_to_tf32(av[e]);
         al[e] = f32_to_tf32(av[e] - __uint_as_float(af[e]));
       }
-      const float* bk = b + static_cast<int64_t>(k0 + c) * b_rs;
-      const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         if (j < nj) {
-          const int64_t nn = static_cast<int64_t>(n0 + 8 * j + g) * b_cs;
-          const float b0 = bk[nn], b1 = bk4[nn];
-          const uint32_t b0h = f32_to_tf32(b0), b1h = f32_to_tf32(b1);
+          const uint32_t b0h = f32_to_tf32(bv[j][0]), b1h = f32_to_tf32(bv[j][1]);
           if constexpr (kSplit) {
             mma_tf32(acc[j], al, b0h, b1h);
-            mma_tf32(acc[j], af, f32_to_tf32(b0 - __uint_as_float(b0h)),
-                     f32_to_tf32(b1 - __uint_as_float(b1h)));
+            mma_tf32(acc[j], af, f32_to_tf32(bv[j][0] - __uint_as_float(b0h)),
+                     f32_to_tf32(bv[j][1] - __uint_as_float(b1h)));
           }
           mma_tf32(acc[j], af, b0h, b1h);
+        }
+      }
+    };
+    // Step k reads set (k / 8) % kGemmStages, after the load of step k + 8 (kGemmStages - 1) into
+    // the set that step k - 8 freed.
+    float fa[kGemmStages][4], fb[kGemmStages][4][2];
+#pragma unroll
+    for (int s = 0; s + 1 < kGemmStages; ++s)
+      if (8 * s < Kd) load(8 * s, fa[s], fb[s]);
+    for (int k0 = 0; k0 < Kd; k0 += 8 * kGemmStages) {
+#pragma unroll
+      for (int s = 0; s < kGemmStages; ++s) {
+        const int k = k0 + 8 * s, kn = k + 8 * (kGemmStages - 1);
+        if (k < Kd) {
+          if (kn < Kd)
+            load(kn, fa[(s + kGemmStages - 1) % kGemmStages],
+                 fb[(s + kGemmStages - 1) % kGemmStages]);
+          step(fa[s], fb[s]);
         }
       }
     }
@@ -209,51 +291,63 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
 // Per-token preprocessing (spec section 2) of a chunk's tokens for value head hv, into shared
 // memory: qh, kh [64][128] (l2norm; q scaled), G [64][128] the cumulative log decay from the
 // chunk's start, bv[64] the activated beta. Rows t >= L: qh = kh = 0, bv = 0, G = G_{L-1}.
-// One warp per token row, four channels per lane.
+// One warp per token row, four channels per lane; a warp's loads of two rows issued together.
 __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, int hv, float* qh,
                                            float* kh, float* G, float* bv) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int h = hv / p.groups;
   const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
-  for (int t = warp; t < kC; t += nwarps) {
-    const bool live = t < c.L;
-    const int64_t tok = c.t0 + t;
-    float xq[4], xk[4];
-    float sq = 0.f, sk = 0.f;
+  float bias[4];
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = lane + 32 * e;
-      xq[e] = live ? load_any(p.q.data, p.q.dtype, p.q.offset(c.b, tok, h) + i) : 0.f;
-      xk[e] = live ? load_any(p.k.data, p.k.dtype, p.k.offset(c.b, tok, h) + i) : 0.f;
-      sq += xq[e] * xq[e];
-      sk += xk[e] * xk[e];
-      float a = 0.f;
-      if (live) {
-        const float gi = load_any(p.g.data, p.g.dtype, p.g.offset(c.b, tok, hv) + i);
-        const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
-        a = detail::log_decay<float>(p.gate, gi, expA, bias, p.lower_bound);
+  for (int e = 0; e < 4; ++e)
+    bias[e] = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + lane + 32 * e] : 0.f;
+  constexpr int kRows = 2;
+  for (int t0 = warp; t0 < kC; t0 += kRows * nwarps) {
+    float xq[kRows][4], xk[kRows][4], xg[kRows][4], xb[kRows];
+#pragma unroll
+    for (int r = 0; r < kRows; ++r) {
+      const int t = t0 + r * nwarps;
+      const bool live = t < c.L;
+      const int64_t tok = c.t0 + t;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = lane + 32 * e;
+        xq[r][e] = live ? load_any(p.q.data, p.q.dtype, p.q.offset(c.b, tok, h) + i) : 0.f;
+        xk[r][e] = live ? load_any(p.k.data, p.k.dtype, p.k.offset(c.b, tok, h) + i) : 0.f;
+        xg[r][e] = live ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, tok, hv) + i) : 0.f;
       }
-      G[t * kD + i] = a;
+      xb[r] = live && lane == 0 ? load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, tok, hv))
+                                : 0.f;
     }
-    sq = warp_sum(sq);
-    sk = warp_sum(sk);
-    const float fq =
-        p.use_qk_l2norm ? p.scale / sqrtf(sq + static_cast<float>(detail::kL2NormEps)) : p.scale;
-    const float fk =
-        p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
 #pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      qh[t * kD + lane + 32 * e] = xq[e] * fq;
-      kh[t * kD + lane + 32 * e] = xk[e] * fk;
-    }
-    if (lane == 0) {
-      float b = 0.f;
-      if (live)
-        b = detail::activate_beta<float>(
-            p.beta_logits, p.allow_neg_eigval,
-            load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, tok, hv)));
-      bv[t] = b;
+    for (int r = 0; r < kRows; ++r) {
+      const int t = t0 + r * nwarps;
+      if (t >= kC) break;
+      const bool live = t < c.L;
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = lane + 32 * e;
+        sq += xq[r][e] * xq[r][e];
+        sk += xk[r][e] * xk[r][e];
+        float a = 0.f;
+        if (live) a = detail::log_decay<float>(p.gate, xg[r][e], expA, bias[e], p.lower_bound);
+        G[t * kD + i] = a;
+      }
+      sq = warp_sum(sq);
+      sk = warp_sum(sk);
+      const float fq =
+          p.use_qk_l2norm ? p.scale / sqrtf(sq + static_cast<float>(detail::kL2NormEps)) : p.scale;
+      const float fk =
+          p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        qh[t * kD + lane + 32 * e] = xq[r][e] * fq;
+        kh[t * kD + lane + 32 * e] = xk[r][e] * fk;
+      }
+      if (lane == 0)
+        bv[t] = live ? detail::activate_beta<float>(p.beta_logits, p.allow_neg_eigval, xb[r]) : 0.f;
     }
   }
   __syncthreads();
@@ -321,6 +415,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   if (!c.valid) return;
   float* rec = P.rec + (slot * p.HV + hv) * static_cast<int64_t>(kRecFloats);
 
+  prefetch_rows(p, c, hv, nullptr);  // for load_chunk and (later) v
   load_chunk(p, c, hv, qh, kh, G, bv);
 
   // Diagonal 16 x 16 blocks of Aqk (s <= t) and Akk (s < t): a warp per pair, lanes over keys.
@@ -372,18 +467,29 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   __syncthreads();
 
-  // X = (I + diag(b) Akk)^-1, unit lower triangular, by forward substitution (fp32), a row at a
-  // time: X[t][j] = [t == j] - b_t sum_{j <= s < t} Akk[t][s] X[s][j].
+  // X = (I + diag(b) Akk)^-1, unit lower triangular, by forward substitution (fp32):
+  // X[t][j] = [t == j] - b_t sum_{j <= s < t} Akk[t][s] X[s][j], each sum in s order. Column
+  // oriented: once row s is final, every (t > s, j <= s) adds its term to a running sum in a
+  // register (thread tid: column tid % 64, rows tid / 64 + 4 l), and row s + 1 is complete; a
+  // barrier per row, the work of a row spread over the block.
+  static_assert(kPrepThreads == 4 * kC, "forward substitution: four row groups of 64 columns");
   for (int e = tid; e < kC * kC; e += kPrepThreads) X[e] = (e / kC == e % kC) ? 1.f : 0.f;
   __syncthreads();
-  for (int t = 1; t < kC; ++t) {
-    if (tid < t) {
-      const int j = tid;
-      float s = 0.f;
-      for (int u = j; u < t; ++u) s += Akk[t * kC + u] * X[u * kC + j];
-      X[t * kC + j] = -bv[t] * s;
+  {
+    const int j = tid % kC, t0 = tid / kC;
+    float run[kC / 4];
+#pragma unroll
+    for (int l = 0; l < kC / 4; ++l) run[l] = 0.f;
+    for (int s = 0; s + 1 < kC; ++s) {
+      const float xs = X[s * kC + j];  // final: row s, column j <= s
+#pragma unroll
+      for (int l = 0; l < kC / 4; ++l) {
+        const int t = t0 + 4 * l;
+        if (t > s && j <= s) run[l] += Akk[t * kC + s] * xs;
+        if (t == s + 1 && j <= s) X[t * kC + j] = -bv[t] * run[l];
+      }
+      __syncthreads();
     }
-    __syncthreads();
   }
 
   // W = X (b exp(G) k^), Ut = X (b v).
@@ -397,10 +503,18 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
                     [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
   __syncthreads();
   float* Vb = sc;
-  for (int e = tid; e < kTile; e += kPrepThreads) {
-    const int t = e / kD, j = e % kD;
-    Vb[e] =
-        t < c.L ? bv[t] * load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
+  for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {  // eight loads issued, then stored
+    float xv[8];
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + u * kPrepThreads, t = e / kD, j = e % kD;
+      xv[u] = t < c.L ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < 8; ++u) {
+      const int e = e0 + u * kPrepThreads;
+      Vb[e] = bv[e / kD] * xv[u];
+    }
   }
   __syncthreads();
   gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
@@ -424,10 +538,12 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 // 2, 3. The state passes (one block per sequence, value head and 32 value columns)
 // ---------------------------------------------------------------------------------------------
 
-// Copies `floats` floats (a multiple of 4, 16-byte aligned both sides) global -> shared.
+// Starts the copy of `floats` floats (a multiple of 4, 16-byte aligned both sides) global ->
+// shared: one 16-byte cp.async per unit, all of a thread's in flight at once (a memory latency per
+// copy, not per unit). Complete for the block after cp_async_wait_all() and a barrier.
 __device__ __forceinline__ void copy_in(float* dst, const float* src, int floats) {
   for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
-    *reinterpret_cast<float4*>(dst + e) = *reinterpret_cast<const float4*>(src + e);
+    cp_async_16(smem_addr(dst + e), src + e);
 }
 
 struct PassTask {
@@ -447,9 +563,14 @@ __device__ __forceinline__ PassTask pass_task(const Params& p) {
   return t;
 }
 
+// Both passes: two blocks per SM fit in shared memory (2 x (112.5 + 1) KB of 228 KB), hence the
+// launch bound's minimum of 2, which gives ptxas up to 255 registers (with the maximum alone it
+// spilled at 72). Each step starts its record copies into shared memory as cp.async (all in
+// flight at once) from L2, where the prefetch kPassPrefetch steps earlier put them.
+
 // S at every chunk start: S <- diag(exp(G_L)) S + Kd^T (Ut - W S).
 template <bool kSplit>
-__global__ void __launch_bounds__(kPassThreads)
+__global__ void __launch_bounds__(kPassThreads, 2)
     bwd_states_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
@@ -461,6 +582,15 @@ __global__ void __launch_bounds__(kPassThreads)
   float* gl = U + 2 * kC * kSlice;            // [128]
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
+  // The record parts of a chunk that a step reads: W and Ut (adjacent), Kd, exp(G_L).
+  auto prefetch_chunk = [&](int64_t ch) {
+    if (ch >= t.chunks) return;
+    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+    prefetch_floats(rec + kRecW, 2 * kTile, 0);
+    prefetch_floats(rec + kRecKd, kTile, 2);
+    prefetch_floats(rec + kRecGL, kD, 3);
+  };
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
     S[e] = p.initial_state.data != nullptr
@@ -472,12 +602,14 @@ __global__ void __launch_bounds__(kPassThreads)
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
     const float* rec = P.rec + rs * kRecFloats;
     float* out = P.states + rs * kStateFloats;
+    prefetch_chunk(ch + kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    for (int e = tid; e < kD * kSlice; e += kPassThreads)
-      out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[e];
     copy_in(Ws, rec + kRecW, kTile);
     copy_in(Kds, rec + kRecKd, kTile);
     copy_in(gl, rec + kRecGL, kD);
+    for (int e = tid; e < kD * kSlice; e += kPassThreads)
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[e];
+    cp_async_wait_all();
     __syncthreads();
     gemm_tf32<kSplit>(kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1, [&](int m, int n, float v) {
       U[m * kSlice + n] = rec[kRecUt + m * kD + t.j0 + n] - v;
@@ -492,7 +624,7 @@ __global__ void __launch_bounds__(kPassThreads)
 
 // dS' of every chunk (stored before the chunk is reversed) and d_initial_state.
 template <bool kSplit>
-__global__ void __launch_bounds__(kPassThreads)
+__global__ void __launch_bounds__(kPassThreads, 2)
     bwd_dstates_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
@@ -507,6 +639,23 @@ __global__ void __launch_bounds__(kPassThreads)
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
   const StateView& df = P.d_final_state;
+  // What a step reads from global memory: the record parts Qg, Kd, Aqk (adjacent), W, exp(G_L),
+  // and the chunk's rows of dO (this block's 32 columns).
+  auto prefetch_chunk = [&](int64_t ch) {
+    if (ch < 0) return;
+    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+    prefetch_floats(rec + kRecQg, 2 * kTile + kC * kC, 0);
+    prefetch_floats(rec + kRecW, kTile, 3);
+    prefetch_floats(rec + kRecGL, kD, 4);
+    const int r = tid - 32;  // a thread per row: lanes of warp 1 and 2
+    if (P.d_out.data != nullptr && r >= 0 && r < kC && ch * kC + r < t.sp.len) {
+      const int esize = P.d_out.dtype == kF32 ? 4 : 2;
+      const uint8_t* row = static_cast<const uint8_t*>(P.d_out.data) +
+                           (P.d_out.offset(t.sp.b, t.sp.bos + ch * kC + r, t.hv) + t.j0) * esize;
+      prefetch_lines(row, kSlice * esize);
+    }
+  };
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(t.chunks - 1 - ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
     D[e] = df.data != nullptr
@@ -519,20 +668,27 @@ __global__ void __launch_bounds__(kPassThreads)
     float* out = P.dstates + rs * kStateFloats;
     const int64_t tok0 = t.sp.bos + ch * kC;
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
+    prefetch_chunk(ch - kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    for (int e = tid; e < kD * kSlice; e += kPassThreads)
-      out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[e];
     copy_in(Qgs, rec + kRecQg, kTile);
     copy_in(Kds, rec + kRecKd, kTile);
     copy_in(Aqks, rec + kRecAqk, kC * kC);
     copy_in(gl, rec + kRecGL, kD);
-    for (int e = tid; e < kC * kSlice; e += kPassThreads) {
-      const int r = e / kSlice, j = t.j0 + e % kSlice;
-      dO[e] =
-          P.d_out.data != nullptr && r < L
-              ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
-              : 0.f;
+    for (int e = tid; e < kD * kSlice; e += kPassThreads)
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[e];
+    // dO: a thread's loads all issued before its stores.
+    constexpr int kPer = kC * kSlice / kPassThreads;
+    float x[kPer];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int e = tid + u * kPassThreads, r = e / kSlice, j = t.j0 + e % kSlice;
+      x[u] = P.d_out.data != nullptr && r < L
+                 ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
+                 : 0.f;
     }
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) dO[tid + u * kPassThreads] = x[u];
+    cp_async_wait_all();
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
     gemm_tf32<kSplit>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
@@ -629,18 +785,35 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     float* dqh = P.dqk + task * (2 * kTile);  // dq^ (first dQg)
     float* dkh = dqh + kTile;                 // dk^ (first dKd)
 
+    // L2 prefetch of what the task reads from the workspace, about in the order of use: the
+    // record's W and Ut, S, the record's Kd .. exp(G_L), dS' (272 KB, the task's own footprint).
+    // W, Ut and S were prefetched by the block's previous task (below): L2 hits then.
+    prefetch_floats(rec + kRecW, 2 * kTile, 0);
+    prefetch_floats(S, kStateFloats, 2);
+    prefetch_floats(rec + kRecKd, kRecFloats - kRecKd, 4);
+    prefetch_floats(D, kStateFloats, 7);
     load_chunk(p, c, hv, qh, kh, G, bv);
-    for (int e = tid; e < kTile; e += kChunkThreads) {
-      const int t = e / kD, j = e % kD;
-      const bool live = t < c.L;
-      const float v = live ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
-      sV[e] = v;
-      sVb[e] = bv[t] * v;
-      sdO[e] = live && P.d_out.data != nullptr
-                   ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(c.b, c.t0 + t, hv) + j)
-                   : 0.f;
-      sKb[e] = bv[t] * expf(G[e]) * kh[e];
-      dG[e] = 0.f;
+    // v, dO: a thread's loads of eight elements issued before their stores.
+    for (int e0 = tid; e0 < kTile; e0 += 8 * kChunkThreads) {
+      float xv[8], xo[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = e0 + u * kChunkThreads, t = e / kD, j = e % kD;
+        const bool live = t < c.L;
+        xv[u] = live ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
+        xo[u] = live && P.d_out.data != nullptr
+                    ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(c.b, c.t0 + t, hv) + j)
+                    : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = e0 + u * kChunkThreads, t = e / kD;
+        sV[e] = xv[u];
+        sVb[e] = bv[t] * xv[u];
+        sdO[e] = xo[u];
+        sKb[e] = bv[t] * expf(G[e]) * kh[e];
+        dG[e] = 0.f;
+      }
     }
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
     __syncthreads();
@@ -720,6 +893,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           const int j = lane + 32 * e;
           store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j, b * sVb[t * kD + j]);
         }
+    }
+    // The record and states are no longer read: L2 prefetch of what the block's next task reads
+    // first (its W, Ut and S, its token rows), so that its start does not wait on HBM. Not all of
+    // it: a whole task's workspace part (272 KB) per block on top of the live scratch would
+    // exceed the L2 (132 x (272 + 224) KB against the H200's 50 MB).
+    if (task + gridDim.x < tasks) {
+      const int64_t next = task + gridDim.x;
+      const ChunkTask nc = chunk_task(p, next / p.HV);
+      if (nc.valid) {
+        prefetch_floats(P.rec + next * kRecFloats + kRecW, 2 * kTile, 0);
+        prefetch_floats(P.states + next * kStateFloats, kStateFloats, 2);
+        prefetch_rows(p, nc, static_cast<int>(next % p.HV), &P.d_out);
+      }
     }
     __syncthreads();
     // Elementwise: dK~ = b dKb; dG = Qg dQg + K~ dK~ - Kd dKd; dq^ = exp(G) dQg;
@@ -822,16 +1008,26 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
       const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
       float run = 0.f, ddt = 0.f, dA = 0.f;
-      for (int t = last; t >= 0; --t) {
-        run += dG[t * kD + i];
-        const float graw = load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t, hv) + i);
-        float dadg, dadA;
-        gate_derivatives(p, graw, expA, bias, &dadg, &dadA);
-        const float dg = run * dadg;
-        ddt += dg;
-        dA += run * dadA;
-        if (P.dg.data != nullptr)
-          store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
+      for (int t0 = last; t0 >= 0; t0 -= 8) {  // the gate inputs of eight tokens loaded at once
+        float graw[8];
+#pragma unroll
+        for (int u = 0; u < 8; ++u)
+          graw[u] = t0 - u >= 0
+                        ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t0 - u, hv) + i)
+                        : 0.f;
+#pragma unroll
+        for (int u = 0; u < 8; ++u) {
+          const int t = t0 - u;
+          if (t < 0) break;
+          run += dG[t * kD + i];
+          float dadg, dadA;
+          gate_derivatives(p, graw[u], expA, bias, &dadg, &dadA);
+          const float dg = run * dadg;
+          ddt += dg;
+          dA += run * dadA;
+          if (P.dg.data != nullptr)
+            store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
+        }
       }
       part[i] = p.gate == detail::kGatePrecomputed ? 0.f : ddt;
       misc[i] = dA;

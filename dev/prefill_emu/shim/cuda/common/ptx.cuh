@@ -152,6 +152,7 @@ inline void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
 }
 inline void cp_async_16(uint32_t dst, const void* src) { cp_async_16_zfill(dst, src, 16); }
 inline void cp_async_commit() {}
+inline void cp_async_wait_all() {}  // copies complete at issue
 }  // namespace kda::cuda::pf
 namespace kda::cuda {
 inline void pdl_prologue() {}  // no dependent grids on the CPU
@@ -222,8 +223,14 @@ inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_
   EMU_CHECK(m->tx >= 0, "bulk copy: more bytes than the barrier expects");
   mbar_complete_if_done(m);
 }
+inline void prefetch_l2(const void*) {}  // a line prefetch never faults: nothing to check
+// The range's first and last bytes are read, so that a prefetch outside an allocation shows up.
 inline void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   EMU_CHECK(reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0, "prefetch misaligned");
+  EMU_CHECK(bytes > 0, "empty prefetch");
+  const volatile uint8_t* b = static_cast<const uint8_t*>(src);
+  (void)b[0];
+  (void)b[bytes - 1];
 }
 // wgmma (sm_90a), emulated: products complete at issue, so fence/commit/wait are no-ops. Each warp
 // of the warpgroup computes its own 16 rows (16w..16w+15) from its own A fragment, so a warp-level
