@@ -3,8 +3,9 @@
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
 # hostcost racecheck backward profile srcprofile (default: build demo tests sanitize bench fla python
 # hostcost). backward: the CUDA backward's tests under memcheck, racecheck and synccheck, then
-# forward + backward against FLA (bench/peers/fla_train_bench.py; TRAIN_ACCURACY=1 adds the
-# gradient error table; needs the kda package installed, e.g. by the python stage first).
+# forward + backward against FLA with kda's per-kernel GPU times (bench/peers/fla_train_bench.py
+# --profile; TRAIN_ACCURACY=1 adds the gradient error table; needs the kda package installed,
+# e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
@@ -124,7 +125,7 @@ if has backward; then
       note "$tool (backward) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/backward_$tool.log" | tail -1)"
     done
   fi
-  args=(); [ "${TRAIN_ACCURACY:-0}" = 1 ] && args=(--accuracy)
+  args=(--profile); [ "${TRAIN_ACCURACY:-0}" = 1 ] && args+=(--accuracy)
   PYTHONPATH=$site timeout 500 python3 bench/peers/fla_train_bench.py "${args[@]}" --json "$OUT/train.json" >"$OUT/fla_train.log" 2>&1
   note "train bench rc=$?"
 fi
