@@ -83,6 +83,17 @@ def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, C
                            dt_bias=p["dt_bias"], gate="lower_bound", beta_logits=True,
                            initial_state=p["h0"], output_final_state=True, num_threads=nt)
 
+    def prefill_given() -> Any:  # the same call with both outputs preallocated
+        return kda.prefill(p["q"], p["k"], p["v"], p["g"], p["beta"], A_log=p["A_log"],
+                           dt_bias=p["dt_bias"], gate="lower_bound", beta_logits=True,
+                           initial_state=p["h0"], final_state=ht, out=out, num_threads=nt)
+
+    def prefill_out_given() -> Any:  # only the final state allocated
+        return kda.prefill(p["q"], p["k"], p["v"], p["g"], p["beta"], A_log=p["A_log"],
+                           dt_bias=p["dt_bias"], gate="lower_bound", beta_logits=True,
+                           initial_state=p["h0"], output_final_state=True, out=out,
+                           num_threads=nt)
+
     def fwd() -> Any:
         return kda.fwd(p["q"], p["k"], p["v"], p["g"], p["beta"], None, out, p["A_log"],
                        p["dt_bias"], -5.0, initial_state=p["h0"], final_state=ht)
@@ -92,7 +103,8 @@ def kda_calls(p: Dict[str, Any], d: Dict[str, Any], threads: int) -> Dict[str, C
                           A_log=d["A_log"], dt_bias=d["dt_bias"], state_indices=d["slots"],
                           gate="softplus", beta_logits=True, num_threads=nt)
 
-    return {"kda.prefill": prefill, "kda.fwd": fwd, "kda.decode": decode}
+    return {"kda.prefill": prefill, "kda.prefill (out given)": prefill_out_given,
+            "kda.prefill (outputs given)": prefill_given, "kda.fwd": fwd, "kda.decode": decode}
 
 
 def breakdown_calls(p: Dict[str, Any], d: Dict[str, Any],
