@@ -280,8 +280,9 @@ TEST(PrefillHeuristics, PlanUnderTuning) {
           << seg << " " << vs;
 }
 
-// A call of weak decay (the lower-bound gate with a bound above kChunk16MinDecayBound) keeps
-// 64-token records on the cases whose default is the 16-token path, unless 16 are forced.
+// A call that may be of weak decay (the lower-bound gate with a bound above
+// kChunk16MinDecayBound, any softplus or precomputed gate) keeps 64-token records on the cases
+// whose default is the 16-token path, unless 16 are forced.
 TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
   using cuda::pf::kChunk16MinDecayBound;
   using cuda::pf::prefill_plan;
@@ -290,7 +291,7 @@ TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
   EXPECT_TRUE(weak_decay_gate(true, kChunk16MinDecayBound + 0.01));
   EXPECT_FALSE(weak_decay_gate(true, kChunk16MinDecayBound));
   EXPECT_FALSE(weak_decay_gate(true, -5.0));
-  EXPECT_FALSE(weak_decay_gate(false, -0.05));  // softplus / precomputed: data-dependent
+  EXPECT_TRUE(weak_decay_gate(false, -5.0));  // softplus / precomputed: decay from the data
   const detail::Tuning t = tuning({});
   struct Shape {
     bool varlen;
