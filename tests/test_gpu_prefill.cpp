@@ -22,6 +22,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "core/kda_math.h"
@@ -495,9 +496,9 @@ TEST(GpuPrefillWgmma, MatchesReferenceWithAndWithout) {
   }
 }
 
-// The chunk-16 path (16-token records and recurrence steps; the default at vs = 128, forced here by
-// Tuning::prefill_chunk = 16 at vs = 64 too) on the same configurations, with sequences of 15, 16
-// and 17 tokens around the step length.
+// The chunk-16 path (16-token records and recurrence steps; the default at vs = 128 for a
+// lower-bound gate, forced here by Tuning::prefill_chunk = 16 at vs = 64 too) on the same
+// configurations, with sequences of 15, 16 and 17 tokens around the step length.
 TEST(GpuPrefillChunk16, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_chunk = 16; }));
@@ -728,6 +729,30 @@ TEST(GpuPrefill, BitwiseDeterministic) {
 // recurrence. Gate: lower bound -5 (A_log, dt_bias ~ U(0, 1)), the softplus form, weak decay.
 constexpr double kOutputBar = 2.5e-3, kStateBar = 2.0e-3;
 
+// The accuracy check of case A's shape: the initial state halved (bf16-exact), the CUDA prefill
+// against the fp64 reference, the output within out_bar and the final state within kStateBar.
+void check_accuracy(PrefillData d, const char* name, double out_bar) {
+  for (int64_t i = 0; i < d.h0.numel(); ++i)
+    d.h0.set(i, detail::bf16_bits_to_float(
+                    detail::float_to_bf16_bits(static_cast<float>(0.5 * d.h0.get(i)))));
+  const PrefillData ref = run_reference(d);
+  const GpuResult r = run_cuda(d);
+  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
+  const Compare co = compare(r.out, ref.out, out_bar), cs = compare(r.ht, ref.ht, kStateBar);
+  std::printf("  %s: output rel L2 %.3e, final state rel L2 %.3e\n", name, co.rel_l2, cs.rel_l2);
+  EXPECT_TRUE(co.ok(out_bar)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
+  EXPECT_TRUE(cs.ok(kStateBar)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
+}
+
+// The 16-token path forced, one segment per sequence.
+detail::Tuning chunk16_tuning() {
+  return tuned([](detail::Tuning& t) {
+    t.prefill_vs = 128;
+    t.prefill_chunk = 16;
+    t.prefill_segment = -1;
+  });
+}
+
 void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
                      int64_t tokens = 8192, int64_t heads = 8) {
   PrefillCase c = base_case();
@@ -740,19 +765,10 @@ void accuracy_case_a(GateForm gate, double lower_bound, const char* label = "",
   c.seed = 2026;
   // The 16-token path under weak decay: the known output gap (see CaseAChunk16 below).
   const double out_bar = lower_bound > -1.0 && takes_chunk16(c) ? 4.5e-3 : kOutputBar;
-  const double state_bar = kStateBar;
-  PrefillData d = make_prefill(c);
-  for (int64_t i = 0; i < d.h0.numel(); ++i)
-    d.h0.set(i, detail::bf16_bits_to_float(
-                    detail::float_to_bf16_bits(static_cast<float>(0.5 * d.h0.get(i)))));
-  const PrefillData ref = run_reference(d);
-  const GpuResult r = run_cuda(d);
-  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
-  const Compare co = compare(r.out, ref.out, out_bar), cs = compare(r.ht, ref.ht, state_bar);
-  std::printf("  case A%s (gate %d, lb %g): output rel L2 %.3e, final state rel L2 %.3e\n", label,
-              static_cast<int>(gate), lower_bound, co.rel_l2, cs.rel_l2);
-  EXPECT_TRUE(co.ok(out_bar)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
-  EXPECT_TRUE(cs.ok(state_bar)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
+  char name[96];
+  std::snprintf(name, sizeof(name), "case A%s (gate %d, lb %g)", label, static_cast<int>(gate),
+                lower_bound);
+  check_accuracy(make_prefill(c), name, out_bar);
 }
 
 TEST(GpuPrefillAccuracy, CaseALowerBound) {
@@ -776,11 +792,7 @@ TEST(GpuPrefillAccuracy, CaseAWeakDecay) {
 // (docs/design.md, section 6).
 TEST(GpuPrefillAccuracy, CaseAChunk16) {
   KDA_SKIP_WITHOUT_SM90();
-  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
-    t.prefill_vs = 128;
-    t.prefill_chunk = 16;
-    t.prefill_segment = -1;
-  }));
+  const detail::ScopedTuning scope(chunk16_tuning());
   accuracy_case_a(GateForm::kLowerBound, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kSoftplus, -5.0, ", chunk 16");
   accuracy_case_a(GateForm::kLowerBound, -0.05, ", chunk 16");
@@ -807,17 +819,7 @@ void accuracy_kimi_gate(const char* label, double out_bar) {
     const double dt = std::exp(std::log(1e-3) + (std::log(0.1) - std::log(1e-3)) * u(rng));
     d.dt_bias.set(i, std::log(std::expm1(dt)));
   }
-  for (int64_t i = 0; i < d.h0.numel(); ++i)
-    d.h0.set(i, detail::bf16_bits_to_float(
-                    detail::float_to_bf16_bits(static_cast<float>(0.5 * d.h0.get(i)))));
-  const PrefillData ref = run_reference(d);
-  const GpuResult r = run_cuda(d);
-  ASSERT_TRUE(r.status.ok()) << r.status.to_string();
-  const Compare co = compare(r.out, ref.out, out_bar), cs = compare(r.ht, ref.ht, kStateBar);
-  std::printf("  Kimi gate init%s: output rel L2 %.3e, final state rel L2 %.3e\n", label, co.rel_l2,
-              cs.rel_l2);
-  EXPECT_TRUE(co.ok(out_bar)) << "output rel_l2 " << co.rel_l2 << co.first_mismatches;
-  EXPECT_TRUE(cs.ok(kStateBar)) << "final state rel_l2 " << cs.rel_l2 << cs.first_mismatches;
+  check_accuracy(std::move(d), (std::string("Kimi gate init") + label).c_str(), out_bar);
 }
 
 TEST(GpuPrefillAccuracy, KimiGateInit) {
@@ -826,11 +828,7 @@ TEST(GpuPrefillAccuracy, KimiGateInit) {
 }
 TEST(GpuPrefillAccuracy, KimiGateInitChunk16) {
   KDA_SKIP_WITHOUT_SM90();
-  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
-    t.prefill_vs = 128;
-    t.prefill_chunk = 16;
-    t.prefill_segment = -1;
-  }));
+  const detail::ScopedTuning scope(chunk16_tuning());
   accuracy_kimi_gate(", chunk 16", 4.5e-3);
 }
 
