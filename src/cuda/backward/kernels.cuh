@@ -56,7 +56,7 @@ inline constexpr int kPartFloats = kD + 4;         // ddt_bias partial [128], dA
 inline constexpr int kScratchTiles = 7;            // bwd_chunk_kernel's per-block tiles
 inline constexpr int kScratchFloats = kScratchTiles * kTile;
 
-inline constexpr int kPrepThreads = 256, kChunkThreads = 256, kPassThreads = 128, kQkThreads = 256;
+inline constexpr int kPrepThreads = 512, kChunkThreads = 512, kPassThreads = 128, kQkThreads = 256;
 inline constexpr int kParamThreads = 128;
 inline constexpr int kSlice = 32;  // value columns per pass block
 inline constexpr int kSlices = kD / kSlice;
@@ -66,7 +66,10 @@ inline constexpr int kPassPrefetch = 2;
 // Shared memory (floats) of the kernels.
 inline constexpr int kPrepSmemFloats = 3 * kTile + 3 * kC * kC + 12288 + 2 * kC;
 inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
-inline constexpr int kChunkSmemFloats = 4 * kTile + 4 * kC * kC + 4 * kD + 2 * kC;
+// bwd_chunk_kernel's row groups of the elementwise pass (a thread per key column in each).
+inline constexpr int kChunkRowGroups = kChunkThreads / kD;
+inline constexpr int kChunkSmemFloats =
+    4 * kTile + 4 * kC * kC + (2 + kChunkRowGroups) * kD + 2 * kC;
 inline constexpr int kPrepSmemBytes = kPrepSmemFloats * 4;
 inline constexpr int kPassSmemBytes = kPassSmemFloats * 4;
 inline constexpr int kChunkSmemBytes = kChunkSmemFloats * 4;
@@ -470,21 +473,22 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   // X = (I + diag(b) Akk)^-1, unit lower triangular, by forward substitution (fp32):
   // X[t][j] = [t == j] - b_t sum_{j <= s < t} Akk[t][s] X[s][j], each sum in s order. Column
   // oriented: once row s is final, every (t > s, j <= s) adds its term to a running sum in a
-  // register (thread tid: column tid % 64, rows tid / 64 + 4 l), and row s + 1 is complete; a
-  // barrier per row, the work of a row spread over the block.
-  static_assert(kPrepThreads == 4 * kC, "forward substitution: four row groups of 64 columns");
+  // register (thread tid: column tid % 64, rows tid / 64 + kGroups l), and row s + 1 is
+  // complete; a barrier per row, the work of a row spread over the block.
+  constexpr int kGroups = kPrepThreads / kC;
+  static_assert(kPrepThreads % kC == 0 && kC % kGroups == 0, "forward substitution row groups");
   for (int e = tid; e < kC * kC; e += kPrepThreads) X[e] = (e / kC == e % kC) ? 1.f : 0.f;
   __syncthreads();
   {
     const int j = tid % kC, t0 = tid / kC;
-    float run[kC / 4];
+    float run[kC / kGroups];
 #pragma unroll
-    for (int l = 0; l < kC / 4; ++l) run[l] = 0.f;
+    for (int l = 0; l < kC / kGroups; ++l) run[l] = 0.f;
     for (int s = 0; s + 1 < kC; ++s) {
       const float xs = X[s * kC + j];  // final: row s, column j <= s
 #pragma unroll
-      for (int l = 0; l < kC / 4; ++l) {
-        const int t = t0 + 4 * l;
+      for (int l = 0; l < kC / kGroups; ++l) {
+        const int t = t0 + kGroups * l;
         if (t > s && j <= s) run[l] += Akk[t * kC + s] * xs;
         if (t == s + 1 && j <= s) X[t * kC + j] = -bv[t] * run[l];
       }
@@ -748,15 +752,15 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kTile;
   float* G = kh + kTile;
   float* dG = G + kTile;
-  float* dAqk = dG + kTile;      // [64][64]
-  float* dAkk = dAqk + kC * kC;  // [64][64] (dM first)
-  float* dX = dAkk + kC * kC;    // [64][64]
-  float* T1 = dX + kC * kC;      // [64][64]
-  float* dgl = T1 + kC * kC;     // [128] exp(G_L) * rowsum(S * dS')
-  float* pgl = dgl + kD;         // [2][128] partial sums of Kd * dKd over t
-  float* misc = pgl + 2 * kD;    // [128]
-  float* bv = misc + kD;         // [64]
-  float* db = bv + kC;           // [64]
+  float* dAqk = dG + kTile;                  // [64][64]
+  float* dAkk = dAqk + kC * kC;              // [64][64] (dM first)
+  float* dX = dAkk + kC * kC;                // [64][64]
+  float* T1 = dX + kC * kC;                  // [64][64]
+  float* dgl = T1 + kC * kC;                 // [128] exp(G_L) * rowsum(S * dS')
+  float* pgl = dgl + kD;                     // [row groups][128] partial sums of Kd * dKd over t
+  float* misc = pgl + kChunkRowGroups * kD;  // [128]
+  float* bv = misc + kD;                     // [64]
+  float* db = bv + kC;                       // [64]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
@@ -911,10 +915,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // Elementwise: dK~ = b dKb; dG = Qg dQg + K~ dK~ - Kd dKd; dq^ = exp(G) dQg;
     // dk^ = exp(G) dK~ + exp(G_L - G) dKd; sum_t Kd dKd for G_L.
     {
-      const int i = tid & (kD - 1), half = tid >> 7;
+      const int i = tid & (kD - 1), part_t = tid >> 7;
+      constexpr int kRows = kC / kChunkRowGroups;
       const float gLi = G[(kC - 1) * kD + i];
       float acc = 0.f;
-      for (int t = half * 32; t < half * 32 + 32; ++t) {
+      for (int t = part_t * kRows; t < part_t * kRows + kRows; ++t) {
         const int e = t * kD + i;
         const float eg = expf(G[e]), el = expf(gLi - G[e]);
         const float dKt = bv[t] * sKb[e];
@@ -925,41 +930,46 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         dqh[e] = eg * dQg;
         dkh[e] = eg * dKt + el * dKd;
       }
-      pgl[half * kD + i] = acc;
+      pgl[part_t * kD + i] = acc;
     }
     __syncthreads();
     // Intra-chunk products, diagonal blocks: a thread per (key i, row block J), per element
     // exp(G_t - G_s) (t >= s).
-    for (int rep = 0; rep < 2; ++rep) {
-      const int i = tid & (kD - 1), J = (tid >> 7) + 2 * rep, r = 16 * J;
-      float aq[16], akp[16], akm[16];
+    for (int rep = 0; rep < 4 * kD / kChunkThreads; ++rep) {
+      const int i = tid & (kD - 1), J = (tid >> 7) + kChunkThreads / kD * rep, r = 16 * J;
+      // Row t's sums (aq, akp) are complete after its inner loop; column s's (akm) after all rows.
+      float akm[16];
 #pragma unroll
-      for (int l = 0; l < 16; ++l) aq[l] = akp[l] = akm[l] = 0.f;
+      for (int l = 0; l < 16; ++l) akm[l] = 0.f;
 #pragma unroll
       for (int tt = 0; tt < 16; ++tt) {
         const int t = r + tt;
         const float gt = G[t * kD + i], qt = qh[t * kD + i], kt = kh[t * kD + i];
+        float aq = 0.f, akp = 0.f;
 #pragma unroll
         for (int ss = 0; ss <= tt; ++ss) {
           const int s = r + ss;
           const float E = expf(gt - G[s * kD + i]);
           const float ks = kh[s * kD + i] * E;
           const float wq = dAqk[t * kC + s];
-          aq[tt] += wq * ks;
+          aq += wq * ks;
           akm[ss] += wq * qt * E;
           if (ss < tt) {
             const float wk = dAkk[t * kC + s];
-            akp[tt] += wk * ks;
+            akp += wk * ks;
             akm[ss] += wk * kt * E;
           }
         }
+        const int e = t * kD + i;
+        dqh[e] += aq;
+        dkh[e] += akp;
+        dG[e] += qt * aq + kt * akp;
       }
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
         const int e = (r + l) * kD + i;
-        dqh[e] += aq[l];
-        dkh[e] += akp[l] + akm[l];
-        dG[e] += qh[e] * aq[l] + kh[e] * (akp[l] - akm[l]);
+        dkh[e] += akm[l];
+        dG[e] -= kh[e] * akm[l];
       }
     }
     // Off-diagonal blocks of row block J: rows r..r+15 against columns s < r.
@@ -1004,7 +1014,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     if (tid < kD) {
       const int i = tid;
       const int last = c.L - 1;
-      dG[last * kD + i] += pgl[i] + pgl[kD + i] + dgl[i];
+      float kdk = 0.f;
+#pragma unroll
+      for (int r = 0; r < kChunkRowGroups; ++r) kdk += pgl[r * kD + i];
+      dG[last * kD + i] += kdk + dgl[i];
       const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
       const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
       float run = 0.f, ddt = 0.f, dA = 0.f;
