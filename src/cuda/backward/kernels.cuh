@@ -206,8 +206,18 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 // (~fp32 accuracy, three mma per product; the default, Tuning::backward_split). With single tf32
 // products the fp32 gradients that sum dG with cancellation (dA_log, ddt_bias) measure up to
 // 3.5e-3 in emulation against ~1e-5.
+//
+// Swizzled shared-memory tiles (kSwA / kSwB): a tile with row stride R (a multiple of 32 floats)
+// holds element (r, c) at r * R + (c ^ swz(r)), which permutes column bits 2..4 by the row, so a
+// warp's fragment loads hit 32 different banks in either orientation of the operand (the
+// plain layout puts 4 or 8 lanes on one bank), and 4-float groups stay contiguous (16-byte
+// copies, sw_copy_in). Such an operand has unit stride on one side: rs == 1 (the tile's rows
+// are k) or cs == 1 (its rows are the operand's rows).
+__device__ __forceinline__ int swz(int r) { return ((r & 3) << 3) | (r & 4); }
+__device__ __forceinline__ int sw(int r, int c, int R) { return r * R + (c ^ swz(r)); }
+
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
-template <bool kSplit, typename Epi>
+template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -226,18 +236,45 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
     // The raw fp32 fragments of k-step k0: av (A rows g, g + 8, columns c, c + 4), bv[j] (B rows
     // c, c + 4 of n-tile j).
     auto load = [&](int k0, float(&av)[4], float(&bv)[4][2]) {
-      const int64_t ka = static_cast<int64_t>(k0) * a_cs, ka4 = ka + static_cast<int64_t>(4) * a_cs;
-      av[0] = a0[ka];
-      av[1] = a1[ka];
-      av[2] = a0[ka4];
-      av[3] = a1[ka4];
-      const float* bk = b0 + static_cast<int64_t>(k0) * b_rs;
-      const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
+      if constexpr (kSwA) {
+        const int r = m0 + g, k = k0 + c;
+        if (a_cs == 1) {
+          av[0] = a[sw(r, k, a_rs)];
+          av[1] = a[sw(r + 8, k, a_rs)];
+          av[2] = a[sw(r, k + 4, a_rs)];
+          av[3] = a[sw(r + 8, k + 4, a_rs)];
+        } else {
+          av[0] = a[sw(k, r, a_cs)];
+          av[1] = a[sw(k, r + 8, a_cs)];
+          av[2] = a[sw(k + 4, r, a_cs)];
+          av[3] = a[sw(k + 4, r + 8, a_cs)];
+        }
+      } else {
+        const int64_t ka = static_cast<int64_t>(k0) * a_cs,
+                      ka4 = ka + static_cast<int64_t>(4) * a_cs;
+        av[0] = a0[ka];
+        av[1] = a1[ka];
+        av[2] = a0[ka4];
+        av[3] = a1[ka4];
+      }
+      if constexpr (kSwB) {
+        const int k = k0 + c;
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        const int64_t nn = static_cast<int64_t>(8 * j) * b_cs;
-        bv[j][0] = j < nj ? bk[nn] : 0.f;
-        bv[j][1] = j < nj ? bk4[nn] : 0.f;
+        for (int j = 0; j < 4; ++j) {
+          const int n = n0 + 8 * j + g;
+          const bool rows_k = b_cs == 1;  // the tile's rows are k
+          bv[j][0] = j < nj ? b[rows_k ? sw(k, n, b_rs) : sw(n, k, b_cs)] : 0.f;
+          bv[j][1] = j < nj ? b[rows_k ? sw(k + 4, n, b_rs) : sw(n, k + 4, b_cs)] : 0.f;
+        }
+      } else {
+        const float* bk = b0 + static_cast<int64_t>(k0) * b_rs;
+        const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int64_t nn = static_cast<int64_t>(8 * j) * b_cs;
+          bv[j][0] = j < nj ? bk[nn] : 0.f;
+          bv[j][1] = j < nj ? bk4[nn] : 0.f;
+        }
       }
     };
     auto step = [&](const float(&av)[4], const float(&bv)[4][2]) {
@@ -376,19 +413,19 @@ __device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
 
 // The operands of row block r / 16 against the columns s < r, every factor <= 1:
 // Qr, Kr [16][128] = exp(G_t - G_r) q^_t, k^_t (t = r .. r + 15); Kc [r][128] = exp(G_r - G_s)
-// k^_s.
+// k^_s; all three swizzled (gemm_tf32).
 __device__ __forceinline__ void stage_row_block(const float* qh, const float* kh, const float* G,
                                                 int r, float* Qr, float* Kr, float* Kc) {
   const int n = static_cast<int>(blockDim.x);
   for (int e = static_cast<int>(threadIdx.x); e < 16 * kD; e += n) {
     const int t = r + e / kD, i = e % kD;
     const float f = expf(G[t * kD + i] - G[r * kD + i]);
-    Qr[e] = qh[t * kD + i] * f;
-    Kr[e] = kh[t * kD + i] * f;
+    Qr[sw(e / kD, i, kD)] = qh[t * kD + i] * f;
+    Kr[sw(e / kD, i, kD)] = kh[t * kD + i] * f;
   }
   for (int e = static_cast<int>(threadIdx.x); e < r * kD; e += n) {
     const int s = e / kD, i = e % kD;
-    Kc[e] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
+    Kc[sw(s, i, kD)] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
   }
 }
 
@@ -463,10 +500,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     __syncthreads();
     stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
     __syncthreads();
-    gemm_tf32<kSplit>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
-                      [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
-    gemm_tf32<kSplit>(16, r, kD, Kr, kD, 1, Kc, 1, kD,
-                      [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
+    gemm_tf32<kSplit, true, true>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
+                                  [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
+    gemm_tf32<kSplit, true, true>(16, r, kD, Kr, kD, 1, Kc, 1, kD,
+                                  [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
   }
   __syncthreads();
 
@@ -477,7 +514,9 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   // complete; a barrier per row, the work of a row spread over the block.
   constexpr int kGroups = kPrepThreads / kC;
   static_assert(kPrepThreads % kC == 0 && kC % kGroups == 0, "forward substitution row groups");
-  for (int e = tid; e < kC * kC; e += kPrepThreads) X[e] = (e / kC == e % kC) ? 1.f : 0.f;
+  // X is a swizzled tile (gemm_tf32).
+  for (int e = tid; e < kC * kC; e += kPrepThreads)
+    X[sw(e / kC, e % kC, kC)] = (e / kC == e % kC) ? 1.f : 0.f;
   __syncthreads();
   {
     const int j = tid % kC, t0 = tid / kC;
@@ -485,26 +524,26 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 #pragma unroll
     for (int l = 0; l < kC / kGroups; ++l) run[l] = 0.f;
     for (int s = 0; s + 1 < kC; ++s) {
-      const float xs = X[s * kC + j];  // final: row s, column j <= s
+      const float xs = X[sw(s, j, kC)];  // final: row s, column j <= s
 #pragma unroll
       for (int l = 0; l < kC / kGroups; ++l) {
         const int t = t0 + kGroups * l;
         if (t > s && j <= s) run[l] += Akk[t * kC + s] * xs;
-        if (t == s + 1 && j <= s) X[t * kC + j] = -bv[t] * run[l];
+        if (t == s + 1 && j <= s) X[sw(t, j, kC)] = -bv[t] * run[l];
       }
       __syncthreads();
     }
   }
 
   // W = X (b exp(G) k^), Ut = X (b v).
-  float* Kb = sc;  // [64][128]
+  float* Kb = sc;  // [64][128], swizzled
   for (int e = tid; e < kTile; e += kPrepThreads) {
     const int t = e / kD;
-    Kb[e] = bv[t] * expf(G[e]) * kh[e];
+    Kb[sw(t, e % kD, kD)] = bv[t] * expf(G[e]) * kh[e];
   }
   __syncthreads();
-  gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
-                    [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
+  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
+                                [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
   __syncthreads();
   float* Vb = sc;
   for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {  // eight loads issued, then stored
@@ -517,12 +556,12 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
       const int e = e0 + u * kPrepThreads;
-      Vb[e] = bv[e / kD] * xv[u];
+      Vb[sw(e / kD, e % kD, kD)] = bv[e / kD] * xv[u];  // swizzled
     }
   }
   __syncthreads();
-  gemm_tf32<kSplit>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
-                    [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
+  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
+                                [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
 
   const float* GL = G + (kC - 1) * kD;  // rows >= L repeat G_{L-1}
   for (int e = tid; e < kTile; e += kPrepThreads) {
@@ -533,7 +572,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   for (int e = tid; e < kC * kC; e += kPrepThreads) {
     rec[kRecAqk + e] = Aqk[e];
     rec[kRecAkk + e] = Akk[e];
-    rec[kRecX + e] = X[e];
+    rec[kRecX + e] = X[sw(e / kC, e % kC, kC)];
   }
   for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
 }
@@ -548,6 +587,13 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 __device__ __forceinline__ void copy_in(float* dst, const float* src, int floats) {
   for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
     cp_async_16(smem_addr(dst + e), src + e);
+}
+
+// copy_in into a swizzled tile of row stride R (see gemm_tf32): each 16-byte unit to its
+// permuted place in its row.
+__device__ __forceinline__ void sw_copy_in(float* dst, const float* src, int floats, int R) {
+  for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
+    cp_async_16(smem_addr(dst + sw(e / R, e % R, R)), src + e);
 }
 
 struct PassTask {
@@ -579,6 +625,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
+  // Swizzled tiles (gemm_tf32): S, Ws, Kds, U.
   float* S = reinterpret_cast<float*>(smem);  // [128][32]
   float* Ws = S + kD * kSlice;                // [64][128]
   float* Kds = Ws + kTile;                    // [64][128]
@@ -597,10 +644,11 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
-    S[e] = p.initial_state.data != nullptr
-               ? load_any(p.initial_state.data, p.initial_state.dtype,
-                          state_off(p.initial_state, p.kfirst, t.n, t.hv, i, j))
-               : 0.f;
+    S[sw(i, e % kSlice, kSlice)] =
+        p.initial_state.data != nullptr
+            ? load_any(p.initial_state.data, p.initial_state.dtype,
+                       state_off(p.initial_state, p.kfirst, t.n, t.hv, i, j))
+            : 0.f;
   }
   for (int64_t ch = 0; ch < t.chunks; ++ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
@@ -608,21 +656,22 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     float* out = P.states + rs * kStateFloats;
     prefetch_chunk(ch + kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    copy_in(Ws, rec + kRecW, kTile);
-    copy_in(Kds, rec + kRecKd, kTile);
+    sw_copy_in(Ws, rec + kRecW, kTile, kD);
+    sw_copy_in(Kds, rec + kRecKd, kTile, kD);
     copy_in(gl, rec + kRecGL, kD);
     for (int e = tid; e < kD * kSlice; e += kPassThreads)
-      out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[e];
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[sw(e / kSlice, e % kSlice, kSlice)];
     cp_async_wait_all();
     __syncthreads();
-    gemm_tf32<kSplit>(kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1, [&](int m, int n, float v) {
-      U[m * kSlice + n] = rec[kRecUt + m * kD + t.j0 + n] - v;
-    });
+    gemm_tf32<kSplit, true, true>(
+        kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1,
+        [&](int m, int n, float v) { U[sw(m, n, kSlice)] = rec[kRecUt + m * kD + t.j0 + n] - v; });
     __syncthreads();
+    // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) S[e] *= gl[e / kSlice];
     __syncthreads();
-    gemm_tf32<kSplit>(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
-                      [&](int m, int n, float v) { S[m * kSlice + n] += v; });
+    gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Kds, 1, kD, U, kSlice, 1,
+                                  [&](int m, int n, float v) { S[sw(m, n, kSlice)] += v; });
   }
 }
 
@@ -633,6 +682,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
+  // Swizzled tiles (gemm_tf32): all of them.
   float* D = reinterpret_cast<float*>(smem);  // [128][32]
   float* Qgs = D + kD * kSlice;               // [64][128]
   float* Kds = Qgs + kTile;                   // [64][128]
@@ -662,9 +712,9 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(t.chunks - 1 - ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
-    D[e] = df.data != nullptr
-               ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
-               : 0.f;
+    D[sw(i, e % kSlice, kSlice)] =
+        df.data != nullptr ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
+                           : 0.f;
   }
   for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
@@ -674,12 +724,12 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
     prefetch_chunk(ch - kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    copy_in(Qgs, rec + kRecQg, kTile);
-    copy_in(Kds, rec + kRecKd, kTile);
-    copy_in(Aqks, rec + kRecAqk, kC * kC);
+    sw_copy_in(Qgs, rec + kRecQg, kTile, kD);
+    sw_copy_in(Kds, rec + kRecKd, kTile, kD);
+    sw_copy_in(Aqks, rec + kRecAqk, kC * kC, kC);
     copy_in(gl, rec + kRecGL, kD);
     for (int e = tid; e < kD * kSlice; e += kPassThreads)
-      out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[e];
+      out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[sw(e / kSlice, e % kSlice, kSlice)];
     // dO: a thread's loads all issued before its stores.
     constexpr int kPer = kC * kSlice / kPassThreads;
     float x[kPer];
@@ -691,29 +741,34 @@ __global__ void __launch_bounds__(kPassThreads, 2)
                  : 0.f;
     }
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) dO[tid + u * kPassThreads] = x[u];
+    for (int u = 0; u < kPer; ++u) {
+      const int e = tid + u * kPassThreads;
+      dO[sw(e / kSlice, e % kSlice, kSlice)] = x[u];
+    }
     cp_async_wait_all();
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
-    gemm_tf32<kSplit>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
-                      [&](int m, int n, float v) { dU[m * kSlice + n] = v; });
-    gemm_tf32<kSplit>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
-                      [&](int m, int n, float v) { dU[m * kSlice + n] += v; });
+    gemm_tf32<kSplit, true, true>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+                                  [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
+    gemm_tf32<kSplit, true, true>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
+                                  [&](int m, int n, float v) { dU[sw(m, n, kSlice)] += v; });
     __syncthreads();
     // dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU
+    // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
-    gemm_tf32<kSplit>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
-                      [&](int m, int n, float v) { D[m * kSlice + n] += v; });
-    gemm_tf32<kSplit>(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
-                      [&](int m, int n, float v) { D[m * kSlice + n] -= v; });
+    gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+                                  [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
+    gemm_tf32<kSplit, false, true>(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
+                                   [&](int m, int n, float v) { D[sw(m, n, kSlice)] -= v; });
   }
   __syncthreads();
   const StateView& di = P.d_initial_state;
   if (di.data != nullptr)
     for (int e = tid; e < kD * kSlice; e += kPassThreads) {
       const int i = e / kSlice, j = t.j0 + e % kSlice;
-      store_any(di.data, di.dtype, state_off(di, p.kfirst, t.n, t.hv, i, j), D[e]);
+      store_any(di.data, di.dtype, state_off(di, p.kfirst, t.n, t.hv, i, j),
+                D[sw(i, e % kSlice, kSlice)]);
     }
 }
 
@@ -982,31 +1037,35 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
       __syncthreads();
       // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
-      gemm_tf32<kSplit>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
-        const int e = (r + m) * kD + n;
-        const float x = expf(G[e] - G[r * kD + n]) * v;
-        dqh[e] += x;
-        dG[e] += qh[e] * x;
-      });
-      gemm_tf32<kSplit>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1, [&](int m, int n, float v) {
-        const int e = (r + m) * kD + n;
-        const float x = expf(G[e] - G[r * kD + n]) * v;
-        dkh[e] += x;
-        dG[e] += kh[e] * x;
-      });
+      gemm_tf32<kSplit, false, true>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
+                                     [&](int m, int n, float v) {
+                                       const int e = (r + m) * kD + n;
+                                       const float x = expf(G[e] - G[r * kD + n]) * v;
+                                       dqh[e] += x;
+                                       dG[e] += qh[e] * x;
+                                     });
+      gemm_tf32<kSplit, false, true>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
+                                     [&](int m, int n, float v) {
+                                       const int e = (r + m) * kD + n;
+                                       const float x = expf(G[e] - G[r * kD + n]) * v;
+                                       dkh[e] += x;
+                                       dG[e] += kh[e] * x;
+                                     });
       // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
-      gemm_tf32<kSplit>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1, [&](int m, int n, float v) {
-        const int e = m * kD + n;
-        const float x = expf(G[r * kD + n] - G[e]) * v;
-        dkh[e] += x;
-        dG[e] -= kh[e] * x;
-      });
-      gemm_tf32<kSplit>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1, [&](int m, int n, float v) {
-        const int e = m * kD + n;
-        const float x = expf(G[r * kD + n] - G[e]) * v;
-        dkh[e] += x;
-        dG[e] -= kh[e] * x;
-      });
+      gemm_tf32<kSplit, false, true>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
+                                     [&](int m, int n, float v) {
+                                       const int e = m * kD + n;
+                                       const float x = expf(G[r * kD + n] - G[e]) * v;
+                                       dkh[e] += x;
+                                       dG[e] -= kh[e] * x;
+                                     });
+      gemm_tf32<kSplit, false, true>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
+                                     [&](int m, int n, float v) {
+                                       const int e = m * kD + n;
+                                       const float x = expf(G[r * kD + n] - G[e]) * v;
+                                       dkh[e] += x;
+                                       dG[e] -= kh[e] * x;
+                                     });
     }
     __syncthreads();
 
