@@ -807,6 +807,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kTile;
   float* G = kh + kTile;
   float* dG = G + kTile;
+  // Swizzled tiles (gemm_tf32): dAqk, dAkk, dX, T1.
   float* dAqk = dG + kTile;                  // [64][64]
   float* dAkk = dAqk + kC * kC;              // [64][64] (dM first)
   float* dX = dAkk + kC * kC;                // [64][64]
@@ -899,7 +900,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
     // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
-                      [&](int m, int n, float v) { dAqk[m * kC + n] = n <= m ? v : 0.f; });
+                      [&](int m, int n, float v) { dAqk[sw(m, n, kC)] = n <= m ? v : 0.f; });
     gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD,
                       [&](int m, int n, float v) { dkh[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
@@ -907,21 +908,21 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
     // dX = dW Kb^T + dU Vb^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
-                      [&](int m, int n, float v) { dX[m * kC + n] = v; });
+                      [&](int m, int n, float v) { dX[sw(m, n, kC)] = v; });
     gemm_tf32<kSplit>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
-                      [&](int m, int n, float v) { dX[m * kC + n] += v; });
+                      [&](int m, int n, float v) { dX[sw(m, n, kC)] += v; });
     __syncthreads();
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
     gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
                       [&](int m, int n, float v) { sKb[m * kD + n] = v; });
     gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
                       [&](int m, int n, float v) { sVb[m * kD + n] = v; });
-    gemm_tf32<kSplit>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
-                      [&](int m, int n, float v) { T1[m * kC + n] = v; });
+    gemm_tf32<kSplit, true, false>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
+                                   [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
     __syncthreads();
     // dM = -X^T T1 (strictly lower part used).
-    gemm_tf32<kSplit>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
-                      [&](int m, int n, float v) { dAkk[m * kC + n] = -v; });
+    gemm_tf32<kSplit, false, true>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
+                                   [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
     // dAkk = b_t dM (s < t); dv = b_t dVb.
@@ -930,7 +931,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int u = lane + 32 * e;
-        s += u < t ? dAkk[t * kC + u] * rec[kRecAkk + t * kC + u] : 0.f;
+        s += u < t ? dAkk[sw(t, u, kC)] * rec[kRecAkk + t * kC + u] : 0.f;
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -944,7 +945,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const int u = lane + 32 * e;
-        dAkk[t * kC + u] = u < t ? b * dAkk[t * kC + u] : 0.f;
+        dAkk[sw(t, u, kC)] = u < t ? b * dAkk[sw(t, u, kC)] : 0.f;
       }
       if (P.dv.data != nullptr && t < c.L)
 #pragma unroll
@@ -1006,11 +1007,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           const int s = r + ss;
           const float E = expf(gt - G[s * kD + i]);
           const float ks = kh[s * kD + i] * E;
-          const float wq = dAqk[t * kC + s];
+          const float wq = dAqk[sw(t, s, kC)];
           aq += wq * ks;
           akm[ss] += wq * qt * E;
           if (ss < tt) {
-            const float wk = dAkk[t * kC + s];
+            const float wk = dAkk[sw(t, s, kC)];
             akp += wk * ks;
             akm[ss] += wk * kt * E;
           }
@@ -1037,35 +1038,35 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
       __syncthreads();
       // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
-      gemm_tf32<kSplit, false, true>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
-                                     [&](int m, int n, float v) {
-                                       const int e = (r + m) * kD + n;
-                                       const float x = expf(G[e] - G[r * kD + n]) * v;
-                                       dqh[e] += x;
-                                       dG[e] += qh[e] * x;
-                                     });
-      gemm_tf32<kSplit, false, true>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
-                                     [&](int m, int n, float v) {
-                                       const int e = (r + m) * kD + n;
-                                       const float x = expf(G[e] - G[r * kD + n]) * v;
-                                       dkh[e] += x;
-                                       dG[e] += kh[e] * x;
-                                     });
+      gemm_tf32<kSplit, true, true>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = (r + m) * kD + n;
+                                      const float x = expf(G[e] - G[r * kD + n]) * v;
+                                      dqh[e] += x;
+                                      dG[e] += qh[e] * x;
+                                    });
+      gemm_tf32<kSplit, true, true>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = (r + m) * kD + n;
+                                      const float x = expf(G[e] - G[r * kD + n]) * v;
+                                      dkh[e] += x;
+                                      dG[e] += kh[e] * x;
+                                    });
       // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
-      gemm_tf32<kSplit, false, true>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
-                                     [&](int m, int n, float v) {
-                                       const int e = m * kD + n;
-                                       const float x = expf(G[r * kD + n] - G[e]) * v;
-                                       dkh[e] += x;
-                                       dG[e] -= kh[e] * x;
-                                     });
-      gemm_tf32<kSplit, false, true>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
-                                     [&](int m, int n, float v) {
-                                       const int e = m * kD + n;
-                                       const float x = expf(G[r * kD + n] - G[e]) * v;
-                                       dkh[e] += x;
-                                       dG[e] -= kh[e] * x;
-                                     });
+      gemm_tf32<kSplit, true, true>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = m * kD + n;
+                                      const float x = expf(G[r * kD + n] - G[e]) * v;
+                                      dkh[e] += x;
+                                      dG[e] -= kh[e] * x;
+                                    });
+      gemm_tf32<kSplit, true, true>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = m * kD + n;
+                                      const float x = expf(G[r * kD + n] - G[e]) * v;
+                                      dkh[e] += x;
+                                      dG[e] -= kh[e] * x;
+                                    });
     }
     __syncthreads();
 
