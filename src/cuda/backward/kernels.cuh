@@ -1074,43 +1074,35 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
       __syncthreads();
       // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
-      gemm_tf32<kSplit, true, true>(
-          16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
-          [&](int m, int n, float v, float old) {
-            const int e = (r + m) * kD + n;
-            const float x = expf(G[e] - G[r * kD + n]) * v;
-            dqh[e] = old + x;
-            dG[e] += qh[e] * x;
-          },
-          [&](int m, int n) { return dqh[(r + m) * kD + n]; });
-      gemm_tf32<kSplit, true, true>(
-          16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
-          [&](int m, int n, float v, float old) {
-            const int e = (r + m) * kD + n;
-            const float x = expf(G[e] - G[r * kD + n]) * v;
-            dkh[e] = old + x;
-            dG[e] += kh[e] * x;
-          },
-          [&](int m, int n) { return dkh[(r + m) * kD + n]; });
+      gemm_tf32<kSplit, true, true>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = (r + m) * kD + n;
+                                      const float x = expf(G[e] - G[r * kD + n]) * v;
+                                      dqh[e] += x;
+                                      dG[e] += qh[e] * x;
+                                    });
+      gemm_tf32<kSplit, true, true>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = (r + m) * kD + n;
+                                      const float x = expf(G[e] - G[r * kD + n]) * v;
+                                      dkh[e] += x;
+                                      dG[e] += kh[e] * x;
+                                    });
       // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
-      gemm_tf32<kSplit, true, true>(
-          r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
-          [&](int m, int n, float v, float old) {
-            const int e = m * kD + n;
-            const float x = expf(G[r * kD + n] - G[e]) * v;
-            dkh[e] = old + x;
-            dG[e] -= kh[e] * x;
-          },
-          [&](int m, int n) { return dkh[m * kD + n]; });
-      gemm_tf32<kSplit, true, true>(
-          r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
-          [&](int m, int n, float v, float old) {
-            const int e = m * kD + n;
-            const float x = expf(G[r * kD + n] - G[e]) * v;
-            dkh[e] = old + x;
-            dG[e] -= kh[e] * x;
-          },
-          [&](int m, int n) { return dkh[m * kD + n]; });
+      gemm_tf32<kSplit, true, true>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = m * kD + n;
+                                      const float x = expf(G[r * kD + n] - G[e]) * v;
+                                      dkh[e] += x;
+                                      dG[e] -= kh[e] * x;
+                                    });
+      gemm_tf32<kSplit, true, true>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
+                                    [&](int m, int n, float v) {
+                                      const int e = m * kD + n;
+                                      const float x = expf(G[r * kD + n] - G[e]) * v;
+                                      dkh[e] += x;
+                                      dG[e] -= kh[e] * x;
+                                    });
     }
     __syncthreads();
 
