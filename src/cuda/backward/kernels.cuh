@@ -23,8 +23,6 @@
 // take exp(G_t - G_s), t >= s, per element. Gates of -1000 give zeros, never inf or NaN.
 #pragma once
 
-#include <type_traits>
-
 #include "cuda/prefill/common.cuh"
 
 namespace kda::cuda::bw {
@@ -218,15 +216,10 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 __device__ __forceinline__ int swz(int r) { return ((r & 3) << 3) | (r & 4); }
 __device__ __forceinline__ int sw(int r, int c, int R) { return r * R + (c ^ swz(r)); }
 
-//
-// pre (optional): pre(m, n) gives a value per output element, all loaded before the epilogue
-// stores, which then gets it as a fourth argument: epi(m, n, v, pre(m, n)).
-struct NoPre {};
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
-template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi, typename Pre = NoPre>
+template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
-                                          const float* b, int b_rs, int b_cs, Epi&& epi,
-                                          Pre&& pre = NoPre{}) {
+                                          const float* b, int b_rs, int b_cs, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int g = lane >> 2, c = lane & 3;
@@ -322,40 +315,14 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
         }
       }
     }
-    if constexpr (std::is_same_v<std::decay_t<Pre>, NoPre>) {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < nj) {
-          const int n = n0 + 8 * j + 2 * c;
-          epi(m0 + g, n, acc[j][0]);
-          epi(m0 + g, n + 1, acc[j][1]);
-          epi(m0 + g + 8, n, acc[j][2]);
-          epi(m0 + g + 8, n + 1, acc[j][3]);
-        }
-      }
-    } else {
-      // Every element's pre(m, n) loaded before the first epilogue store (an epilogue's store
-      // could alias the next element's load, which would serialize their memory latencies).
-      float old[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < nj) {
-          const int n = n0 + 8 * j + 2 * c;
-          old[j][0] = pre(m0 + g, n);
-          old[j][1] = pre(m0 + g, n + 1);
-          old[j][2] = pre(m0 + g + 8, n);
-          old[j][3] = pre(m0 + g + 8, n + 1);
-        }
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < nj) {
-          const int n = n0 + 8 * j + 2 * c;
-          epi(m0 + g, n, acc[j][0], old[j][0]);
-          epi(m0 + g, n + 1, acc[j][1], old[j][1]);
-          epi(m0 + g + 8, n, acc[j][2], old[j][2]);
-          epi(m0 + g + 8, n + 1, acc[j][3], old[j][3]);
-        }
+    for (int j = 0; j < 4; ++j) {
+      if (j < nj) {
+        const int n = n0 + 8 * j + 2 * c;
+        epi(m0 + g, n, acc[j][0]);
+        epi(m0 + g, n + 1, acc[j][1]);
+        epi(m0 + g + 8, n, acc[j][2]);
+        epi(m0 + g + 8, n + 1, acc[j][3]);
       }
     }
   }
@@ -698,8 +665,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     __syncthreads();
     gemm_tf32<kSplit, true, true>(
         kC, kSlice, kD, Ws, kD, 1, S, kSlice, 1,
-        [&](int m, int n, float v, float ut) { U[sw(m, n, kSlice)] = ut - v; },
-        [&](int m, int n) { return rec[kRecUt + m * kD + t.j0 + n]; });
+        [&](int m, int n, float v) { U[sw(m, n, kSlice)] = rec[kRecUt + m * kD + t.j0 + n] - v; });
     __syncthreads();
     // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) S[e] *= gl[e / kSlice];
@@ -1002,38 +968,39 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       }
     }
     __syncthreads();
-    // Elementwise, with the intra-chunk products of the diagonal 16 x 16 blocks: a thread per
-    // (key i, row block J = rows r .. r + 15).
-    //   dK~ = b dKb;  dG = Qg dQg + K~ dK~ - Kd dKd;  dq^ = exp(G) dQg;
-    //   dk^ = exp(G) dK~ + exp(G_L - G) dKd;  sum_t Kd dKd for G_L;
-    // then the diagonal blocks' terms, per element exp(G_t - G_s) (t >= s): row t's sums (aq,
-    // akp) complete after its inner loop, column s's (akm) after all rows. The thread's dQg and
-    // dKd are loaded before its first store (a store could alias a later load, which would
-    // serialize their latencies; dKb too would exceed the 128 registers of 512 threads), its dk^
-    // rows reloaded together before akm is added. Written once: dq^; dk^ twice.
-    static_assert(kChunkRowGroups * 16 == kC, "a row group per diagonal block");
+    // Elementwise: dK~ = b dKb; dG = Qg dQg + K~ dK~ - Kd dKd; dq^ = exp(G) dQg;
+    // dk^ = exp(G) dK~ + exp(G_L - G) dKd; sum_t Kd dKd for G_L.
     {
-      const int i = tid & (kD - 1), J = tid >> 7, r = 16 * J;
+      const int i = tid & (kD - 1), part_t = tid >> 7;
+      constexpr int kRows = kC / kChunkRowGroups;
       const float gLi = G[(kC - 1) * kD + i];
-      float xq[16], xk[16];
-#pragma unroll
-      for (int l = 0; l < 16; ++l) {
-        const int e = (r + l) * kD + i;
-        xq[l] = dqh[e];
-        xk[l] = dkh[e];
+      float acc = 0.f;
+      for (int t = part_t * kRows; t < part_t * kRows + kRows; ++t) {
+        const int e = t * kD + i;
+        const float eg = expf(G[e]), el = expf(gLi - G[e]);
+        const float dKt = bv[t] * sKb[e];
+        const float dQg = dqh[e], dKd = dkh[e];
+        const float kdk = el * kh[e] * dKd;
+        dG[e] = eg * qh[e] * dQg + eg * kh[e] * dKt - kdk;
+        acc += kdk;
+        dqh[e] = eg * dQg;
+        dkh[e] = eg * dKt + el * dKd;
       }
-      float acc = 0.f, akm[16];
+      pgl[part_t * kD + i] = acc;
+    }
+    __syncthreads();
+    // Intra-chunk products, diagonal blocks: a thread per (key i, row block J), per element
+    // exp(G_t - G_s) (t >= s).
+    for (int rep = 0; rep < 4 * kD / kChunkThreads; ++rep) {
+      const int i = tid & (kD - 1), J = (tid >> 7) + kChunkThreads / kD * rep, r = 16 * J;
+      // Row t's sums (aq, akp) are complete after its inner loop; column s's (akm) after all rows.
+      float akm[16];
 #pragma unroll
       for (int l = 0; l < 16; ++l) akm[l] = 0.f;
 #pragma unroll
       for (int tt = 0; tt < 16; ++tt) {
-        const int t = r + tt, e = t * kD + i;
-        const float gt = G[e], qt = qh[e], kt = kh[e];
-        const float eg = expf(gt), el = expf(gLi - gt);
-        const float dKt = bv[t] * sKb[e];
-        const float dQg = xq[tt], dKd = xk[tt];
-        const float kdk = el * kt * dKd;
-        acc += kdk;
+        const int t = r + tt;
+        const float gt = G[t * kD + i], qt = qh[t * kD + i], kt = kh[t * kD + i];
         float aq = 0.f, akp = 0.f;
 #pragma unroll
         for (int ss = 0; ss <= tt; ++ss) {
@@ -1049,18 +1016,15 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
             akm[ss] += wk * kt * E;
           }
         }
-        dqh[e] = eg * dQg + aq;
-        dkh[e] = eg * dKt + el * dKd + akp;
-        dG[e] = eg * qt * dQg + eg * kt * dKt - kdk + (qt * aq + kt * akp);
+        const int e = t * kD + i;
+        dqh[e] += aq;
+        dkh[e] += akp;
+        dG[e] += qt * aq + kt * akp;
       }
-      pgl[J * kD + i] = acc;
-      float dk1[16];  // the thread's dk^ rows so far, all loaded before the stores below
-#pragma unroll
-      for (int l = 0; l < 16; ++l) dk1[l] = dkh[(r + l) * kD + i];
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
         const int e = (r + l) * kD + i;
-        dkh[e] = dk1[l] + akm[l];
+        dkh[e] += akm[l];
         dG[e] -= kh[e] * akm[l];
       }
     }
