@@ -2,10 +2,10 @@
 # On an H100/H200: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
 # hostcost racecheck backward profile srcprofile (default: build demo tests sanitize bench fla python
-# hostcost). backward: the CUDA backward's tests under memcheck, racecheck and synccheck, then
-# forward + backward against FLA with kda's per-kernel GPU times (bench/peers/fla_train_bench.py
-# --profile; TRAIN_ACCURACY=1 adds the gradient error table; needs the kda package installed,
-# e.g. by the python stage first).
+# hostcost). backward: the CUDA backward's tests under memcheck, racecheck and synccheck, the C++
+# forward + backward benchmark (bench_gpu_backward), then forward + backward against FLA with
+# kda's per-kernel GPU times (bench/peers/fla_train_bench.py --profile; TRAIN_ACCURACY=1 adds the
+# gradient error table; needs the kda package installed, e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
@@ -125,6 +125,8 @@ if has backward; then
       note "$tool (backward) rc=$rc: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/backward_$tool.log" | tail -1)"
     done
   fi
+  [ -x ./$B/bench/bench_gpu_backward ] && timeout 120 ./$B/bench/bench_gpu_backward >"$OUT/bench_backward.log" 2>&1
+  note "backward bench (C++) rc=$?: $(grep -E '^T[12] ' "$OUT/bench_backward.log" | tr -s ' ' | tr '\n' ';')"
   args=(--profile); [ "${TRAIN_ACCURACY:-0}" = 1 ] && args+=(--accuracy)
   PYTHONPATH=$site timeout 500 python3 bench/peers/fla_train_bench.py "${args[@]}" --json "$OUT/train.json" >"$OUT/fla_train.log" 2>&1
   note "train bench rc=$?"

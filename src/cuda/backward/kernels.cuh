@@ -200,8 +200,8 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 // loads of k-step k + 8 (kGemmStages - 1) issued before the mma of step k, so that a step's loads
 // are in flight while the steps before it compute (the operands are often in global memory: an
 // L2 or HBM latency per step otherwise). The mma of an output element run in k order (the same
-// sums as one step at a time). 48 fragment registers; no kernel is register-bound at its
-// occupancy (one 256-thread block or two 128-thread blocks per SM).
+// sums as one step at a time). 48 fragment registers; the 512-thread kernels fit in their 128
+// registers per thread without spills, the 128-thread state passes (two blocks per SM) in 255.
 // kSplit: 3xTF32, each operand split into two tf32 terms, the product of the small ones dropped
 // (~fp32 accuracy, three mma per product; the default, Tuning::backward_split). With single tf32
 // products the fp32 gradients that sum dG with cancellation (dA_log, ddt_bias) measure up to
