@@ -211,9 +211,12 @@ fi
 if has srcprofile && command -v ncu >/dev/null; then
   # Per-SASS-instruction stall samples of one kernel (PROFILE_KERNEL regex, default prepare) on
   # PROFILE_CASES, exported as CSV (source page; the lines map to the source through -lineinfo).
+  # Cases T1 / T2 run the backward benchmark (e.g. PROFILE_CASES=T1 PROFILE_KERNEL=bwd_chunk).
   for c in ${PROFILE_CASES-P1}; do
+    run=(./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20); skip=1
+    [[ $c == T* ]] && { run=(./$B/bench/bench_gpu_backward --case $c --iters 3); skip=0; }
     timeout 200 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:${PROFILE_KERNEL:-prepare}" \
-      --launch-skip 1 --launch-count 1 -f -o "$OUT/src_$c" ./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20 >"$OUT/src_$c.log" 2>&1
+      --launch-skip $skip --launch-count 1 -f -o "$OUT/src_$c" "${run[@]}" >"$OUT/src_$c.log" 2>&1
     ncu --import "$OUT/src_$c.ncu-rep" --page source --csv --print-source sass >"$OUT/src_${c}_sass.csv" 2>>"$OUT/src_$c.log"
     note "source profile $c (${PROFILE_KERNEL:-prepare}): $(wc -l <"$OUT/src_${c}_sass.csv") lines"
     rm -f "$OUT/src_$c.ncu-rep"
