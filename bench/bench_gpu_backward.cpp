@@ -60,28 +60,14 @@ double time_ms(const std::function<Status()>& call, int iters, cudaStream_t stre
                size_t flush_bytes) {
   for (int i = 0; i < 2; ++i)
     if (!call().ok()) return -1;
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaMemsetAsync(flush, i & 0xff, flush_bytes, stream));
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    const Status s = call();
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    if (!s.ok()) {
-      std::fprintf(stderr, "call failed: %s\n", s.to_string().c_str());
-      return -1;
-    }
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  return ms[ms.size() / 2];
+  return time_events(
+             [&] {
+               const Status s = call();
+               if (!s.ok()) std::fprintf(stderr, "call failed: %s\n", s.to_string().c_str());
+               return s.ok();
+             },
+             iters, stream, flush, flush_bytes)
+      .median_ms;
 }
 
 }  // namespace

@@ -257,25 +257,9 @@ Timing time_calls(PrefillParams& p, int iters, cudaStream_t stream, void* flush_
   p.exec.workspace_bytes = *ws_cap;
   for (int i = 0; i < 3; ++i)
     if (!prefill(p).ok()) return {};
-  cudaEvent_t e0, e1;
-  BENCH_CUDA(cudaEventCreate(&e0));
-  BENCH_CUDA(cudaEventCreate(&e1));
-  std::vector<double> ms;
-  for (int i = 0; i < iters; ++i) {
-    BENCH_CUDA(cudaMemsetAsync(flush_buf, i & 0xff, flush_bytes, stream));
-    BENCH_CUDA(cudaEventRecord(e0, stream));
-    const Status s = prefill(p);
-    BENCH_CUDA(cudaEventRecord(e1, stream));
-    BENCH_CUDA(cudaEventSynchronize(e1));
-    if (!s.ok()) return {};
-    float t = 0;
-    BENCH_CUDA(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  cudaEventDestroy(e0);
-  cudaEventDestroy(e1);
-  std::sort(ms.begin(), ms.end());
-  return {ms[ms.size() / 2], ms.front()};
+  const EventTiming t =
+      time_events([&] { return prefill(p).ok(); }, iters, stream, flush_buf, flush_bytes);
+  return {t.median_ms, t.min_ms};
 }
 
 // --sweep: every segment size x value split of one case (see the usage above).
