@@ -213,8 +213,34 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 // plain layout puts 4 or 8 lanes on one bank), and 4-float groups stay contiguous (16-byte
 // copies, sw_copy_in). Such an operand has unit stride on one side: rs == 1 (the tile's rows
 // are k) or cs == 1 (its rows are the operand's rows).
-__device__ __forceinline__ int swz(int r) { return ((r & 3) << 3) | (r & 4); }
-__device__ __forceinline__ int sw(int r, int c, int R) { return r * R + (c ^ swz(r)); }
+__host__ __device__ constexpr int swz(int r) { return ((r & 3) << 3) | (r & 4); }
+__host__ __device__ constexpr int sw(int r, int c, int R) { return r * R + (c ^ swz(r)); }
+// Checked at compile time for every row stride used: each of the eight fragment loads of a
+// k-step (four per operand orientation) puts the 32 lanes (g = lane / 4, c = lane % 4) on 32
+// different banks, and sw permutes each row's 4-float groups among themselves.
+constexpr bool swizzle_ok(int R) {
+  for (int r0 = 0; r0 < 64; r0 += 8)
+    for (int k0 = 0; k0 < R; k0 += 8)
+      for (int half = 0; half < 2; ++half)
+        for (int rows_k = 0; rows_k < 2; ++rows_k) {
+          unsigned banks = 0;
+          for (int lane = 0; lane < 32; ++lane) {
+            const int g = lane >> 2, c = (lane & 3) + 4 * half;
+            // rows_k: the tile's row is k (lane reads row k0 + c, column r0 + g), else the row is
+            // the operand's (row r0 + g, column k0 + c).
+            const int idx = rows_k ? sw(k0 + c, (r0 + g) % R, R) : sw(r0 + g, k0 + c, R);
+            banks |= 1u << (idx % 32);
+          }
+          if (banks != 0xffffffffu) return false;
+        }
+  for (int r = 0; r < 8; ++r)
+    for (int c = 0; c < R; ++c)
+      if ((sw(r, c, R) - r * R) / 4 != ((c ^ swz(r)) / 4) || (c ^ swz(r)) >= R ||
+          (sw(r, c, R) - r * R) % 4 != c % 4)
+        return false;
+  return true;
+}
+static_assert(swizzle_ok(32) && swizzle_ok(64) && swizzle_ok(128), "swizzle bank mapping");
 
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
 template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi>
