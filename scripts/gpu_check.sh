@@ -8,8 +8,8 @@
 # gradient error table; needs the kda package installed, e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
-# benchmarks (bench/peers/) need its wheel in .whl/. Logs go to $OUT (or ./gpu_out); a short
-# summary is printed last.
+# benchmarks (bench/peers/) need its wheel in .whl/; a carried .deps/triton_cache.tgz skips their
+# Triton compilation. Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}
@@ -26,6 +26,12 @@ site=""
 if ls .whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl && site=/tmp/site
 fi
+# Triton's kernel cache (FLA's kernels compile for minutes): .deps/triton_cache.tgz, when carried,
+# is unpacked and used; the cache as it is at the end goes to $OUT/triton_cache.tgz (copy it to
+# .deps/ for the next run).
+export TRITON_CACHE_DIR=/tmp/triton_cache
+mkdir -p "$TRITON_CACHE_DIR"
+[ -f .deps/triton_cache.tgz ] && tar xzf .deps/triton_cache.tgz -C "$TRITON_CACHE_DIR"
 
 if has build; then
   t0=$(date +%s)
@@ -234,6 +240,7 @@ if has hostcost; then
   note "host cost, Python rc=$?: $(grep -E '^kda\.(prefill|fwd|decode) ' "$OUT/host_cost_py.log" 2>/dev/null | tr -s ' ' | tr '\n' ';')"
 fi
 
+[ -n "$(ls -A "$TRITON_CACHE_DIR" 2>/dev/null)" ] && tar czf "$OUT/triton_cache.tgz" -C "$TRITON_CACHE_DIR" .
 echo
 for f in bench_decode bench_prefill fla_decode fla_prefill fla_train host_cost_cpp host_cost_py; do
   n=14; [[ $f == host_cost_* ]] && n=24  # the breakdown tables
