@@ -20,38 +20,20 @@
 #include <vector>
 
 #include "bench_cuda.h"
+#include "device_tensor.h"
 #include "kda/kda.h"
 #include "support.h"
 
 namespace {
 
 using namespace kda;
+using kda::test::DeviceTensor;
 using kda::test::HostTensor;
 
 struct TrainCase {
   const char* name;
   int64_t B, T, H;
   double fla_ms;  // FLA forward + backward, targets.md
-};
-
-// A device copy of a host tensor (same strides), freed on destruction.
-struct Dev {
-  const HostTensor* host;
-  void* ptr = nullptr;
-  explicit Dev(const HostTensor& h) : host(&h) {
-    BENCH_CUDA(cudaMalloc(&ptr, std::max<size_t>(h.storage.size(), 1)));
-    BENCH_CUDA(cudaMemcpy(ptr, h.storage.data(), h.storage.size(), cudaMemcpyHostToDevice));
-  }
-  ~Dev() { cudaFree(ptr); }
-  Dev(const Dev&) = delete;
-  Dev& operator=(const Dev&) = delete;
-  TensorView view() const {
-    TensorView t = host->view();
-    t.data = ptr;
-    t.device = Device::kCUDA;
-    t.device_index = 0;
-    return t;
-  }
 };
 
 // Median ms of `iters` calls of `call` after two warm-up calls, L2 flushed before each; -1 when a
@@ -122,9 +104,9 @@ int main(int argc, char** argv) {
     dt_bias.fill_uniform(rng, 0, 1);
     const HostTensor out(DType::kBFloat16, {B, T, H, K}), ht(DType::kFloat32, {B, H, K, K}),
         dq = q, dk = k, dv = v, dg = g, dbeta = beta, dA = A_log, ddt = dt_bias, dh0 = h0;
-    std::vector<std::unique_ptr<Dev>> keep;
+    std::vector<std::unique_ptr<DeviceTensor>> keep;
     auto dev = [&](const HostTensor& h) {
-      keep.push_back(std::make_unique<Dev>(h));
+      keep.push_back(std::make_unique<DeviceTensor>(h));
       return keep.back()->view();
     };
     PrefillParams p;

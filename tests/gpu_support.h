@@ -1,5 +1,6 @@
-// gpu_support.h — device mirrors of HostTensor for the GPU tests and benchmarks (header-only;
-// include only from targets that link the CUDA runtime).
+// gpu_support.h — the GPU tests' helpers: tuning edits, the sm_90 check, graph capture, device
+// mirrors of a whole problem and poisoned workspaces (header-only; include only from targets that
+// link the CUDA runtime and GoogleTest).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -11,6 +12,7 @@
 #include <vector>
 
 #include "core/tuning.h"
+#include "device_tensor.h"
 #include "support.h"
 
 namespace kda::test {
@@ -24,14 +26,6 @@ detail::Tuning tuned(Edit&& edit) {
   edit(t);
   return t;
 }
-
-#define KDA_TEST_CUDA(expr)                                                                \
-  do {                                                                                     \
-    cudaError_t _e = (expr);                                                               \
-    if (_e != cudaSuccess)                                                                 \
-      throw std::runtime_error(std::string(#expr) + " failed: " + cudaGetErrorString(_e) + \
-                               " at " + __FILE__ + ":" + std::to_string(__LINE__));        \
-  } while (0)
 
 // True when device 0 is an sm_90 GPU the CUDA kernels run on.
 inline bool have_sm90() {
@@ -78,37 +72,6 @@ inline PrefillData run_reference(const PrefillData& d) {
   EXPECT_TRUE(s.ok()) << s.to_string();
   return ref;
 }
-
-// Device copy of a HostTensor's whole storage (same strides), freed on destruction.
-struct DeviceTensor {
-  const HostTensor* host = nullptr;
-  void* ptr = nullptr;
-  size_t bytes = 0;
-  DeviceTensor() = default;
-  explicit DeviceTensor(const HostTensor& h) : host(&h), bytes(h.storage.size()) {
-    if (bytes) {
-      KDA_TEST_CUDA(cudaMalloc(&ptr, bytes));
-      KDA_TEST_CUDA(cudaMemcpy(ptr, h.storage.data(), bytes, cudaMemcpyHostToDevice));
-    }
-  }
-  DeviceTensor(const DeviceTensor&) = delete;
-  DeviceTensor& operator=(const DeviceTensor&) = delete;
-  ~DeviceTensor() {
-    if (ptr) cudaFree(ptr);
-  }
-  TensorView view() const {
-    if (!host || host->empty()) return TensorView{};
-    TensorView t = host->view();
-    t.data = ptr;
-    t.device = Device::kCUDA;
-    t.device_index = 0;
-    return t;
-  }
-  // Copies the device data back into `out` (a HostTensor of the same layout as host).
-  void download(HostTensor& out) const {
-    if (bytes) KDA_TEST_CUDA(cudaMemcpy(out.storage.data(), ptr, bytes, cudaMemcpyDeviceToHost));
-  }
-};
 
 // Device mirrors of every tensor of `d`.
 struct DeviceData {

@@ -211,7 +211,7 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 // holds element (r, c) at r * R + (c ^ swz(r)), which permutes column bits 2..4 by the row, so a
 // warp's fragment loads hit 32 different banks in either orientation of the operand (the
 // plain layout puts 4 or 8 lanes on one bank), and 4-float groups stay contiguous (16-byte
-// copies, sw_copy_in). Such an operand has unit stride on one side: rs == 1 (the tile's rows
+// copies, copy_in). Such an operand has unit stride on one side: rs == 1 (the tile's rows
 // are k) or cs == 1 (its rows are the operand's rows).
 __host__ __device__ constexpr int swz(int r) { return ((r & 3) << 3) | (r & 4); }
 __host__ __device__ constexpr int sw(int r, int c, int R) { return r * R + (c ^ swz(r)); }
@@ -285,10 +285,10 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
       }
       if constexpr (kSwB) {
         const int k = k0 + c;
+        const bool rows_k = b_cs == 1;  // the tile's rows are k
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int n = n0 + 8 * j + g;
-          const bool rows_k = b_cs == 1;  // the tile's rows are k
           bv[j][0] = j < nj ? b[rows_k ? sw(k, n, b_rs) : sw(n, k, b_cs)] : 0.f;
           bv[j][1] = j < nj ? b[rows_k ? sw(k + 4, n, b_rs) : sw(n, k + 4, b_cs)] : 0.f;
         }
@@ -608,16 +608,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 // ---------------------------------------------------------------------------------------------
 
 // Starts the copy of `floats` floats (a multiple of 4, 16-byte aligned both sides) global ->
-// shared: one 16-byte cp.async per unit, all of a thread's in flight at once (a memory latency per
-// copy, not per unit). Complete for the block after cp_async_wait_all() and a barrier.
-__device__ __forceinline__ void copy_in(float* dst, const float* src, int floats) {
-  for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
-    cp_async_16(smem_addr(dst + e), src + e);
-}
-
-// copy_in into a swizzled tile of row stride R (see gemm_tf32): each 16-byte unit to its
-// permuted place in its row.
-__device__ __forceinline__ void sw_copy_in(float* dst, const float* src, int floats, int R) {
+// shared, into a swizzled tile of row stride R (see gemm_tf32; a single row, floats == R, lands
+// unpermuted): one 16-byte cp.async per unit, all of a thread's in flight at once (a memory
+// latency per copy, not per unit). Complete for the block after cp_async_wait_all() and a
+// barrier.
+__device__ __forceinline__ void copy_in(float* dst, const float* src, int floats, int R) {
   for (int e = 4 * static_cast<int>(threadIdx.x); e < floats; e += 4 * static_cast<int>(blockDim.x))
     cp_async_16(smem_addr(dst + sw(e / R, e % R, R)), src + e);
 }
@@ -682,9 +677,9 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     float* out = P.states + rs * kStateFloats;
     prefetch_chunk(ch + kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    sw_copy_in(Ws, rec + kRecW, kTile, kD);
-    sw_copy_in(Kds, rec + kRecKd, kTile, kD);
-    copy_in(gl, rec + kRecGL, kD);
+    copy_in(Ws, rec + kRecW, kTile, kD);
+    copy_in(Kds, rec + kRecKd, kTile, kD);
+    copy_in(gl, rec + kRecGL, kD, kD);
     for (int e = tid; e < kD * kSlice; e += kPassThreads)
       out[(e / kSlice) * kD + t.j0 + e % kSlice] = S[sw(e / kSlice, e % kSlice, kSlice)];
     cp_async_wait_all();
@@ -750,10 +745,10 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
     prefetch_chunk(ch - kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
-    sw_copy_in(Qgs, rec + kRecQg, kTile, kD);
-    sw_copy_in(Kds, rec + kRecKd, kTile, kD);
-    sw_copy_in(Aqks, rec + kRecAqk, kC * kC, kC);
-    copy_in(gl, rec + kRecGL, kD);
+    copy_in(Qgs, rec + kRecQg, kTile, kD);
+    copy_in(Kds, rec + kRecKd, kTile, kD);
+    copy_in(Aqks, rec + kRecAqk, kC * kC, kC);
+    copy_in(gl, rec + kRecGL, kD, kD);
     for (int e = tid; e < kD * kSlice; e += kPassThreads)
       out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[sw(e / kSlice, e % kSlice, kSlice)];
     // dO: a thread's loads all issued before its stores.
@@ -1017,8 +1012,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
     // Intra-chunk products, diagonal blocks: a thread per (key i, row block J), per element
     // exp(G_t - G_s) (t >= s).
-    for (int rep = 0; rep < 4 * kD / kChunkThreads; ++rep) {
-      const int i = tid & (kD - 1), J = (tid >> 7) + kChunkThreads / kD * rep, r = 16 * J;
+    for (int rep = 0; rep < 4 / kChunkRowGroups; ++rep) {
+      const int i = tid & (kD - 1), J = (tid >> 7) + kChunkRowGroups * rep, r = 16 * J;
       // Row t's sums (aq, akp) are complete after its inner loop; column s's (akm) after all rows.
       float akm[16];
 #pragma unroll
@@ -1063,36 +1058,30 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       __syncthreads();
       stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
       __syncthreads();
-      // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..).
-      gemm_tf32<kSplit, true, true>(16, kD, r, dAqk + r * kC, kC, 1, Kc, kD, 1,
-                                    [&](int m, int n, float v) {
-                                      const int e = (r + m) * kD + n;
-                                      const float x = expf(G[e] - G[r * kD + n]) * v;
-                                      dqh[e] += x;
-                                      dG[e] += qh[e] * x;
-                                    });
-      gemm_tf32<kSplit, true, true>(16, kD, r, dAkk + r * kC, kC, 1, Kc, kD, 1,
-                                    [&](int m, int n, float v) {
-                                      const int e = (r + m) * kD + n;
-                                      const float x = expf(G[e] - G[r * kD + n]) * v;
-                                      dkh[e] += x;
-                                      dG[e] += kh[e] * x;
-                                    });
+      // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..) (w = 0, 1).
+#pragma unroll
+      for (int w = 0; w < 2; ++w) {
+        const float* dA = w == 0 ? dAqk : dAkk;
+        float* acc = w == 0 ? dqh : dkh;
+        const float* f = w == 0 ? qh : kh;
+        gemm_tf32<kSplit, true, true>(16, kD, r, dA + r * kC, kC, 1, Kc, kD, 1,
+                                      [&](int m, int n, float v) {
+                                        const int e = (r + m) * kD + n;
+                                        const float x = expf(G[e] - G[r * kD + n]) * v;
+                                        acc[e] += x;
+                                        dG[e] += f[e] * x;
+                                      });
+      }
       // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
-      gemm_tf32<kSplit, true, true>(r, kD, 16, dAqk + r * kC, 1, kC, Qr, kD, 1,
-                                    [&](int m, int n, float v) {
-                                      const int e = m * kD + n;
-                                      const float x = expf(G[r * kD + n] - G[e]) * v;
-                                      dkh[e] += x;
-                                      dG[e] -= kh[e] * x;
-                                    });
-      gemm_tf32<kSplit, true, true>(r, kD, 16, dAkk + r * kC, 1, kC, Kr, kD, 1,
-                                    [&](int m, int n, float v) {
-                                      const int e = m * kD + n;
-                                      const float x = expf(G[r * kD + n] - G[e]) * v;
-                                      dkh[e] += x;
-                                      dG[e] -= kh[e] * x;
-                                    });
+#pragma unroll
+      for (int w = 0; w < 2; ++w)
+        gemm_tf32<kSplit, true, true>(r, kD, 16, (w == 0 ? dAqk : dAkk) + r * kC, 1, kC,
+                                      w == 0 ? Qr : Kr, kD, 1, [&](int m, int n, float v) {
+                                        const int e = m * kD + n;
+                                        const float x = expf(G[r * kD + n] - G[e]) * v;
+                                        dkh[e] += x;
+                                        dG[e] -= kh[e] * x;
+                                      });
     }
     __syncthreads();
 
