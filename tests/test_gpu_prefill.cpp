@@ -505,6 +505,84 @@ TEST(GpuPrefillChunk16, MatchesReference) {
   check_wgmma_configs({129, 0, 64, 7, 15, 16, 17});
 }
 
+// The fused kernel (prefill/fused.cuh; Tuning::prefill_fused = 1 forces it wherever it applies:
+// the lower-bound gate) against the fp64 reference over
+// the feature matrix: empty, 1-15-token and 16-multiple sequences, pools, checkpoints, grouped
+// values, K-first and 16-bit states, fp16, fp32 gate and beta, strided inputs (its scalar loads),
+// no l2norm, beta without logits, negative eigenvalues, no initial state and weak decay. Each case
+// is checked to take the fused plan.
+std::vector<PrefillCase> fused_cases() {
+  std::vector<PrefillCase> v;
+  auto add = [&](auto&& edit) {
+    PrefillCase c = base_case();
+    c.gate = GateForm::kLowerBound;
+    c.H = c.HV = 2;
+    edit(c);
+    v.push_back(c);
+  };
+  add([](PrefillCase& c) { c.seqlens = {150}; });
+  add([](PrefillCase& c) {
+    c.varlen = true;
+    c.seqlens = {0, 1, 15, 16, 17, 64, 129};
+    c.pool = true;
+    c.checkpoint_every = 64;
+  });
+  add([](PrefillCase& c) {
+    c.H = 2;
+    c.HV = 6;
+    c.seqlens = {200, 200};
+    c.checkpoint_every = 128;
+    c.layout = StateLayout::kKFirst;
+    c.state_dtype = DType::kBFloat16;
+    c.dtype = DType::kFloat16;
+  });
+  add([](PrefillCase& c) {
+    c.strided = true;
+    c.varlen = true;
+    c.seqlens = {33, 70};
+  });
+  add([](PrefillCase& c) {
+    c.gate_beta_fp32 = true;
+    c.seqlens = {100};
+    c.allow_neg_eigval = true;
+  });
+  add([](PrefillCase& c) {
+    c.seqlens = {120};
+    c.beta_logits = false;
+    c.l2norm = false;
+    c.init = InitState::kNone;
+    c.state_dtype = DType::kFloat16;
+  });
+  add([](PrefillCase& c) {
+    c.seqlens = {160};
+    c.lower_bound = -0.05;  // weak decay
+  });
+  add([](PrefillCase& c) {
+    c.seqlens = {96};
+    c.lower_bound = -1.0;
+    c.dtype = DType::kFloat16;
+  });
+  return v;
+}
+
+TEST(GpuPrefillFused, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_fused = 1; }));
+  for (const PrefillCase& c : fused_cases()) {
+    SCOPED_TRACE(c.name());
+    int64_t T = 0;
+    for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+    const bool lb = c.gate == GateForm::kLowerBound;
+    const cuda::pf::PrefillPlan plan =
+        cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV, 132,
+                               detail::tuning(), cuda::pf::weak_decay_gate(lb, c.lower_bound));
+    ASSERT_TRUE(cuda::pf::prefill_takes_fused(plan, static_cast<int64_t>(c.seqlens.size()), c.HV,
+                                              132, detail::tuning(),
+                                              cuda::pf::fused_applies(lb, c.lower_bound), false));
+    check_against_reference(c);
+  }
+}
+
 // The segmented recurrence (heuristics/prefill.h prefill_plan; forced by
 // Tuning::prefill_segment = tokens per segment) on every path it can take: the value split of its
 // chains (16 / 32 with the K split, 64 / 128 on wgmma, 128 on 16-token steps), against the fp64

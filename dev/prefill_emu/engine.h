@@ -81,7 +81,7 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
 template <bool kFp16>
 static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::PrefillProblem& pr,
                         int vs_override) {
-  if (vs_override) {
+  if (vs_override && !p.fused) {
     const RecurrenceChoice rc = recurrence_choice_for_split(vs_override, detail::tuning());
     p.vs = rc.vs;
     p.nslices = 128 / p.vs;
@@ -112,6 +112,9 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         break;
       case PrefillKernel::kSegmentScan:
         launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);
+        break;
+      case PrefillKernel::kFused:
+        launch(fused_kernel<kFp16>, l.blocks, l.threads, l.smem, p);
         break;
     }
   }

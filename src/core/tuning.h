@@ -40,6 +40,8 @@ struct Tuning {
   int prefill_prefetch = 0;    // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
   int prefill_segment = 0;     // KDA_CUDA_PREFILL_SEGMENT: tokens per segment (0: heuristic;
                                // -1: one segment per sequence)
+  int prefill_fused = 0;       // KDA_CUDA_PREFILL_FUSED: 1 forces the fused kernel where it
+                               // applies, 0 in the environment turns it off (stored as -1)
   bool backward_split = true;  // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
   int num_threads = 0;         // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
@@ -99,6 +101,9 @@ Tuning parse_tuning(Get&& get) {
     t.prefill_segment = -1;
   else if (seg >= 64 && seg % 64 == 0 && seg < 1000000)
     t.prefill_segment = static_cast<int>(seg);
+  s = get("KDA_CUDA_PREFILL_FUSED");
+  if (is(s, "0")) t.prefill_fused = -1;
+  if (is(s, "1")) t.prefill_fused = 1;
   t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");
   if ((s = get("KDA_NUM_THREADS")) != nullptr) {
     const int n = std::atoi(s);

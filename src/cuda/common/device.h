@@ -60,6 +60,8 @@ enum class KernelSlot : int {
   kRecurrence16Bf16,
   kRecurrenceSeg,  // + 2 path + fp16: the segmented passes (path: mma, K split, wgmma, chunk 16)
   kSegmentScan = kRecurrenceSeg + 8,
+  kFusedF16,
+  kFusedBf16,
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged,
   kBulk = kStaged + 4,

@@ -86,6 +86,7 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
 struct PrefillPlan {
   int64_t segment_tokens = 0;  // tokens per segment; 0: one segment per sequence
   RecurrenceChoice rec;
+  bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
   double predicted_us = 0;
 };
 
@@ -183,6 +184,23 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
     if (t.prefill_segment != 0 || len <= 128) break;  // forced, or nothing to split
   }
   return best;
+}
+
+// The fused kernel (prefill/fused.cuh; docs/design.md section 6.7): 16-token steps whose Gram
+// products are anchored at each chunk's middle token, exact while 8 tokens of decay stay within
+// e^45: the lower-bound gate (|lower_bound| <= 5 by validation, so at most e^40). Forced
+// (Tuning::prefill_fused = 1) it runs wherever it applies; by default where the plan has one
+// segment per sequence, the decay is not weak (the 16-token steps' accuracy, weak_decay_gate) and
+// the (sequence, value head) chains fill two CTAs per SM.
+inline constexpr double kFusedMaxDecayBound = 5.5;  // 8 x 5.5 = 44 < 45
+inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
+  return lower_bound_gate && lower_bound >= -kFusedMaxDecayBound;
+}
+inline bool prefill_takes_fused(const PrefillPlan& plan, int64_t N, int64_t HV, int sms,
+                                const detail::Tuning& t, bool applies, bool weak_decay) {
+  if (!applies || t.prefill_fused < 0) return false;
+  if (t.prefill_fused > 0) return true;
+  return plan.segment_tokens == 0 && !weak_decay && N * HV >= int64_t{2} * sms;
 }
 
 // Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);

@@ -9,6 +9,7 @@
 #include "core/tuning.h"
 #include "cuda/heuristics/prefill.h"
 #include "cuda/prefill/common.cuh"
+#include "cuda/prefill/fused.cuh"
 #include "cuda/prefill/prepare_smem.cuh"
 #include "cuda/prefill/recurrence_steps.cuh"
 
@@ -63,8 +64,15 @@ inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
 // The launch plan of a call (heuristics/prefill.h), on `num_sms` multiprocessors.
 inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
                                const detail::Tuning& tuning) {
-  const bool weak = weak_decay_gate(pr.math.gate == GateForm::kLowerBound, pr.math.lower_bound);
-  return prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
+  const bool lb = pr.math.gate == GateForm::kLowerBound;
+  const bool weak = weak_decay_gate(lb, pr.math.lower_bound);
+  PrefillPlan plan = prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
+  if (prefill_takes_fused(plan, pr.d.N, pr.d.HV, num_sms, tuning,
+                          fused_applies(lb, pr.math.lower_bound), weak)) {
+    plan.fused = true;
+    plan.segment_tokens = 0;
+  }
+  return plan;
 }
 // One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
 inline constexpr size_t kSegStateBytes = size_t{kHeadDim} * kHeadDim * 4;
@@ -76,8 +84,10 @@ inline int64_t segment_slots(const detail::PrefillProblem& pr, int64_t segment_t
 struct WorkspaceLayout {
   size_t records = 0, order = 0, segments = 0, total = 0;  // byte offsets of the parts; total
 };
-inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens) {
+inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens,
+                                        bool fused = false) {
   WorkspaceLayout w;
+  if (fused) return w;  // the fused kernel keeps its records in shared memory
   const int64_t records = chunk_slots(pr) * pr.d.HV;
   if (records <= 0 || pr.d.N <= 0) return w;
   w.order = static_cast<size_t>(records) * kRecordBytes;
@@ -92,7 +102,8 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_
 }
 inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
                               const detail::Tuning& tuning) {
-  return workspace_layout(pr, launch_plan(pr, num_sms, tuning).segment_tokens).total;
+  const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
+  return workspace_layout(pr, lp.segment_tokens, lp.fused).total;
 }
 
 // The parameters of the forward's inputs, shapes and math (no outputs, workspace or states):
@@ -140,10 +151,10 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
                           int64_t* rec_blocks_out, size_t* workspace_need_out) {
   const auto& d = pr.d;
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens);
+  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens, lp.fused);
   *workspace_need_out = layout.total;
   const int64_t slots = chunk_slots(pr);
-  const int64_t prep_blocks = d.N > 0 ? slots * d.HV : 0;
+  const int64_t prep_blocks = d.N > 0 && !lp.fused ? slots * d.HV : 0;
   const int64_t pairs = d.N * d.HV;
   const int64_t seg_slots = segment_slots(pr, lp.segment_tokens);
   if (prep_blocks > INT32_MAX || pairs * 8 > INT32_MAX || seg_slots * d.HV * 16 > INT32_MAX)
@@ -189,6 +200,13 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.ksplit = rc.ksplit;
   p.wgmma = rc.wgmma;
   p.chunk16 = rc.chunk16;
+  p.fused = lp.fused;
+  if (p.fused) {  // one CTA per (sequence, value head), the whole state
+    p.vs = kHeadDim;
+    p.nslices = 1;
+    p.ksplit = false;
+    p.wgmma = p.chunk16 = true;
+  }
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, tuning);
 
   *prep_blocks_out = prep_blocks;
@@ -200,7 +218,14 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
 // segment per sequence) or pass 1, the segment scan and pass 2 (segments.cuh). `run` launches one
 // kernel: run(Kernel k, int64_t blocks, int threads, int smem) -> Status; the kernels are named
 // by their role so that the CUDA launcher and the CPU emulator launch the same sequence.
-enum class PrefillKernel { kPrepare, kRecurrence, kSegmentPass1, kSegmentScan, kSegmentPass2 };
+enum class PrefillKernel {
+  kPrepare,
+  kRecurrence,
+  kSegmentPass1,
+  kSegmentScan,
+  kSegmentPass2,
+  kFused
+};
 struct Launch {
   PrefillKernel kernel;
   int64_t blocks;
@@ -209,6 +234,11 @@ struct Launch {
 inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_blocks,
                          Launch (&out)[4]) {
   int n = 0;
+  if (p.fused) {
+    if (rec_blocks > 0)
+      out[n++] = {PrefillKernel::kFused, rec_blocks, kFusedThreads, kFusedSmemBytes};
+    return n;
+  }
   if (prep_blocks > 0)
     out[n++] = {PrefillKernel::kPrepare, prep_blocks, kPrepareThreads, kPrepareSmemBytes};
   if (rec_blocks <= 0) return n;

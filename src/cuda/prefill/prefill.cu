@@ -21,6 +21,7 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/common.cuh"
+#include "cuda/prefill/fused.cuh"
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
@@ -101,6 +102,11 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kSegmentScan:
         kernel = pf::segment_scan_kernel;
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kSegmentScan, kernel, pf::kScanSmemBytes));
+        break;
+      case pf::PrefillKernel::kFused:
+        kernel = pf::fused_kernel<kFp16>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedF16, S::kFusedBf16, kFp16), kernel,
+                                       pf::kFusedSmemBytes));
         break;
     }
     KDA_CUDA_CHECK(launch_kernel(kernel, grid, block, static_cast<size_t>(l.smem), stream, pass));

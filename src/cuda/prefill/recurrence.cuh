@@ -278,7 +278,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       for (int e = 0; e < 4; ++e) accO[j][e] = 0.f;
     if constexpr (kWgmma) {
       if constexpr (kC16)
-        step_wgmma16<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
+        step_wgmma16<kFp16>(accS, accO, sb, smem0 + st * sbytes,
+                            smem0 + st * sbytes + kRecord16Bytes, rg, lane, vs);
       else
         chunk_wgmma<kFp16>(accS, accO, sb, smem0 + st * sbytes, rg, lane, vs);
     } else {

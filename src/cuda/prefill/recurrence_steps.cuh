@@ -264,10 +264,12 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 //   3. S^T <- S^T diag(gL) + U^T kb (m64n128k16, U^T bf16 hi + lo), in flight at the return
 //      (step16_done), so that the outputs' stores overlap it
 // accO's first two n-tiles receive the 16 outputs.
+// vaddr: the shared address of the step's v tile [16][vs] (swizzle_vtile); the recurrence kernel's
+// follows the record in its stage.
 template <bool kFp16>
 __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4],
-                                             const uint8_t* sb, uint32_t sbase, int rg, int lane,
-                                             int vs) {
+                                             const uint8_t* sb, uint32_t sbase, uint32_t vaddr,
+                                             int rg, int lane, int vs) {
   float(&accO2)[2][4] = *reinterpret_cast<float(*)[2][4]>(&accO[0][0]);
   float accU[2][4];
 #pragma unroll
@@ -284,7 +286,7 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   {  // v^T by ldmatrix.trans: pairs (s = 2c, 2c + 1) are k-slots c, c + 4
     const int row = ((lane >> 4) << 3) + (lane & 7);
     const int chunk = 2 * rg + ((lane >> 3) & 1);
-    ldmatrix_x4_trans(vr, sbase + kRecord16Bytes + swizzle_vtile(row, chunk, vs));
+    ldmatrix_x4_trans(vr, vaddr + swizzle_vtile(row, chunk, vs));
   }
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
