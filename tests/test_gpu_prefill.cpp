@@ -576,7 +576,7 @@ TEST(GpuPrefillFused, MatchesReference) {
     const cuda::pf::PrefillPlan plan =
         cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV, 132,
                                detail::tuning(), cuda::pf::weak_decay_gate(lb, c.lower_bound));
-    ASSERT_TRUE(cuda::pf::prefill_takes_fused(plan, static_cast<int64_t>(c.seqlens.size()), c.HV,
+    ASSERT_TRUE(cuda::pf::prefill_takes_fused(plan, T, static_cast<int64_t>(c.seqlens.size()), c.HV,
                                               132, detail::tuning(),
                                               cuda::pf::fused_applies(lb, c.lower_bound), false));
     check_against_reference(c);

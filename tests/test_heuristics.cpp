@@ -310,6 +310,38 @@ TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
   }
 }
 
+// The fused kernel: its knob, where it applies, and the default choice by its measured model (on
+// 132 SMs it predicts more than the two-kernel plan on targets.md's cases, so none takes it).
+TEST(PrefillHeuristics, Fused) {
+  EXPECT_EQ(detail::Tuning{}.prefill_fused, 0);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "1"}}).prefill_fused, 1);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "0"}}).prefill_fused, -1);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "yes"}}).prefill_fused, 0);
+  EXPECT_TRUE(cuda::pf::fused_applies(true, -5.0));
+  EXPECT_FALSE(cuda::pf::fused_applies(false, -5.0));  // softplus / precomputed: unbounded decay
+  // P4: 8 x 1024 tokens, 96 heads: 3 waves of 64 steps at 7.2 us.
+  EXPECT_NEAR(cuda::pf::predicted_fused_us(1024, 8, 96, 132), 3 * 64 * 7.2 + 10, 1e-9);
+  EXPECT_NEAR(cuda::pf::predicted_fused_us(1024, 1, 4, 132), 64 * 5.7 + 10, 1e-9);  // S1
+  const detail::Tuning def{};
+  detail::Tuning forced{}, off{};
+  forced.prefill_fused = 1;
+  off.prefill_fused = -1;
+  struct Shape {
+    bool varlen;
+    int64_t T, N, HV;
+  };
+  for (const Shape& c :
+       {Shape{false, 8192, 1, 96}, Shape{true, 8192, 8, 96}, Shape{false, 4096, 16, 32},
+        Shape{false, 1024, 1, 4}, Shape{false, 2048, 8, 24}}) {
+    const cuda::pf::PrefillPlan plan = cuda::pf::prefill_plan(c.varlen, c.T, c.N, c.HV, 132, def);
+    const int64_t len = c.varlen ? c.T / c.N : c.T;
+    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, def, true, false));
+    EXPECT_TRUE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, forced, true, true));
+    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, forced, false, false));
+    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, off, true, false));
+  }
+}
+
 TEST(PrefillHeuristics, SegmentSlots) {
   using cuda::pf::prefill_segment_slots;
   EXPECT_EQ(prefill_segment_slots(false, 2, 1000, 2, 256), 8);

@@ -191,16 +191,29 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
 // e^45: the lower-bound gate (|lower_bound| <= 5 by validation, so at most e^40). Forced
 // (Tuning::prefill_fused = 1) it runs wherever it applies; by default where the plan has one
 // segment per sequence, the decay is not weak (the 16-token steps' accuracy, weak_decay_gate) and
-// the (sequence, value head) chains fill two CTAs per SM.
+// its model predicts less than the two-kernel plan's. The model, measured on the H200
+// (bench_gpu_prefill, forced): a 16-token step of one chain takes 5.7 us alone on its SM and
+// 7.2 us beside a second CTA; CTAs run in waves of two per SM. On every case of targets.md it
+// predicts more than the two-kernel plan (P4: 1.39 against 1.13 ms, measured 1.343).
 inline constexpr double kFusedMaxDecayBound = 5.5;  // 8 x 5.5 = 44 < 45
+inline constexpr double kFusedStepAloneUs = 5.7, kFusedStepPairedUs = 7.2, kFusedLaunchUs = 10;
 inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
   return lower_bound_gate && lower_bound >= -kFusedMaxDecayBound;
 }
-inline bool prefill_takes_fused(const PrefillPlan& plan, int64_t N, int64_t HV, int sms,
-                                const detail::Tuning& t, bool applies, bool weak_decay) {
+inline double predicted_fused_us(int64_t len, int64_t N, int64_t HV, int sms) {
+  const int64_t chains = N * HV;
+  const double step = chains <= sms ? kFusedStepAloneUs : kFusedStepPairedUs;
+  return static_cast<double>(ceil_div(chains, int64_t{2} * sms) * ceil_div(len, 16)) * step +
+         kFusedLaunchUs;
+}
+// len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
+// in prefill_plan).
+inline bool prefill_takes_fused(const PrefillPlan& plan, int64_t len, int64_t N, int64_t HV,
+                                int sms, const detail::Tuning& t, bool applies, bool weak_decay) {
   if (!applies || t.prefill_fused < 0) return false;
   if (t.prefill_fused > 0) return true;
-  return plan.segment_tokens == 0 && !weak_decay && N * HV >= int64_t{2} * sms;
+  return plan.segment_tokens == 0 && !weak_decay &&
+         predicted_fused_us(len, N, HV, sms) < plan.predicted_us;
 }
 
 // Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);

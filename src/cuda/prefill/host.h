@@ -67,7 +67,8 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
   const bool lb = pr.math.gate == GateForm::kLowerBound;
   const bool weak = weak_decay_gate(lb, pr.math.lower_bound);
   PrefillPlan plan = prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
-  if (prefill_takes_fused(plan, pr.d.N, pr.d.HV, num_sms, tuning,
+  const int64_t len = pr.d.varlen ? ceil_div(pr.d.T, pr.d.N > 0 ? pr.d.N : 1) : pr.d.T;
+  if (prefill_takes_fused(plan, len, pr.d.N, pr.d.HV, num_sms, tuning,
                           fused_applies(lb, pr.math.lower_bound), weak)) {
     plan.fused = true;
     plan.segment_tokens = 0;
