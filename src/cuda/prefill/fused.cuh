@@ -256,19 +256,20 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
 #pragma unroll
         for (int r = 0; r < 16; ++r) q[r] *= p.scale;
       }
-      const float gm = G[8], gl = G[15];
+      // Two exponentials per token: up = e^(G - G_m), dn = e^(G_m - G); e^G = e^(G_m) up and
+      // e^(G_L - G) = e^(G_L - G_m) dn (every factor within 2^+-58: |G| <= 16 x 5 log2 e).
+      const float gm = G[8], gl = G[15], em = fast_exp2(gm), elm = fast_exp2(gl - gm);
       uint32_t kbw[8];
       uint16_t* qg = reinterpret_cast<uint16_t*>(rec + kR16OffQg);
 #pragma unroll
       for (int r = 0; r < 16; ++r) {
-        const float e = fast_exp2(G[r]);
-        qg[rec16_b16(r, cc)] = out_bits<false>(q[r] * e);
-        const float kbv = k[r] * fast_exp2(gl - G[r]);
+        const float up = fast_exp2(G[r] - gm), dn = fast_exp2(gm - G[r]);
+        qg[rec16_b16(r, cc)] = out_bits<false>(q[r] * (em * up));
+        const float kbv = k[r] * (elm * dn);
         if (r & 1)
           kbw[r >> 1] = pack_bf16(__uint_as_float(kbw[r >> 1]), kbv);
         else
           kbw[r >> 1] = __float_as_uint(kbv);
-        const float up = fast_exp2(G[r] - gm), dn = fast_exp2(gm - G[r]);
         qa[r * kFOpPitch + cc] = tf32_round(q[r] * up);
         ka[r * kFOpPitch + cc] = tf32_round(k[r] * up);
         kd[r * kFOpPitch + cc] = tf32_round(k[r] * dn);
@@ -279,7 +280,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
       *reinterpret_cast<uint4*>(kbt + rec16_kbt(cc, 8)) =
           make_uint4(kbw[4], kbw[5], kbw[6], kbw[7]);
       reinterpret_cast<float*>(rec + kR16OffGL)[cc] = fast_exp2(gl);
-      reinterpret_cast<float*>(smem + kFOffEm)[cc] = fast_exp2(gm);
+      reinterpret_cast<float*>(smem + kFOffEm)[cc] = em;
     }
     __syncthreads();
     // -- Gram products: warp w sums over key columns [32 w, 32 w + 32): Akk = ka kd^T, Aqk = qa
