@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On an H100/H200: build, GPU tests, sanitizer, benchmarks (ours and FLA's), Python torch tests.
 # Usage: scripts/gpu_check.sh [stage ...]   stages: build demo tests sanitize bench mempattern fla python
-# hostcost racecheck backward profile srcprofile (default: build demo tests sanitize bench fla python
+# hostcost racecheck backward profile srcprofile fused (default: build demo tests sanitize bench fla python
 # hostcost). backward: the CUDA backward's tests under memcheck, racecheck and synccheck, the C++
 # forward + backward benchmark (bench_gpu_backward), then forward + backward against FLA with
 # kda's per-kernel GPU times (bench/peers/fla_train_bench.py --profile; TRAIN_ACCURACY=1 adds the
@@ -211,6 +211,21 @@ if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
     timeout 150 ncu --clock-control none "${secs[@]}" --launch-skip 5 --launch-count 1 \
       ./$B/bench/bench_gpu_decode --filter $c --no-check --iters 10 --warmup 2 >"$OUT/ncu_dec_$c.log" 2>&1
     grep -E "^  [a-z_]+.*\(|Duration|DRAM Throughput|Compute \(SM\) Throughput|Achieved Occupancy|Issued Warp|No Eligible" "$OUT/ncu_dec_$c.log" | head -12
+  done
+fi
+
+if has fused; then
+  # The fused prefill kernel (KDA_CUDA_PREFILL_FUSED=1; docs/design.md section 6.8): its tests,
+  # memcheck, case A on it, and the benchmark forced onto it against the default path.
+  timeout 150 ./$B/tests/kda_gpu_tests --gtest_brief=1 --gtest_filter='GpuPrefillFused.*' >"$OUT/fused_tests.log" 2>&1
+  note "fused tests rc=$?: $(grep -E '^\[  PASSED|^\[  FAILED' "$OUT/fused_tests.log" | tr '\n' ' ')"
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='GpuPrefillFused.*' --gtest_brief=1 >"$OUT/fused_memcheck.log" 2>&1
+  note "fused memcheck rc=$?: $(grep 'ERROR SUMMARY' "$OUT/fused_memcheck.log" | tail -1)"
+  KDA_CUDA_PREFILL_FUSED=1 timeout 150 ./$B/tests/kda_gpu_tests --gtest_brief=1 --gtest_filter='GpuPrefillAccuracy.CaseALowerBound' >"$OUT/fused_case_a.log" 2>&1
+  note "fused case A rc=$?: $(grep 'case A' "$OUT/fused_case_a.log")"
+  for mode in 1 0; do
+    KDA_CUDA_PREFILL_FUSED=$mode timeout 200 ./$B/bench/bench_gpu_prefill --iters 20 --no-check >"$OUT/fused_bench_$mode.log" 2>&1
+    note "bench, KDA_CUDA_PREFILL_FUSED=$mode: $(grep -E '^[PS][0-9]+ ' "$OUT/fused_bench_$mode.log" | cut -c1-45 | tr -s ' ' | tr '\n' ';')"
   done
 fi
 

@@ -2,8 +2,9 @@
 // CTA of one warpgroup walks one (sequence, value head) over 16-token chunks with the whole state
 // S^T [128 v][128 k] in registers (two 64-row halves of wgmma accumulators, 128 per thread), and
 // builds each chunk's operands itself, from its raw q, k, g, beta, v, while the previous chunk's
-// state update runs on the tensor cores. Two CTAs per SM, so that one's serial step hides under
-// the other's work.
+// state update runs on the tensor cores. Two CTAs per SM. Measured slower than the two-kernel
+// path on every reference case (docs/design.md section 6.8), so the plan takes it only when forced
+// (KDA_CUDA_PREFILL_FUSED=1).
 //
 // Per chunk j (16 tokens, the 16-token path's math, common.cuh rec16_*):
 //   q^ = q / |q| * scale, k^ = k / |k| (l2norm; else q * scale, k), a = log2 decay (lower-bound
