@@ -23,6 +23,7 @@
 // beta, whose elements are not 16-byte runs, goes through a register one load ahead.
 #pragma once
 
+#include "cuda/common/warp_sums.cuh"
 #include "cuda/prefill/common.cuh"
 #include "cuda/prefill/prepare_steps.cuh"
 #include "cuda/prefill/recurrence_steps.cuh"
@@ -60,29 +61,6 @@ inline constexpr int kFOffRn = kFOffRed + 512;
 inline constexpr int kFusedSmemBytes = 1024 + kFOffRn + 128;
 static_assert(kFOffQa % 16 == 0 && kFOffOut % 128 == 0 && kFOffRaw % 128 == 0, "alignment");
 static_assert(2 * (kFusedSmemBytes + 1024) <= 233472, "two fused CTAs per SM");
-
-// One stage of the transposed warp reduction: a lane holds N values; pairs of lanes H = N / 2
-// apart exchange halves and add.
-template <int N>
-__device__ __forceinline__ void fused_reduce_stage(float (&v)[32], int lane) {
-  constexpr int H = N / 2;
-  const bool up = (lane & H) != 0;
-#pragma unroll
-  for (int i = 0; i < H; ++i) {
-    const float send = up ? v[i] : v[i + H];
-    const float keep = up ? v[i + H] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, H);
-  }
-}
-// Lane l receives the warp's sum of v[l] (31 shuffles for 32 sums).
-__device__ __forceinline__ float fused_reduce32(float (&v)[32], int lane) {
-  fused_reduce_stage<32>(v, lane);
-  fused_reduce_stage<16>(v, lane);
-  fused_reduce_stage<8>(v, lane);
-  fused_reduce_stage<4>(v, lane);
-  fused_reduce_stage<2>(v, lane);
-  return v[0];
-}
 
 template <bool kFp16>
 __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_constant__ Params p) {
@@ -243,7 +221,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
           v[r] = q[r] * q[r];
           v[16 + r] = k[r] * k[r];
         }
-        red[warp * 32 + lane] = fused_reduce32(v, lane);
+        red[warp * 32 + lane] = warp_row_sums<32>(v, lane);  // lane l: the sum of v[l]
         __syncthreads();
         if (tid < 32)
           rn[tid] = rsqrtf(red[tid] + red[32 + tid] + red[64 + tid] + red[96 + tid] + eps);
@@ -420,16 +398,7 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
       const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
       const int64_t goff =
           p.out.offset(sp.b, sp.bos + j * kChunk16 + r, hv) + 64 * half + 16 * warp + 8 * ch;
-      if (p.out.vec) {
-        st_global_16(obase + goff, x);
-      } else {
-        const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-        for (int i = 0; i < 4; ++i) {
-          obase[goff + 2 * i] = static_cast<uint16_t>(w[i] & 0xffffu);
-          obase[goff + 2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
-        }
-      }
+      store_out16(obase, goff, x, p.out.vec);
     }
   };
 

@@ -443,16 +443,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
           const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
           const int64_t goff = kC16 ? ooff0 + ci * kLc * p.out.s1
                                     : p.out.offset(sp.b, sp.bos + ci * kLc + r, hv) + vw + 8 * ch;
-          if (p.out.vec) {
-            st_global_16(obase + goff, x);
-          } else {
-            const uint32_t w[4] = {x.x, x.y, x.z, x.w};
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-              obase[goff + 2 * i] = static_cast<uint16_t>(w[i] & 0xffffu);
-              obase[goff + 2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
-            }
-          }
+          store_out16(obase, goff, x, p.out.vec);
         }
       }
     }

@@ -51,6 +51,20 @@ __device__ __forceinline__ int out_tile_offset(int t, int chunk) {
   return t * 32 + ((chunk ^ ((t >> 2) & 1)) << 4);
 }
 
+// Eight 16-bit outputs (16 bytes) at obase + off: one vector store when the output view allows it.
+__device__ __forceinline__ void store_out16(uint16_t* obase, int64_t off, uint4 x, bool vec) {
+  if (vec) {
+    st_global_16(obase + off, x);
+    return;
+  }
+  const uint32_t w[4] = {x.x, x.y, x.z, x.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    obase[off + 2 * i] = static_cast<uint16_t>(w[i] & 0xffffu);
+    obase[off + 2 * i + 1] = static_cast<uint16_t>(w[i] >> 16);
+  }
+}
+
 // Element offset of state element (value row v, key column kk) of head hv in row `row`.
 __device__ __forceinline__ int64_t state_offset(const StateView& s, bool kfirst, int64_t row,
                                                 int hv, int v, int kk) {
