@@ -62,6 +62,16 @@ inline constexpr int kFusedSmemBytes = 1024 + kFOffRn + 128;
 static_assert(kFOffQa % 16 == 0 && kFOffOut % 128 == 0 && kFOffRaw % 128 == 0, "alignment");
 static_assert(2 * (kFusedSmemBytes + 1024) <= 233472, "two fused CTAs per SM");
 
+// The tf32 A fragment of m16n8k8 (rows g, g + 8 x columns k0 + c, k0 + c + 4) of an fp32 matrix
+// in shared memory with row pitch `pitch` (values already tf32-rounded).
+__device__ __forceinline__ void fused_a_frag(const float* m, int pitch, int k0, int g, int c,
+                                             uint32_t (&a)[4]) {
+  a[0] = __float_as_uint(m[g * pitch + k0 + c]);
+  a[1] = __float_as_uint(m[(g + 8) * pitch + k0 + c]);
+  a[2] = __float_as_uint(m[g * pitch + k0 + c + 4]);
+  a[3] = __float_as_uint(m[(g + 8) * pitch + k0 + c + 4]);
+}
+
 template <bool kFp16>
 __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -78,14 +88,20 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
   // ---- Initial state: S^T rows [64 half + 16 warp, + 16) of both halves.
   float accS0[16][4], accS1[16][4];
   const int vw0 = 16 * warp, vw1 = 64 + 16 * warp;
+  auto load_both = [&](const StateView& v, int64_t row) {
+    load_state(accS0, v, p.kfirst, row, hv, vw0, 0, g, c);
+    load_state(accS1, v, p.kfirst, row, hv, vw1, 0, g, c);
+  };
+  auto store_both = [&](const StateView& v, int64_t row) {
+    store_state(accS0, v, p.kfirst, row, hv, vw0, 0, g, c);
+    store_state(accS1, v, p.kfirst, row, hv, vw1, 0, g, c);
+  };
   int64_t slot = rules::kNoSlot;
   if (p.has_state_pool) slot = rules::pool_slot(p.state_indices.load(n), p.state_pool.rows);
   if (slot >= 0) {
-    load_state(accS0, p.state_pool, p.kfirst, slot, hv, vw0, 0, g, c);
-    load_state(accS1, p.state_pool, p.kfirst, slot, hv, vw1, 0, g, c);
+    load_both(p.state_pool, slot);
   } else if (!p.has_state_pool && p.initial_state.data != nullptr) {
-    load_state(accS0, p.initial_state, p.kfirst, n, hv, vw0, 0, g, c);
-    load_state(accS1, p.initial_state, p.kfirst, n, hv, vw1, 0, g, c);
+    load_both(p.initial_state, n);
   } else {
 #pragma unroll
     for (int j = 0; j < 16; ++j)
@@ -269,14 +285,9 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
 #pragma unroll
       for (int ks = 0; ks < 4; ++ks) {
         const int k0 = 32 * warp + 8 * ks;
-        const uint32_t ak[4] = {__float_as_uint(ka[g * kFOpPitch + k0 + c]),
-                                __float_as_uint(ka[(g + 8) * kFOpPitch + k0 + c]),
-                                __float_as_uint(ka[g * kFOpPitch + k0 + c + 4]),
-                                __float_as_uint(ka[(g + 8) * kFOpPitch + k0 + c + 4])};
-        const uint32_t aq[4] = {__float_as_uint(qa[g * kFOpPitch + k0 + c]),
-                                __float_as_uint(qa[(g + 8) * kFOpPitch + k0 + c]),
-                                __float_as_uint(qa[g * kFOpPitch + k0 + c + 4]),
-                                __float_as_uint(qa[(g + 8) * kFOpPitch + k0 + c + 4])};
+        uint32_t ak[4], aq[4];
+        fused_a_frag(ka, kFOpPitch, k0, g, c, ak);
+        fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 8 * nt + g;
@@ -352,10 +363,8 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int s0 = 8 * ks;
-        const uint32_t a[4] = {__float_as_uint(tms[g * kFMPitch + s0 + c]),
-                               __float_as_uint(tms[(g + 8) * kFMPitch + s0 + c]),
-                               __float_as_uint(tms[g * kFMPitch + s0 + c + 4]),
-                               __float_as_uint(tms[(g + 8) * kFMPitch + s0 + c + 4])};
+        uint32_t a[4];
+        fused_a_frag(tms, kFMPitch, s0, g, c, a);
 #pragma unroll
         for (int nt = 0; nt < 4; ++nt) {
           const int col = 32 * warp + 8 * nt + g;
@@ -420,25 +429,16 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
     const uint8_t* sb = smem + kFOffRec + (j & 1) * kRecord16Bytes;
     const uint32_t sbase = s0 + kFOffRec + (j & 1) * kRecord16Bytes;
     const uint32_t vaddr = s0 + kFOffV + static_cast<int>(j % 3) * kFVBytes;
-    {
-      float accO[8][4];
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) accO[t][e] = 0.f;
-      step_wgmma16<kFp16>(accS0, accO, sb, sbase, vaddr, warp, lane, kHeadDim);
-      store_out(accO, 0, j, L);
-    }
-    {
-      float accO[8][4];
-#pragma unroll
-      for (int t = 0; t < 8; ++t)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) accO[t][e] = 0.f;
-      step_wgmma16<kFp16>(accS1, accO, sb, sbase, vaddr, 4 + warp, lane, kHeadDim);
-      wgmma_fence_acc(accS0);  // its update completed inside the second half's step
-      store_out(accO, 1, j, L);
-    }
+    // Each half: its step (the state update left in flight) and its outputs. The first half's
+    // update completes inside the second half's step (its first wait).
+    auto step_half = [&](float(&accS)[16][4], int half) {
+      float accO[8][4] = {};
+      step_wgmma16<kFp16>(accS, accO, sb, sbase, vaddr, 4 * half + warp, lane, kHeadDim);
+      store_out(accO, half, j, L);
+    };
+    step_half(accS0, 0);
+    step_half(accS1, 1);
+    wgmma_fence_acc(accS0);
     if (j + 1 < nchunks) prepare(j + 1);  // while the second half's state update runs
     step16_done(accS1);
     issue(j + 3);
@@ -447,24 +447,15 @@ __global__ void __launch_bounds__(kFusedThreads, 2) fused_kernel(const __grid_co
       const int64_t done = (j + 1) * kChunk16;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
-        if (row >= 0 && row < ck_hi) {
-          store_state(accS0, p.checkpoints, p.kfirst, row, hv, vw0, 0, g, c);
-          store_state(accS1, p.checkpoints, p.kfirst, row, hv, vw1, 0, g, c);
-        }
+        if (row >= 0 && row < ck_hi) store_both(p.checkpoints, row);
       }
     }
   }
   cp_async_wait<0>();
 
   // ---- Final state.
-  if (!p.has_state_pool && p.final_state.data != nullptr) {
-    store_state(accS0, p.final_state, p.kfirst, n, hv, vw0, 0, g, c);
-    store_state(accS1, p.final_state, p.kfirst, n, hv, vw1, 0, g, c);
-  }
-  if (slot >= 0) {
-    store_state(accS0, p.state_pool, p.kfirst, slot, hv, vw0, 0, g, c);
-    store_state(accS1, p.state_pool, p.kfirst, slot, hv, vw1, 0, g, c);
-  }
+  if (!p.has_state_pool && p.final_state.data != nullptr) store_both(p.final_state, n);
+  if (slot >= 0) store_both(p.state_pool, slot);
 }
 
 }  // namespace kda::cuda::pf

@@ -205,8 +205,6 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   if (p.fused) {  // one CTA per (sequence, value head), the whole state
     p.vs = kHeadDim;
     p.nslices = 1;
-    p.ksplit = false;
-    p.wgmma = p.chunk16 = true;
   }
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, tuning);
 

@@ -21,7 +21,6 @@
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/common.cuh"
-#include "cuda/prefill/fused.cuh"
 #include "cuda/prefill/host.h"
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
