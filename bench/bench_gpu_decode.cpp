@@ -459,6 +459,8 @@ int main(int argc, char** argv) {
   std::vector<Case> cases = {
       {"T1_B1", 1, 1, DType::kFloat32, 0, "<= 10 us per call", 0, 10},
       {"T1_B32", 32, 1, DType::kFloat32, 0, ">= 3.0 TB/s", 3.0, 0},
+      {"T1_B64", 64, 1, DType::kFloat32, 0, "", 0, 0},
+      {"T1_B128", 128, 1, DType::kFloat32, 0, "", 0, 0},
       {"T1_B256", 256, 1, DType::kFloat32, 0, ">= 3.6 TB/s", 3.6, 0},
       {"T1_B1024", 1024, 1, DType::kFloat32, 0, ">= 3.6 TB/s", 3.6, 0},
       {"T1_B256_bf16state", 256, 1, DType::kBFloat16, 0, "", 0, 0},
@@ -468,6 +470,8 @@ int main(int argc, char** argv) {
       {"G20_B1", 1, 1, DType::kFloat32, 20, "<= 3.0 us per call", 0, 3.0, true},
       {"G20_B8", 8, 1, DType::kFloat32, 20, "<= 8.0 us per call", 0, 8.0, true},
       {"G20_B32", 32, 1, DType::kFloat32, 20, ">= 3.8 TB/s", 3.8, 0, true},
+      {"G20_B64", 64, 1, DType::kFloat32, 20, "", 0, 0, true},
+      {"G20_B128", 128, 1, DType::kFloat32, 20, "", 0, 0, true},
       {"G20_B256", 256, 1, DType::kFloat32, 20, ">= 4.0 TB/s", 4.0, 0, true},
       {"G20_B1024", 1024, 1, DType::kFloat32, 20, ">= 4.0 TB/s", 4.0, 0, true},
   };

@@ -49,6 +49,7 @@ struct GpuDecodeCase {
   bool bulk = false;             // force the bulk kernel (=bulk; where eligible)
   bool bulklat = false;          // force the bulk kernel's latency variant (=bulklat; dense T = 1)
   int warp = 0;                  // force the warp kernel (=warp) with 4 / 8 / 16 rows per warp
+  bool single = false;           // force the single-token kernel (=single; dense T = 1)
   detail::DecodeStateCache warp_cache = detail::DecodeStateCache::kAuto;  // its L2 policy
   bool state_aligned_pad =
       false;          // pool rows padded by 8 elements: 16-byte aligned, not contiguous
@@ -73,6 +74,7 @@ struct GpuDecodeCase {
     if (bulk) s += "_bulk";
     if (bulklat) s += "_bulklat";
     if (warp > 0) s += "_warp" + std::to_string(warp);
+    if (single) s += "_single";
     if (warp_cache == detail::DecodeStateCache::kNormal) s += "_l2normal";
     if (warp_cache == detail::DecodeStateCache::kStream) s += "_l2stream";
     if (state_aligned_pad) s += "_stpadal";
@@ -163,6 +165,7 @@ class KernelChoice {
       t.decode_kernel = O::kWarp;
       t.decode_warp_rows = gc.warp;
     }
+    if (gc.single) t.decode_kernel = O::kSingle;
     t.decode_warp_cache = gc.warp_cache;
     return t;
   }
@@ -734,13 +737,10 @@ std::vector<GpuDecodeCase> sweep_cases() {
   return v;
 }
 
-// The warp kernel (the default for small dense single-token fp32 calls) forced on every smoke and
-// sweep case it could take (V-first, K = 128: any T, dense and varlen, every index and
-// state-output mode, input dtypes, strides, padded pool rows; bf16 and unaligned pools fall back to
-// the default choice), with 4, 8 and 16 rows per warp in turn, plus the gate and beta forms, a
-// skipped write slot and GVA at K = 128, and both L2 policies.
-std::vector<GpuDecodeCase> warp_cases() {
-  std::vector<GpuDecodeCase> all = smoke_cases(), v;
+// Every smoke and sweep case plus K = 128 cases of the gate and beta forms, a skipped write slot,
+// GVA with 4 value heads per head, and both L2 policies of the register kernels.
+std::vector<GpuDecodeCase> k128_cases() {
+  std::vector<GpuDecodeCase> all = smoke_cases();
   for (const GpuDecodeCase& g : sweep_cases()) all.push_back(g);
   for (GateForm gf : {GateForm::kPrecomputed, GateForm::kSoftplus, GateForm::kLowerBound})
     for (int bf = 0; bf < 3; ++bf) {
@@ -772,12 +772,66 @@ std::vector<GpuDecodeCase> warp_cases() {
     g.c.T = 2;
     all.push_back(g);
   }
+  return all;
+}
+
+// The warp kernel (forced only) on every case above it could take (V-first, K = 128: any T, dense
+// and varlen, every index and state-output mode, input dtypes, strides, padded pool rows; bf16 and
+// unaligned pools fall back to the default choice), with 4, 8 and 16 rows per warp in turn.
+std::vector<GpuDecodeCase> warp_cases() {
+  std::vector<GpuDecodeCase> v;
   const int rows[] = {4, 8, 16};
-  for (GpuDecodeCase g : all) {
+  for (GpuDecodeCase g : k128_cases()) {
     if (g.c.K != 128 || g.c.layout != StateLayout::kVFirst || g.baseline || g.tile || g.staged ||
         g.bulk)
       continue;
     g.warp = rows[v.size() % 3];
+    v.push_back(g);
+  }
+  return v;
+}
+
+// The single-token kernel (the default for dense single-token fp32 V-first K = 128 calls below the
+// bulk kernel's batches) forced on every K = 128 V-first case above with one token (input, output,
+// g, beta and dt_bias dtypes, gate and beta forms, GVA, no / int64 indices, padding rows, a
+// separate final state, padded pool rows, aligned strided inputs; unaligned strides and bf16
+// pools fall back to the default choice), plus no initial state, no state write, fp16 inputs
+// without l2 norm, no gate parameters at K = 128, every other row padding, and a batch of several
+// waves.
+std::vector<GpuDecodeCase> single_cases() {
+  std::vector<GpuDecodeCase> all = k128_cases(), v;
+  {
+    GpuDecodeCase g = base(128);
+    g.c.use_initial_state = false;
+    all.push_back(g);
+    g = base(128);
+    g.c.store_final_state = false;
+    g.c.final_state_separate = true;
+    all.push_back(g);
+    g = base(128);
+    g.c.store_final_state = false;
+    all.push_back(g);
+    g = base(128);
+    g.c.dtype = g.c.out_dtype = DType::kFloat16;
+    g.l2norm = false;
+    g.c.gate = GateForm::kLowerBound;
+    all.push_back(g);
+    g = base(128);
+    g.no_gate_params = true;
+    all.push_back(g);
+    g = base(128);
+    g.pad_every = 2;
+    g.c.N = 7;
+    all.push_back(g);
+    g = base(128);
+    g.c.N = 300;
+    all.push_back(g);
+  }
+  for (GpuDecodeCase g : all) {
+    if (g.c.K != 128 || g.c.layout != StateLayout::kVFirst || g.c.T != 1 || !g.c.seqlens.empty() ||
+        g.baseline || g.tile || g.staged || g.bulk || g.warp > 0)
+      continue;
+    g.single = true;
     v.push_back(g);
   }
   return v;
@@ -790,6 +844,7 @@ std::string case_name(const ::testing::TestParamInfo<GpuDecodeCase>& info) {
 INSTANTIATE_TEST_SUITE_P(Smoke, GpuDecode, ::testing::ValuesIn(smoke_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(Sweep, GpuDecode, ::testing::ValuesIn(sweep_cases()), case_name);
 INSTANTIATE_TEST_SUITE_P(WarpSweep, GpuDecode, ::testing::ValuesIn(warp_cases()), case_name);
+INSTANTIATE_TEST_SUITE_P(SingleSweep, GpuDecode, ::testing::ValuesIn(single_cases()), case_name);
 
 // ---------------------------------------------------------------------------------------------
 // Special cases
@@ -1012,6 +1067,14 @@ TEST(GpuDecodeSmokeStaged, StagedMatchesTile) {
             expect_same_or_close("out (warp vs staged)", warp.out, staged.out, tol);
             expect_same_or_close("state (warp vs staged)", warp.state, staged.state, tol);
             expect_same_or_close("inter (warp vs staged)", warp.inter, staged.inter, tol);
+            if (rows == 8 && T == 1 && !inter) {  // the single-token kernel: the warp kernel's sums
+              k.single = true;
+              const DecodeData single = run_gpu(d, k);
+              k.single = false;
+              EXPECT_TRUE(bitwise_equal(single.out, warp.out)) << "out (single vs warp, 8 rows)";
+              EXPECT_TRUE(bitwise_equal(single.state, warp.state))
+                  << "state (single vs warp, 8 rows)";
+            }
           }
         if (T == 1) {  // the bulk kernel's latency variant (dense single-token calls)
           k.bulk = false;
@@ -1091,11 +1154,12 @@ TEST(GpuDecodeSmokeGraph, TwentyCallsOnTheSameSlots) {
     ASSERT_TRUE(decode(p).ok());
   }
   const Touched tc = touched_rows(d, gc);
-  for (int kernel = 0; kernel < 6; ++kernel) {
+  for (int kernel = 0; kernel < 7; ++kernel) {
     GpuDecodeCase k = gc;
     k.warp = kernel == 1 ? 4 : kernel == 2 ? 8 : kernel == 3 ? 16 : 0;
     k.bulklat = kernel == 4;
     k.staged = kernel == 5;
+    k.single = kernel == 6;
     SCOPED_TRACE(k.name());
     DeviceDecode dev(d, k);
     cudaStream_t stream;

@@ -74,8 +74,8 @@ TEST(Tuning, ParsesEveryKnob) {
   EXPECT_EQ(t.num_threads, 3);
   using O = detail::DecodeKernelOverride;
   const std::vector<std::pair<const char*, O>> kernels = {
-      {"baseline", O::kBaseline}, {"tile", O::kTile},           {"staged", O::kStaged},
-      {"bulk", O::kBulk},         {"bulklat", O::kBulkLatency}, {"warp", O::kWarp}};
+      {"baseline", O::kBaseline},   {"tile", O::kTile}, {"staged", O::kStaged}, {"bulk", O::kBulk},
+      {"bulklat", O::kBulkLatency}, {"warp", O::kWarp}, {"single", O::kSingle}};
   for (const auto& [name, want] : kernels)
     EXPECT_EQ(tuning({{"KDA_CUDA_DECODE_KERNEL", name}}).decode_kernel, want) << name;
   for (int rows : {4, 8, 16})
@@ -379,6 +379,11 @@ detail::DecodeProblem heuristic_problem(int64_t N, int64_t T, DType state_dtype)
   pr.d.K = pr.d.V = 128;
   void* aligned = reinterpret_cast<void*>(uintptr_t{1} << 20);  // never dereferenced
   pr.state = make_view(aligned, state_dtype, {N + 1, 32, 128, 128}, Device::kCUDA);
+  for (TensorView* t : {&pr.q, &pr.k, &pr.v, &pr.g, &pr.out})
+    *t = make_view(aligned, DType::kBFloat16, {N, T, 32, 128}, Device::kCUDA);
+  pr.beta = make_view(aligned, DType::kBFloat16, {N, T, 32, 1}, Device::kCUDA);
+  pr.dt_bias = make_view(aligned, DType::kFloat32, {32, 128}, Device::kCUDA);
+  pr.state_indices = make_view(aligned, DType::kInt32, {N}, Device::kCUDA);
   return pr;
 }
 
@@ -393,15 +398,36 @@ TEST(DecodeHeuristics, KernelChoice) {
     return choose_kernel(pr, sms, t);
   };
   // Dense single-token calls (the benchmark's shapes).
-  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kBulkLatency);  // 128 blocks
-  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)), K::kBulkLatency);  // 256 <= 264
-  EXPECT_EQ(pick(heuristic_problem(8, 1, DType::kFloat32)), K::kStaged);       // 1024 blocks
-  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kStaged);      // 4096 blocks
-  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);  // >= 64 blocks per SM
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kFloat32)), K::kSingle);  // 128 blocks
+  EXPECT_EQ(pick(heuristic_problem(2, 1, DType::kFloat32)), K::kSingle);
+  EXPECT_EQ(pick(heuristic_problem(8, 1, DType::kFloat32)), K::kSingle);   // 1024 blocks
+  EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kFloat32)), K::kSingle);  // 4096 blocks
+  EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kFloat32)), K::kBulk);   // >= 64 blocks per SM
   EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32)), K::kBulk);
   EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16)), K::kBulkLatency);    // no bf16 warp
   EXPECT_EQ(pick(heuristic_problem(256, 1, DType::kBFloat16)), K::kBulkLatency);  // every bf16 pool
   EXPECT_EQ(pick(heuristic_problem(32, 1, DType::kBFloat16)), K::kBulkLatency);
+  // What the single-token kernel does not take: the previous choice.
+  {
+    detail::DecodeProblem f = heuristic_problem(1, 1, DType::kFloat32);
+    f.q.dtype = f.k.dtype = f.v.dtype = DType::kFloat32;  // fp32 inputs (the CPU backends' dtype)
+    EXPECT_EQ(pick(f), K::kBulkLatency);
+    f = heuristic_problem(8, 1, DType::kFloat32);
+    f.state_indices = make_view(f.state.data, DType::kInt32, {8, 1}, Device::kCUDA);
+    f.indices_2d = true;  // [N, Tmax] indices
+    EXPECT_EQ(pick(f), K::kStaged);
+    f = heuristic_problem(1, 1, DType::kFloat32);
+    f.q.data = static_cast<char*>(f.q.data) + 8;  // q rows not 16-byte aligned
+    EXPECT_EQ(pick(f), K::kBulkLatency);
+    f = heuristic_problem(1, 1, DType::kFloat32);
+    f.g.dtype = DType::kFloat32;  // fp32 g, beta, out and a separate aligned final state: taken
+    f.beta.dtype = f.out.dtype = DType::kFloat32;
+    f.final_state = make_view(f.state.data, DType::kFloat32, {1, 32, 128, 128}, Device::kCUDA);
+    EXPECT_EQ(pick(f), K::kSingle);
+    f.intermediate_states = f.final_state;  // per-token states
+    f.final_state = TensorView{};
+    EXPECT_EQ(pick(f), K::kBulkLatency);
+  }
   // Several tokens, varlen: not the bulk kernel's latency variant.
   EXPECT_EQ(pick(heuristic_problem(1, 2, DType::kFloat32)), K::kStagedLatency);
   EXPECT_EQ(pick(heuristic_problem(256, 4, DType::kFloat32)), K::kBulk);
@@ -447,6 +473,13 @@ TEST(DecodeHeuristics, KernelChoice) {
   EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16), Override::kWarp), K::kBulkLatency);
   EXPECT_EQ(pick(kf, Override::kWarp), K::kTile);
   EXPECT_EQ(pick(un, Override::kWarp), K::kTile);
+  // The single-token kernel forced: any batch it takes; else the default choice.
+  EXPECT_EQ(pick(heuristic_problem(1024, 1, DType::kFloat32), Override::kSingle), K::kSingle);
+  EXPECT_EQ(pick(b1, Override::kSingle), K::kSingle);
+  EXPECT_EQ(pick(b1t2, Override::kSingle), K::kStagedLatency);
+  EXPECT_EQ(pick(v, Override::kSingle), K::kStagedLatency);
+  EXPECT_EQ(pick(heuristic_problem(1, 1, DType::kBFloat16), Override::kSingle), K::kBulkLatency);
+  EXPECT_EQ(pick(kf, Override::kSingle), K::kTile);
 }
 
 TEST(DecodeHeuristics, WarpConfig) {

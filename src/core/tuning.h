@@ -22,7 +22,16 @@
 namespace kda::detail {
 
 // KDA_CUDA_DECODE_KERNEL: the decode kernel to run where it is eligible (else the default choice).
-enum class DecodeKernelOverride { kAuto, kBaseline, kTile, kStaged, kBulk, kBulkLatency, kWarp };
+enum class DecodeKernelOverride {
+  kAuto,
+  kBaseline,
+  kTile,
+  kStaged,
+  kBulk,
+  kBulkLatency,
+  kWarp,
+  kSingle
+};
 
 // KDA_CUDA_DECODE_WARP_CACHE: the L2 policy of the warp kernel's state loads and stores.
 enum class DecodeStateCache { kAuto, kNormal, kStream };
@@ -75,6 +84,7 @@ Tuning parse_tuning(Get&& get) {
   if (is(s, "bulk")) t.decode_kernel = DecodeKernelOverride::kBulk;
   if (is(s, "bulklat")) t.decode_kernel = DecodeKernelOverride::kBulkLatency;
   if (is(s, "warp")) t.decode_kernel = DecodeKernelOverride::kWarp;
+  if (is(s, "single")) t.decode_kernel = DecodeKernelOverride::kSingle;
   s = get("KDA_CUDA_DECODE_WARP_ROWS");
   if (is(s, "4") || is(s, "8") || is(s, "16"))
     t.decode_warp_rows = static_cast<int>(tuning_digits(s));

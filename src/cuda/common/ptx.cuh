@@ -36,6 +36,21 @@ __device__ __forceinline__ int lane_id() {
   return lane;
 }
 
+// Reads a kernel's parameter block once, so that the SM's constant caches hold it when the code
+// after pdl_wait() uses it (each node of a CUDA graph has its own copy, cold at its launch): one
+// 4-byte word per 64-byte piece of the struct, the pieces spread over the block's warps (piece
+// lane * kWarps + warp, so that no warp serializes many distinct constant addresses), left in
+// `sink` (shared memory) to keep the loads alive. Parameters only: legal before pdl_wait().
+template <int kWarps, typename Args>
+__device__ __forceinline__ void warm_params(const Args& a, int warp_in_block,
+                                            volatile uint32_t* sink) {
+  constexpr int kWords = static_cast<int>(sizeof(Args) / 4), kPieceWords = 16;
+  static_assert(sizeof(Args) <= 32 * kWarps * kPieceWords * 4, "one piece per lane");
+  const int piece = lane_id() * kWarps + warp_in_block;
+  if (piece * kPieceWords < kWords)
+    *sink = reinterpret_cast<const uint32_t*>(&a)[piece * kPieceWords];
+}
+
 // L2 prefetch of the line at p (a hint).
 __device__ __forceinline__ void prefetch_l2(const void* p) {
   asm volatile("prefetch.global.L2 [%0];" ::"l"(p));

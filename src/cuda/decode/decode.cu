@@ -91,6 +91,7 @@
 #include "cuda/cuda_backend.h"
 #include "cuda/decode/baseline.cuh"
 #include "cuda/decode/bulk.cuh"
+#include "cuda/decode/single.cuh"
 #include "cuda/decode/staged.cuh"
 #include "cuda/decode/tile.cuh"
 #include "cuda/decode/warp.cuh"
@@ -159,6 +160,79 @@ DecodeArgs make_args(const detail::DecodeProblem& pr) {
 
 // check_indices: copies state_indices / num_accepted_tokens / cu_seqlens to the host (same
 // strided layout), waits for them, and checks their values.
+// The single-token kernel's parameters (single_ok(pr) holds: T = 1, dense, [N] indices or none).
+SingleArgs make_single_args(const detail::DecodeProblem& pr) {
+  SingleArgs a;
+  a.q = pr.q.data, a.k = pr.k.data, a.v = pr.v.data, a.g = pr.g.data, a.beta = pr.beta.data;
+  a.out = pr.out.data;
+  a.q_s0 = pr.q.strides[0], a.q_s2 = pr.q.strides[2];
+  a.k_s0 = pr.k.strides[0], a.k_s2 = pr.k.strides[2];
+  a.v_s0 = pr.v.strides[0], a.v_s2 = pr.v.strides[2];
+  a.g_s0 = pr.g.strides[0], a.g_s2 = pr.g.strides[2];
+  a.beta_s0 = pr.beta.strides[0], a.beta_s2 = pr.beta.strides[2];
+  a.out_s0 = pr.out.strides[0], a.out_s2 = pr.out.strides[2];
+  if (pr.dt_bias.present()) {
+    a.dt_bias = pr.dt_bias.data;
+    a.dt_bias_s0 = pr.dt_bias.strides[0];
+    a.bias_bf16 = pr.dt_bias.dtype == DType::kBFloat16;
+  }
+  if (pr.A_log.present()) {
+    a.A_log = static_cast<const float*>(pr.A_log.data);
+    a.A_log_s0 = pr.A_log.strides[0];
+  }
+  if (pr.state_indices.present()) {
+    a.idx = pr.state_indices.data;
+    a.idx_s0 = pr.state_indices.strides[0];
+    a.idx64 = pr.state_indices.dtype == DType::kInt64;
+  }
+  a.state = static_cast<float*>(pr.state.data);
+  a.state_s0 = pr.state.strides[0], a.state_s1 = pr.state.strides[1];
+  a.state_s2 = pr.state.strides[2];
+  if (pr.final_state.present()) {
+    a.final_state = static_cast<float*>(pr.final_state.data);
+    a.fs_s0 = pr.final_state.strides[0], a.fs_s1 = pr.final_state.strides[1];
+    a.fs_s2 = pr.final_state.strides[2];
+  }
+  a.P = pr.state.shape[0];
+  a.HV = static_cast<int>(pr.d.HV);
+  a.groups = static_cast<int>(pr.d.groups());
+  a.gate = static_cast<int>(pr.math.gate);
+  a.scale = static_cast<float>(pr.math.scale);
+  a.lower_bound = pr.math.lower_bound;
+  a.g_f32 = pr.g.dtype == DType::kFloat32;
+  a.beta_f32 = pr.beta.dtype == DType::kFloat32;
+  a.out_f32 = pr.out.dtype == DType::kFloat32;
+  a.beta_per_v = pr.beta_per_v;
+  a.use_initial_state = pr.use_initial_state;
+  a.store_state = pr.store_final_state;
+  a.l2norm = pr.math.use_qk_l2norm;
+  a.beta_logits = pr.math.beta_logits;
+  a.allow_neg_eigval = pr.math.allow_neg_eigval;
+  return a;
+}
+
+// The single-token kernel's kPlain case (decode/single.cuh).
+bool single_plain(const detail::DecodeProblem& pr) {
+  const DType in = pr.q.dtype;
+  return pr.g.dtype == in && pr.beta.dtype == in && pr.out.dtype == in && pr.dt_bias.present() &&
+         pr.dt_bias.dtype == DType::kFloat32 && pr.A_log.present() && pr.state_indices.present() &&
+         pr.state_indices.dtype == DType::kInt32 && !pr.beta_per_v && pr.use_initial_state &&
+         pr.store_final_state && !pr.final_state.present() && pr.math.use_qk_l2norm;
+}
+
+// Grid (HV x V / 32, N): single_ok keeps N within the grid's y limit.
+Status launch_single(const detail::DecodeProblem& pr, cudaStream_t stream) {
+  const SingleArgs a = make_single_args(pr);
+  const bool bf16 = pr.q.dtype == DType::kBFloat16, plain = single_plain(pr);
+  void (*kernel)(SingleArgs) =
+      bf16 ? (plain ? decode_single_kernel<__nv_bfloat16, true>
+                    : decode_single_kernel<__nv_bfloat16, false>)
+           : (plain ? decode_single_kernel<__half, true> : decode_single_kernel<__half, false>);
+  const dim3 grid(static_cast<unsigned>(pr.d.HV * (kSingleK / 32)), static_cast<unsigned>(pr.d.N));
+  KDA_CUDA_CHECK(launch_kernel(kernel, grid, dim3(kSingleThreads), 0, stream, a));
+  return Status::Ok();
+}
+
 Status check_index_values(const detail::DecodeProblem& pr, cudaStream_t stream) {
   std::vector<uint8_t> idx, nat, cu;
   KDA_RETURN_IF_ERROR(copy_to_host_async(pr.state_indices, stream, &idx));
@@ -273,13 +347,15 @@ Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool che
   if (check_indices) KDA_RETURN_IF_ERROR(check_index_values(pr, stream));
   if (pr.d.N == 0) return Status::Ok();
 
-  const DecodeArgs a = make_args(pr);
-  const bool k_first = pr.layout == StateLayout::kKFirst;
-  const bool bf16_state = pr.state.dtype == DType::kBFloat16;
   DeviceAttributes* info = nullptr;
   KDA_RETURN_IF_ERROR(device_attributes(pr.q.device_index, &info));
   const detail::Tuning& tuning = detail::tuning();
   const DecodeKernel kernel = choose_kernel(pr, info->sms, tuning);
+  // The single-token kernel has its own, smaller parameter block.
+  if (kernel == DecodeKernel::kSingle) return launch_single(pr, stream);
+  const DecodeArgs a = make_args(pr);
+  const bool k_first = pr.layout == StateLayout::kKFirst;
+  const bool bf16_state = pr.state.dtype == DType::kBFloat16;
   if (kernel == DecodeKernel::kBaseline) {
     const int64_t blocks = pr.d.N * pr.d.HV;
     if (blocks > INT32_MAX)

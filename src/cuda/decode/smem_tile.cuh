@@ -163,21 +163,6 @@ __device__ __forceinline__ void stage_next_token(const DecodeArgs& a, const SeqR
   __syncthreads();
 }
 
-// Reads the kernel parameters once, so that the SM's constant caches hold them when the code
-// after pdl_wait() uses them: one 4-byte word per 64-byte piece of the struct, the pieces spread
-// over the block's warps (piece lane * kWarps + warp: 3 per warp for the ~600-byte struct, so that
-// no warp serializes many distinct constant addresses), left in `sink` (shared memory) to keep the
-// loads alive. Parameters only: legal before pdl_wait().
-template <int kWarps>
-__device__ __forceinline__ void warm_params(const DecodeArgs& a, int warp_in_block,
-                                            volatile uint32_t* sink) {
-  constexpr int kWords = static_cast<int>(sizeof(DecodeArgs) / 4), kPieceWords = 16;
-  static_assert(sizeof(DecodeArgs) <= 32 * kWarps * kPieceWords * 4, "one piece per lane");
-  const int piece = lane_id() * kWarps + warp_in_block;
-  if (piece * kPieceWords < kWords)
-    *sink = reinterpret_cast<const uint32_t*>(&a)[piece * kPieceWords];
-}
-
 // Block -> (sequence n, value head hv, first value row tile_v0 of its tile of kTileV rows), for a
 // grid of N x HV x V / kTileV blocks.
 struct TileBlock {

@@ -32,8 +32,8 @@
 #include <cstdint>
 
 #include "cuda/common/ptx.cuh"
-#include "cuda/common/warp_sums.cuh"
 #include "cuda/decode/smem_tile.cuh"
+#include "cuda/decode/warp_step.cuh"
 
 namespace kda::cuda::dec {
 
@@ -147,30 +147,10 @@ __global__ void __launch_bounds__(kWarpThreads, warp_min_blocks<kRows>())
     const float d[4] = {tk.decay.x, tk.decay.y, tk.decay.z, tk.decay.w};
     const float kv[4] = {tk.k.x, tk.k.y, tk.k.z, tk.k.w}, qv[4] = {tk.q.x, tk.q.y, tk.q.z, tk.q.w};
 
-    // ---- Pass 1: s <- s * decay; u = beta (v - s^T k) of each row
-    float p[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[r][e] *= d[e];
-      p[r] = fmaf(s[r][3], kv[3], fmaf(s[r][2], kv[2], fmaf(s[r][1], kv[1], s[r][0] * kv[0])));
-    }
-    const float u_mine = tk.beta * (tk.v - warp_row_sums<kRows>(p, lane));
-
-    // ---- Pass 2: s <- s + k u; o = s^T q of each row
-    float o[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float u = __shfl_sync(0xffffffffu, u_mine, r * kRowLanes);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[r][e] = fmaf(kv[e], u, s[r][e]);
-      o[r] = fmaf(s[r][3], qv[3], fmaf(s[r][2], qv[2], fmaf(s[r][1], qv[1], s[r][0] * qv[0])));
-    }
-
-    // ---- This token's state (at most one place), then its output row
+    // ---- The two passes (warp_rows_token), this token's state (at most one place), its output
+    const float o_mine = warp_rows_token<kRows>(s, d, kv, qv, tk.beta, tk.v, lane);
     if (const TileDst<float> dst = token_dst<float>(a, rt, n, hv, t); dst.data != nullptr)
       store_rows(dst);
-    const float o_mine = warp_row_sums<kRows>(o, lane);
     if (out_lane) store_elem(a.out.data, a.out.dtype, a.out.offset(rt.b, tok, hv) + v_mine, o_mine);
   }
 

@@ -15,22 +15,58 @@ namespace kda::cuda {
 inline constexpr int64_t kDecodeFastK = 128;
 
 // kStagedLatency / kBulkLatency: the staged / bulk kernel's variant for grids of <= 2 blocks per
-// SM. kWarp: the warp kernel (kRows value rows per warp, state in registers).
-enum class DecodeKernel { kBaseline, kTile, kStaged, kStagedLatency, kBulk, kBulkLatency, kWarp };
+// SM. kWarp: the warp kernel (kRows value rows per warp, state in registers). kSingle: the
+// single-token kernel (the warp kernel's organisation specialized to dense one-token calls).
+enum class DecodeKernel {
+  kBaseline,
+  kTile,
+  kStaged,
+  kStagedLatency,
+  kBulk,
+  kBulkLatency,
+  kWarp,
+  kSingle
+};
+
+// The single-token kernel's grid is (HV x V / 32, N): N within the grid's y limit.
+inline constexpr int64_t kSingleMaxN = 65535;
+
+// What the single-token kernel (decode/single.cuh) takes: dense calls with T = 1 on an fp32
+// V-first pool with K = V = 128, N <= kSingleMaxN; [N] indices or none (no speculative columns); no
+// per-token state output; 16-bit q / k / v (g, beta and out in their dtype or fp32); q, k, g,
+// dt_bias and every state tensor with 16-byte aligned rows (its vector loads and stores).
+inline bool single_ok(const detail::DecodeProblem& pr) {
+  const DType in = pr.q.dtype;
+  auto in_or_f32 = [in](const TensorView& t) {
+    return t.dtype == in || t.dtype == DType::kFloat32;
+  };
+  return !pr.d.varlen && pr.d.T == 1 && pr.d.N <= kSingleMaxN &&
+         pr.layout == StateLayout::kVFirst && pr.d.K == kDecodeFastK && pr.d.V == kDecodeFastK &&
+         pr.state.dtype == DType::kFloat32 && (in == DType::kBFloat16 || in == DType::kFloat16) &&
+         pr.k.dtype == in && pr.v.dtype == in && in_or_f32(pr.g) && in_or_f32(pr.beta) &&
+         in_or_f32(pr.out) && !pr.indices_2d && !pr.num_accepted_tokens.present() &&
+         !pr.intermediate_states.present() && rows_aligned16(pr.state) && rows_aligned16(pr.q) &&
+         rows_aligned16(pr.k) && rows_aligned16(pr.g) &&
+         (!pr.dt_bias.present() || rows_aligned16(pr.dt_bias)) &&
+         (!pr.final_state.present() || rows_aligned16(pr.final_state));
+}
 
 // The one kernel heuristic. `sms`: the device's multiprocessors. Blocks = N x HV x V / 32.
 //   V-first, K = V = 128, pool rows 16-byte aligned (and every state tensor the bulk kernels
 //   write):
-//     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
 //     fp32 pool, >= 64 blocks per SM                                    -> kBulk
+//     dense single-token calls the single-token kernel takes (single_ok)  -> kSingle
+//     dense single-token calls on <= 2 blocks per SM, or any bf16 pool  -> kBulkLatency
 //     other grids of <= 2 blocks per SM                                 -> kStagedLatency
 //     otherwise (any T, dense or varlen, every index / output mode)     -> kStaged
 //   everything else (K-first, K != 128, unaligned pools)                -> kTile
-// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, T = 1: B = 1 is 128 blocks (<= 264)
-// -> kBulkLatency; B = 32 is 4096 blocks -> kStaged; B = 256 is 32768 blocks (>= 64 x 132 = 8448)
-// -> kBulk; with a bf16 pool every dense T = 1 call -> kBulkLatency. The warp kernel runs only when
-// Tuning::decode_kernel asks for it (any T, dense or varlen; tested): in a 20-call graph it
-// measured slower than the bulk latency kernel at B = 1, 8 and 32 (4.66-5.13 vs 4.13 us, 10.6
+// Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, bf16 inputs, T = 1: B = 1 (128
+// blocks), 8 and 32 -> kSingle; B = 256 is 32768 blocks (>= 64 x 132 = 8448) -> kBulk; with a
+// bf16 pool every dense T = 1 call -> kBulkLatency. In a 20-call graph the single-token kernel
+// measured B = 1 2.4 us and B = 8 6.7 us per call against the bulk latency variant's 3.95 / 9.9
+// and the warp kernel's 5.0 / 10.6 (dev/decode_floor.cu, docs/perf_decode.md). The warp kernel runs
+// only when Tuning::decode_kernel asks for it (any T, dense or varlen; tested): in a 20-call graph
+// it measured slower than the bulk latency kernel at B = 1, 8 and 32 (4.66-5.13 vs 4.13 us, 10.6
 // vs 10.27 us, 38.0 vs 36.9 us; docs/perf_decode.md). Measured on the H200 (docs/perf_decode.md):
 // the bulk kernel streams faster once there are many waves of blocks (fp32 B = 256: 314 vs 336 us;
 // B = 1024: 1212 vs 1307 us), but one 16 KB bulk copy has a longer latency than 128 threads'
@@ -58,12 +94,15 @@ inline DecodeKernel choose_kernel(const detail::DecodeProblem& pr, int sms,
   if (want == Override::kBulkLatency && bulk_ok && one_token) return DecodeKernel::kBulkLatency;
   const bool warp_ok = pr.state.dtype == DType::kFloat32;
   if (want == Override::kWarp && warp_ok) return DecodeKernel::kWarp;
+  const bool single = single_ok(pr);
+  if (want == Override::kSingle && single) return DecodeKernel::kSingle;
   const int64_t blocks = pr.d.N * pr.d.HV * (pr.d.V / 32);
   const bool small_grid = blocks <= int64_t{2} * sms;
+  const bool bulk_batch = blocks >= int64_t{64} * sms;
+  if (single && !(bulk_ok && bulk_batch)) return DecodeKernel::kSingle;
   if (bulk_ok && one_token && (small_grid || pr.state.dtype == DType::kBFloat16))
     return DecodeKernel::kBulkLatency;
-  if (bulk_ok && blocks >= int64_t{64} * sms && pr.state.dtype == DType::kFloat32)
-    return DecodeKernel::kBulk;
+  if (bulk_ok && bulk_batch && pr.state.dtype == DType::kFloat32) return DecodeKernel::kBulk;
   return small_grid ? DecodeKernel::kStagedLatency : DecodeKernel::kStaged;
 }
 
