@@ -18,7 +18,7 @@
 // trip) -> pass 1 (decay, S^T k as a warp reduce-scatter) -> u of each row -> pass 2 (s' = s + k
 // u, S'^T q) -> stores from registers, all through L2 (the rows a small call touches stay there
 // for the next step of a graph). Measured on the H200 in targets.md's 20-call CUDA graph: B = 1
-// 2.96 us, B = 8 7.44 us per call, where the generic kernels took 3.95-5.3 and 9.9-11.7 us and a
+// 2.95 us, B = 8 7.19 us per call, where the generic kernels took 3.95-5.3 and 9.9-11.7 us and a
 // kernel with every choice fixed (dev/decode_floor.cu) 2.4 / 6.7 us.
 //
 // Same math per element as the warp kernel, in the same order (its results are bitwise the warp

@@ -63,7 +63,7 @@ inline bool single_ok(const detail::DecodeProblem& pr) {
 // Worked example on 132 SMs, HV = 32, V = K = 128, fp32 pool, bf16 inputs, T = 1: B = 1 (128
 // blocks), 8 and 32 -> kSingle; B = 256 is 32768 blocks (>= 64 x 132 = 8448) -> kBulk; with a
 // bf16 pool every dense T = 1 call -> kBulkLatency. In a 20-call graph the single-token kernel
-// measured B = 1 2.4 us and B = 8 6.7 us per call against the bulk latency variant's 3.95 / 9.9
+// measured B = 1 2.95 us and B = 8 7.19 us per call against the bulk latency variant's 3.95 / 9.9
 // and the warp kernel's 5.0 / 10.6 (dev/decode_floor.cu, docs/perf_decode.md). The warp kernel runs
 // only when Tuning::decode_kernel asks for it (any T, dense or varlen; tested): in a 20-call graph
 // it measured slower than the bulk latency kernel at B = 1, 8 and 32 (4.66-5.13 vs 4.13 us, 10.6
