@@ -22,11 +22,11 @@
 #include <random>
 #include <vector>
 
-#include "cuda/common/warp_sums.cuh"
 #include "cuda/decode/bulk.cuh"
 #include "cuda/decode/single.cuh"
 #include "cuda/decode/staged.cuh"
 #include "cuda/decode/warp.cuh"
+#include "cuda/decode/warp_step.cuh"
 
 #define CK(x)                                                                                 \
   do {                                                                                        \
@@ -131,23 +131,7 @@ __global__ void __launch_bounds__(32 * kWarps) decode_kernel(const __grid_consta
   if constexpr (kMode == 1) {
     o_mine = v_in;
   } else {
-    float p[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[r][e] *= d[e];
-      p[r] = fmaf(s[r][3], kv[3], fmaf(s[r][2], kv[2], fmaf(s[r][1], kv[1], s[r][0] * kv[0])));
-    }
-    const float u_mine = beta * (v_in - kda::cuda::warp_row_sums<kRows>(p, lane));
-    float o[kRows];
-#pragma unroll
-    for (int r = 0; r < kRows; ++r) {
-      const float u = __shfl_sync(0xffffffffu, u_mine, r * kRowLanes);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[r][e] = fmaf(kv[e], u, s[r][e]);
-      o[r] = fmaf(s[r][3], qv[3], fmaf(s[r][2], qv[2], fmaf(s[r][1], qv[1], s[r][0] * qv[0])));
-    }
-    o_mine = kda::cuda::warp_row_sums<kRows>(o, lane);
+    o_mine = kda::cuda::dec::warp_rows_token<kRows>(s, d, kv, qv, beta, v_in, lane);
   }
   if constexpr (kTrace) t[5] = gtime_after(o_mine + s[0][0]);
 #pragma unroll
@@ -316,8 +300,11 @@ void check(const Problem& p, const std::vector<uint16_t>& out, const std::vector
 
 using Kernel = void (*)(Args);
 
-double graph_us(Kernel k, int blocks, int threads, Args a, bool pdl, int calls, cudaStream_t s,
-                bool once = false) {
+// Median microseconds per launch of a CUDA graph of `calls` launches of k (PDL attribute when
+// `pdl`; `set_call(a, i)` before launch i), over 22 replays (3 with `once`) after warm-up.
+template <class A, class SetCall>
+double graph_of(void (*k)(A), dim3 blocks, int threads, A a, bool pdl, int calls, cudaStream_t s,
+                bool once, SetCall set_call) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3(blocks);
   cfg.blockDim = dim3(threads);
@@ -331,7 +318,7 @@ double graph_us(Kernel k, int blocks, int threads, Args a, bool pdl, int calls, 
   cudaGraphExec_t e;
   CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
   for (int i = 0; i < calls; ++i) {
-    a.call = i;
+    set_call(a, i);
     CK(cudaLaunchKernelEx(&cfg, k, a));
   }
   CK(cudaStreamEndCapture(s, &g));
@@ -356,6 +343,12 @@ double graph_us(Kernel k, int blocks, int threads, Args a, bool pdl, int calls, 
   CK(cudaEventDestroy(e1));
   std::sort(us.begin(), us.end());
   return us[us.size() / 2];
+}
+
+double graph_us(Kernel k, int blocks, int threads, Args a, bool pdl, int calls, cudaStream_t s,
+                bool once = false) {
+  return graph_of(k, dim3(blocks), threads, a, pdl, calls, s, once,
+                  [](Args& x, int i) { x.call = i; });
 }
 
 template <int kRows, int kMode, bool kStream, int kWarps>
@@ -506,41 +499,10 @@ void run_library(const char* name, Problem& p, cudaStream_t s, void (*k)(A), dim
   CK(cudaMemcpy(pool.data(), p.dev.pool, pool.size() * 4, cudaMemcpyDeviceToHost));
   double eo, es;
   check(p, out, pool, &eo, &es);
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = blocks;
-  cfg.blockDim = dim3(128);
-  cfg.stream = s;
-  cudaLaunchAttribute at[1];
-  at[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  at[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = at;
-  cfg.numAttrs = 1;
-  cudaGraph_t g;
-  cudaGraphExec_t e;
-  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal));
-  for (int i = 0; i < 20; ++i) CK(cudaLaunchKernelEx(&cfg, k, la));
-  CK(cudaStreamEndCapture(s, &g));
-  CK(cudaGraphInstantiate(&e, g, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<double> us;
-  for (int i = 0; i < 25; ++i) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(e, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (i >= 3) us.push_back(1e3 * ms / 20);
-  }
-  std::sort(us.begin(), us.end());
+  const double us = graph_of(k, blocks, 128, la, true, 20, s, false, [](A&, int) {});
   const double bytes = 2.0 * p.B * kH * kV * kK * 4;
   std::printf("%-30s B=%-4d %8.2f us/call %6.2f TB/s   (check out %.2e state %.2e %s)\n", name, p.B,
-              us[us.size() / 2], bytes / us[us.size() / 2] * 1e-6, eo, es,
-              eo < 1e-2 && es < 1e-5 ? "ok" : "FAILED");
-  CK(cudaGraphExecDestroy(e));
-  CK(cudaGraphDestroy(g));
+              us, bytes / us * 1e-6, eo, es, eo < 1e-2 && es < 1e-5 ? "ok" : "FAILED");
 }
 
 void run_library_all(Problem& p, cudaStream_t s) {

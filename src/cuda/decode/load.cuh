@@ -249,4 +249,22 @@ __device__ __forceinline__ float lane_group_sum(float x) {
   return x;
 }
 
+// A lane's 4 of the 128 q and k values of a token (k = 4 lane .. 4 lane + 3): divided by their
+// l2 norms over the warp (full-warp butterflies; when `l2norm`), then q times `scale`.
+__device__ __forceinline__ void normalize_qk4(float (&q)[4], float (&k)[4], bool l2norm,
+                                              float scale) {
+  float q_norm = 1.f, k_norm = 1.f;
+  if (l2norm) {
+    float qq = 0.f, kq = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(k[e], k[e], kq);
+    qq = lane_group_sum<32>(qq);
+    kq = lane_group_sum<32>(kq);
+    q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
+    k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) q[e] = (q[e] * q_norm) * scale, k[e] = k[e] * k_norm;
+}
+
 }  // namespace kda::cuda::dec

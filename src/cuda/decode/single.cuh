@@ -204,18 +204,7 @@ __global__ void __launch_bounds__(kSingleThreads)
         bias_bf16 ? bf16_bits_to_float(static_cast<uint16_t>(bw[e])) : __uint_as_float(bf[e]);
     d[e] = expf(detail::log_decay<float>(a.gate, g, exp_A, bias, a.lower_bound));
   }
-  float q_norm = 1.f, k_norm = 1.f;
-  if (l2norm) {
-    float qq = 0.f, kq = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(kk[e], kk[e], kq);
-    qq = lane_group_sum<32>(qq);
-    kq = lane_group_sum<32>(kq);
-    q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
-    k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
-  }
-#pragma unroll
-  for (int e = 0; e < 4; ++e) q[e] = (q[e] * q_norm) * a.scale, kk[e] = kk[e] * k_norm;
+  normalize_qk4(q, kk, l2norm, a.scale);
   const float v_in = in_to_float<InT>(v_raw);
   const float beta = detail::activate_beta<float>(
       a.beta_logits, a.allow_neg_eigval,

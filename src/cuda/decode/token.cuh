@@ -180,19 +180,9 @@ __device__ __forceinline__ void prep_token_to(const DecodeArgs& a, const RawToke
     for (int e = 0; e < 4; ++e)
       d[e] = expf(detail::log_decay<float>(a.gate, g[e], exp_A, bias[e], a.lower_bound));
   }
-  float q_norm = 1.f, k_norm = 1.f;
-  if (a.use_qk_l2norm) {
-    float qq = 0.f, kq = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) qq = fmaf(q[e], q[e], qq), kq = fmaf(k[e], k[e], kq);
-    qq = lane_group_sum<32>(qq);
-    kq = lane_group_sum<32>(kq);
-    q_norm = 1.f / sqrtf(qq + static_cast<float>(detail::kL2NormEps));
-    k_norm = 1.f / sqrtf(kq + static_cast<float>(detail::kL2NormEps));
-  }
-  sink.q(make_float4((q[0] * q_norm) * a.scale, (q[1] * q_norm) * a.scale,
-                     (q[2] * q_norm) * a.scale, (q[3] * q_norm) * a.scale));
-  sink.k(make_float4(k[0] * k_norm, k[1] * k_norm, k[2] * k_norm, k[3] * k_norm));
+  normalize_qk4(q, k, a.use_qk_l2norm, a.scale);
+  sink.q(make_float4(q[0], q[1], q[2], q[3]));
+  sink.k(make_float4(k[0], k[1], k[2], k[3]));
   sink.decay(make_float4(d[0], d[1], d[2], d[3]));
   sink.v(convert_elem(r.v, a.v.dtype));
   sink.beta(detail::activate_beta<float>(a.beta_logits, a.allow_neg_eigval,
