@@ -9,8 +9,12 @@ run-time bound of section 6.7: ~87 tokens for the lower-bound gate at -5 on targ
 inputs); p is the best of 1 .. 264 // chains. A call takes the longest of its waves of CTAs
 (greedy packing) plus 10 us of launch and tail, or its bytes at 4.3 TB/s, whichever is longer.
 
-Prints the table of section 6.7 for steps of 1 and 2 us per chunk.
+Prints the table of section 6.7 for steps of 1 and 2 us per chunk. With --ws, the
+warp-specialized kernel of section 6.9 instead: one CTA per SM (132 slots), one segment per
+sequence, a chunk costing the longer of the consumers' state step and the producer's preparation
+(steps of 1.0 and 1.3 us).
 """
+import sys
 import heapq
 import math
 
@@ -42,18 +46,19 @@ CASES = [
 ]
 
 
-def predict(lens, heads, step_us):
+def predict(lens, heads, step_us, slots=SLOTS, max_segs=None):
     chains = len(lens) * heads
     tokens = sum(lens)
     floor_ms = (tokens * heads * (5 * K * 2 + 2) + 2 * len(lens) * heads * K * V * 4) / 4.3e12 * 1e3
     best = None
-    for segs in range(1, max(1, SLOTS // chains) + 1):
+    top = max(1, slots // chains) if max_segs is None else max_segs
+    for segs in range(1, top + 1):
         ctas = []
         for n in lens:
             chunks = math.ceil(n / 16)
             p = min(segs, chunks)
             ctas += [math.ceil(chunks / p) + (min(WARMUP, chunks) if p > 1 else 0)] * (p * heads)
-        load = [0] * SLOTS
+        load = [0] * slots
         for w in sorted(ctas, reverse=True):
             heapq.heappush(load, heapq.heappop(load) + w)
         ms = max((max(load) * step_us + LAUNCH_US) / 1e3, floor_ms)
@@ -62,7 +67,21 @@ def predict(lens, heads, step_us):
     return chains, best[0], floor_ms, best[1]
 
 
+def main_ws():
+    steps = (1.0, 1.3)
+    print("| case | CTAs | floor ms | " + " | ".join(f"{s} us / chunk" for s in steps) +
+          " | must ms | FlashKDA ms | two-kernel plan ms |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in steps) + " | --- | --- | --- |")
+    for name, lens, heads, fk, must, now in CASES:
+        res = [predict(lens, heads, s, slots=132, max_segs=1) for s in steps]
+        cells = " | ".join(f"{r[3]:.3f}" for r in res)
+        print(f"| {name} | {res[0][0]} | {res[0][2]:.3f} | {cells} | {must} | {fk} | {now:.3f} |")
+
+
 def main():
+    if "--ws" in sys.argv:
+        main_ws()
+        return
     print("| case | chains | segments | floor ms | 1 us / chunk | 2 us / chunk | must ms | "
           "measured ms |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -215,17 +215,22 @@ if [[ " $stages " == *" profile "* ]] && command -v ncu >/dev/null; then
 fi
 
 if has fused; then
-  # The fused prefill kernel (KDA_CUDA_PREFILL_FUSED=1; docs/design.md section 6.8): its tests,
-  # memcheck, case A on it, and the benchmark forced onto it against the default path.
+  # The fused prefill kernel (KDA_CUDA_PREFILL_FUSED=1; docs/design.md section 6): its tests, case
+  # A on it, the benchmark forced onto it against the default path, then its tests under memcheck,
+  # racecheck and synccheck.
   timeout 150 ./$B/tests/kda_gpu_tests --gtest_brief=1 --gtest_filter='GpuPrefillFused.*' >"$OUT/fused_tests.log" 2>&1
   note "fused tests rc=$?: $(grep -E '^\[  PASSED|^\[  FAILED' "$OUT/fused_tests.log" | tr '\n' ' ')"
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 ./$B/tests/kda_gpu_tests --gtest_filter='GpuPrefillFused.*' --gtest_brief=1 >"$OUT/fused_memcheck.log" 2>&1
-  note "fused memcheck rc=$?: $(grep 'ERROR SUMMARY' "$OUT/fused_memcheck.log" | tail -1)"
   KDA_CUDA_PREFILL_FUSED=1 timeout 150 ./$B/tests/kda_gpu_tests --gtest_brief=1 --gtest_filter='GpuPrefillAccuracy.CaseALowerBound' >"$OUT/fused_case_a.log" 2>&1
   note "fused case A rc=$?: $(grep 'case A' "$OUT/fused_case_a.log")"
   for mode in 1 0; do
-    KDA_CUDA_PREFILL_FUSED=$mode timeout 200 ./$B/bench/bench_gpu_prefill --iters 20 --no-check >"$OUT/fused_bench_$mode.log" 2>&1
+    KDA_CUDA_PREFILL_FUSED=$mode timeout 200 ./$B/bench/bench_gpu_prefill --iters 20 --no-check ${FUSED_CASES:+--case $FUSED_CASES} >"$OUT/fused_bench_$mode.log" 2>&1
     note "bench, KDA_CUDA_PREFILL_FUSED=$mode: $(grep -E '^[PS][0-9]+ ' "$OUT/fused_bench_$mode.log" | cut -c1-45 | tr -s ' ' | tr '\n' ';')"
+  done
+  for tool in memcheck racecheck synccheck; do
+    extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
+    timeout 150 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 ./$B/tests/kda_gpu_tests \
+      --gtest_filter='GpuPrefillFused.*' --gtest_brief=1 >"$OUT/fused_$tool.log" 2>&1
+    note "fused $tool rc=$?: $(grep -E 'RACECHECK SUMMARY|ERROR SUMMARY' "$OUT/fused_$tool.log" | tail -1)"
   done
 fi
 

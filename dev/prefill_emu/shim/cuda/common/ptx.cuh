@@ -163,6 +163,10 @@ inline void cp_async_wait() {}
 inline void fence_mbar_init() {}
 inline void fence_proxy_async() {}
 inline void named_barrier_sync(int id, int count) { emu::named_sync(id, count); }
+template <int kRegs>
+inline void setmaxnreg_inc() {}  // registers are not modelled
+template <int kRegs>
+inline void setmaxnreg_dec() {}
 // mbarriers with their hardware semantics, kept in their 8 bytes of shared memory: expected
 // arrivals, pending arrivals, phase bit, transaction bytes. A phase completes when its arrivals
 // and bytes are all in; mbar_wait(parity) returns once the phase of that parity has completed
