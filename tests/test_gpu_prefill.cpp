@@ -576,12 +576,14 @@ TEST(GpuPrefillFused, MatchesReference) {
     const cuda::pf::PrefillPlan plan =
         cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV, 132,
                                detail::tuning(), cuda::pf::weak_decay_gate(lb, c.lower_bound));
-    ASSERT_TRUE(cuda::pf::prefill_takes_fused(plan, T, static_cast<int64_t>(c.seqlens.size()), c.HV,
-                                              132, detail::tuning(),
-                                              cuda::pf::fused_applies(lb, c.lower_bound), false));
+    const cuda::pf::FusedChoice f =
+        cuda::pf::fused_choice(plan, T, static_cast<int64_t>(c.seqlens.size()), c.HV, 132,
+                               detail::tuning(), cuda::pf::fused_applies(lb, c.lower_bound), false);
+    ASSERT_TRUE(f.take);
     check_against_reference(c);
   }
 }
+
 
 // The segmented recurrence (heuristics/prefill.h prefill_plan; forced by
 // Tuning::prefill_segment = tokens per segment) on every path it can take: the value split of its
@@ -646,6 +648,29 @@ TEST(GpuPrefillSegments, MatchesReference) {
       t.prefill_chunk = cfg.chunk;
     }));
     for (const PrefillCase& c : segment_cases()) {
+      SCOPED_TRACE(c.name());
+      check_against_reference(c);
+    }
+  }
+}
+
+// The fused kernel's segmented passes (pass 1 over segments and transitions, the scan, pass 2),
+// forced with segments of 64 tokens (the most segments: the scan's longest chain) and 192, over
+// the segment cases: those of a lower-bound gate run the fused passes, the others (softplus,
+// precomputed and -1000 gates) the two-kernel plan.
+TEST(GpuPrefillFused, Segments) {
+  KDA_SKIP_WITHOUT_SM90();
+  for (int tokens : {64, 192}) {
+    SCOPED_TRACE("segments of " + std::to_string(tokens) + " tokens");
+    const detail::ScopedTuning scope(tuned([&](detail::Tuning& t) {
+      t.prefill_fused = 1;
+      t.prefill_segment = tokens;
+    }));
+    for (PrefillCase c : segment_cases()) {
+      SCOPED_TRACE(c.name());
+      check_against_reference(c);
+    }
+    for (PrefillCase c : fused_cases()) {
       SCOPED_TRACE(c.name());
       check_against_reference(c);
     }

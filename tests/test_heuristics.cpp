@@ -310,22 +310,35 @@ TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
   }
 }
 
-// The fused kernel: its knob, where it applies, and the default choice by its measured model (on
-// 132 SMs it predicts more than the two-kernel plan on targets.md's cases, so none takes it).
+// The fused kernel: its knob, where it applies, its model and the choice against the two-kernel
+// plan (forced: always, with the best or the forced segment size; by default: never under weak
+// decay or with a forced value split or record length, else where its model predicts less).
 TEST(PrefillHeuristics, Fused) {
+  using cuda::pf::fused_choice;
+  using cuda::pf::kFusedPassUs;
+  using cuda::pf::kFusedStepUs;
+  using cuda::pf::predicted_fused_us;
   EXPECT_EQ(detail::Tuning{}.prefill_fused, 0);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "1"}}).prefill_fused, 1);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "0"}}).prefill_fused, -1);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "yes"}}).prefill_fused, 0);
   EXPECT_TRUE(cuda::pf::fused_applies(true, -5.0));
   EXPECT_FALSE(cuda::pf::fused_applies(false, -5.0));  // softplus / precomputed: unbounded decay
-  // P4: 8 x 1024 tokens, 96 heads: 3 waves of 64 steps at 7.2 us.
-  EXPECT_NEAR(cuda::pf::predicted_fused_us(1024, 8, 96, 132), 3 * 64 * 7.2 + 10, 1e-9);
-  EXPECT_NEAR(cuda::pf::predicted_fused_us(1024, 1, 4, 132), 64 * 5.7 + 10, 1e-9);  // S1
+  // P4: 8 x 1024 tokens, 96 heads: 768 CTAs in 6 waves of 64 chunks.
+  EXPECT_NEAR(predicted_fused_us(1024, 8, 96, 0, 132), 6 * 64 * kFusedStepUs + kFusedPassUs, 1e-9);
+  // S1 in 4 segments of 256 tokens: pass 1 (first segment + 2 x 2 inner) and pass 2 (3), one wave
+  // each of 16 chunks; 2 scan steps of one wave.
+  EXPECT_NEAR(predicted_fused_us(1024, 1, 4, 256, 132),
+              cuda::pf::kModelSegmentLaunchUs + 2 * (16 * kFusedStepUs + kFusedPassUs) +
+                  2 * cuda::pf::kModelScanStepUs,
+              1e-9);
   const detail::Tuning def{};
-  detail::Tuning forced{}, off{};
+  detail::Tuning forced{}, off{}, vs{}, seg{};
   forced.prefill_fused = 1;
   off.prefill_fused = -1;
+  vs.prefill_vs = 64;
+  seg.prefill_fused = 1;
+  seg.prefill_segment = 512;
   struct Shape {
     bool varlen;
     int64_t T, N, HV;
@@ -335,11 +348,23 @@ TEST(PrefillHeuristics, Fused) {
         Shape{false, 1024, 1, 4}, Shape{false, 2048, 8, 24}}) {
     const cuda::pf::PrefillPlan plan = cuda::pf::prefill_plan(c.varlen, c.T, c.N, c.HV, 132, def);
     const int64_t len = c.varlen ? c.T / c.N : c.T;
-    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, def, true, false));
-    EXPECT_TRUE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, forced, true, true));
-    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, forced, false, false));
-    EXPECT_FALSE(cuda::pf::prefill_takes_fused(plan, len, c.N, c.HV, 132, off, true, false));
+    const auto d = fused_choice(plan, len, c.N, c.HV, 132, def, true, false);
+    EXPECT_EQ(d.take, d.predicted_us < plan.predicted_us) << c.T;
+    EXPECT_LE(d.predicted_us, predicted_fused_us(len, c.N, c.HV, 0, 132)) << c.T;
+    EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, def, true, true).take) << c.T;  // weak
+    EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, vs, true, false).take) << c.T;
+    EXPECT_TRUE(fused_choice(plan, len, c.N, c.HV, 132, forced, true, true).take) << c.T;
+    EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, forced, false, false).take) << c.T;
+    EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, off, true, false).take) << c.T;
+    const auto s = fused_choice(plan, len, c.N, c.HV, 132, seg, true, false);
+    EXPECT_TRUE(s.take);
+    EXPECT_EQ(s.segment_tokens, 512);
   }
+  // Few long chains split into segments: S11 (1 x 65536, H = 4).
+  EXPECT_GT(fused_choice(cuda::pf::prefill_plan(false, 65536, 1, 4, 132, def), 65536, 1, 4, 132,
+                         forced, true, false)
+                .segment_tokens,
+            0);
 }
 
 TEST(PrefillHeuristics, SegmentSlots) {

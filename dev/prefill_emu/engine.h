@@ -107,14 +107,17 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
         pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1 ? 1 : 2;
-        launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads, l.smem,
-               pass);
+        if (p.fused)
+          launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
+        else
+          launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads,
+                 l.smem, pass);
         break;
       case PrefillKernel::kSegmentScan:
         launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);
         break;
       case PrefillKernel::kFused:
-        launch(fused_kernel<kFp16>, l.blocks, l.threads, l.smem, p);
+        launch(fused_kernel<kFp16, false>, l.blocks, l.threads, l.smem, p);
         break;
     }
   }

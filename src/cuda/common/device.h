@@ -62,6 +62,8 @@ enum class KernelSlot : int {
   kSegmentScan = kRecurrenceSeg + 8,
   kFusedF16,
   kFusedBf16,
+  kFusedSegF16,  // the fused kernel's segmented passes
+  kFusedSegBf16,
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged,
   kBulk = kStaged + 4,

@@ -186,34 +186,64 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
   return best;
 }
 
-// The fused kernel (prefill/fused.cuh; docs/design.md section 6.7): 16-token steps whose Gram
-// products are anchored at each chunk's middle token, exact while 8 tokens of decay stay within
-// e^45: the lower-bound gate (|lower_bound| <= 5 by validation, so at most e^40). Forced
-// (Tuning::prefill_fused = 1) it runs wherever it applies; by default where the plan has one
-// segment per sequence, the decay is not weak (the 16-token steps' accuracy, weak_decay_gate) and
-// its model predicts less than the two-kernel plan's. The model, measured on the H200
-// (bench_gpu_prefill, forced): a 16-token step of one chain takes 5.7 us alone on its SM and
-// 7.2 us beside a second CTA; CTAs run in waves of two per SM. On every case of targets.md it
-// predicts more than the two-kernel plan (P4: 1.39 against 1.13 ms, measured 1.343).
+// The fused kernel (prefill/fused.cuh; docs/design.md sections 6.7-6.9): 16-token steps whose
+// Gram products are anchored at each chunk's middle token, exact while 8 tokens of decay stay
+// within e^45: the lower-bound gate (|lower_bound| <= 5 by validation, so at most e^40). One CTA
+// per SM; with segments its passes replace the two-kernel plan's (pass 1 over segments and
+// transitions, the scan, pass 2). Forced (Tuning::prefill_fused = 1) it runs wherever it applies,
+// with the segment size of least predicted time (or the forced one); by default where the decay is
+// not weak (the 16-token steps' accuracy, weak_decay_gate), no value split or record length is
+// forced (knobs of the two-kernel plan) and its model predicts less than the two-kernel plan's. The model: a 16-token chunk costs kFusedStepUs whatever the wave (one CTA per
+// SM), plus kFusedPassUs per pass; the scan and the segments' extra launches as in
+// predicted_prefill_us.
 inline constexpr double kFusedMaxDecayBound = 5.5;  // 8 x 5.5 = 44 < 45
-inline constexpr double kFusedStepAloneUs = 5.7, kFusedStepPairedUs = 7.2, kFusedLaunchUs = 10;
+inline constexpr double kFusedStepUs = 1.2, kFusedPassUs = 10;
 inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
   return lower_bound_gate && lower_bound >= -kFusedMaxDecayBound;
 }
-inline double predicted_fused_us(int64_t len, int64_t N, int64_t HV, int sms) {
-  const int64_t chains = N * HV;
-  const double step = chains <= sms ? kFusedStepAloneUs : kFusedStepPairedUs;
-  return static_cast<double>(ceil_div(chains, int64_t{2} * sms) * ceil_div(len, 16)) * step +
-         kFusedLaunchUs;
+// len tokens per sequence, N x HV chains, segments of `tokens` (0: none) on `sms` SMs.
+inline double predicted_fused_us(int64_t len, int64_t N, int64_t HV, int64_t tokens, int sms) {
+  const int64_t pairs = N * HV;
+  auto pass = [&](int64_t ctas, int64_t chunks) {
+    return static_cast<double>(ceil_div(ctas, sms) * chunks) * kFusedStepUs + kFusedPassUs;
+  };
+  if (tokens <= 0) return pass(pairs, ceil_div(len, 16));
+  const int64_t segs = ceil_div(len, tokens), chunks = tokens / 16;
+  const int64_t inner = segs > 2 ? segs - 2 : 0;
+  const double scan =
+      static_cast<double>(inner * ceil_div(pairs * kScanBlocksPerHead, sms)) * kModelScanStepUs;
+  return kModelSegmentLaunchUs + pass(pairs * (1 + 2 * inner), chunks) + scan +
+         pass(pairs * (segs - 1), chunks);
 }
+struct FusedChoice {
+  bool take = false;
+  int64_t segment_tokens = 0;  // 0: one segment per sequence
+  double predicted_us = 0;
+};
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
-// in prefill_plan).
-inline bool prefill_takes_fused(const PrefillPlan& plan, int64_t len, int64_t N, int64_t HV,
+// in prefill_plan). The segment sizes tried: none, 128, 256, ... below len (or the forced one).
+inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N, int64_t HV,
                                 int sms, const detail::Tuning& t, bool applies, bool weak_decay) {
-  if (!applies || t.prefill_fused < 0) return false;
-  if (t.prefill_fused > 0) return true;
-  return plan.segment_tokens == 0 && !weak_decay &&
-         predicted_fused_us(len, N, HV, sms) < plan.predicted_us;
+  FusedChoice best;
+  if (!applies || t.prefill_fused < 0 || N <= 0 || HV <= 0 || sms <= 0) return best;
+  bool found = false;
+  for (int64_t tokens = 0; tokens < len || tokens == 0; tokens = tokens == 0 ? 128 : 2 * tokens) {
+    int64_t seg = tokens;
+    if (t.prefill_segment < 0) seg = 0;
+    if (t.prefill_segment > 0) seg = t.prefill_segment;
+    const double us = predicted_fused_us(len, N, HV, seg, sms);
+    if (!found || us < best.predicted_us) {
+      best.segment_tokens = seg;
+      best.predicted_us = us;
+      found = true;
+    }
+    if (t.prefill_segment != 0 || len <= 128) break;  // forced, or nothing to split
+  }
+  // A forced value split or record length describes the two-kernel plan: it keeps that plan.
+  const bool two_kernel_forced = t.prefill_vs != 0 || t.prefill_chunk != 0;
+  best.take = t.prefill_fused > 0 || (!weak_decay && !two_kernel_forced &&
+                                      best.predicted_us < plan.predicted_us);
+  return best;
 }
 
 // Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);

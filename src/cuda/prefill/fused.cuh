@@ -92,7 +92,8 @@ __device__ __forceinline__ void fused_a_frag(const float* m, int pitch, int k0, 
 
 // Where a CTA's walk is: its sequence, head and chunk count, shared memory and barriers.
 struct FusedCta {
-  SeqSpan sp;
+  SeqSpan sp;  // the sequence, or the segment (kSeg)
+  SegRole role;  // one segment per sequence unless kSeg
   int64_t n, nchunks;
   int hv, h;
   uint8_t* smem;
@@ -138,7 +139,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const bool ok = j * kChunk16 + r < sp.len;
         const int64_t oq = ok ? p.q.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
         const int64_t ok_ = ok ? p.k.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
-        const int64_t ov = ok ? p.v.offset(sp.b, t0 + r, f.hv) + 8 * ch : 0;
+        const bool okv = ok && !f.role.trans;  // the transition's rows: zero values
+        const int64_t ov = okv ? p.v.offset(sp.b, t0 + r, f.hv) + 8 * ch : 0;
         const uint16_t* qb = static_cast<const uint16_t*>(p.q.data);
         const uint16_t* kb = static_cast<const uint16_t*>(p.k.data);
         const uint16_t* vb = static_cast<const uint16_t*>(p.v.data);
@@ -146,14 +148,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         if (vec) {
           cp_async_16_zfill(raw_s + kFRawQ + r * 256 + 16 * ch, qb + oq, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + kFRawK + r * 256 + 16 * ch, kb + ok_, ok ? 16 : 0);
-          cp_async_16_zfill(raw_s + vt, vb + ov, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + vt, vb + ov, okv ? 16 : 0);
         } else {
           uint16_t wq[8], wk[8], wv[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
             wq[e] = ok ? qb[oq + e] : uint16_t{0};
             wk[e] = ok ? kb[ok_ + e] : uint16_t{0};
-            wv[e] = ok ? vb[ov + e] : uint16_t{0};
+            wv[e] = okv ? vb[ov + e] : uint16_t{0};
           }
           std::memcpy(raw + kFRawQ + r * 256 + 16 * ch, wq, 16);
           std::memcpy(raw + kFRawK + r * 256 + 16 * ch, wk, 16);
@@ -412,10 +414,16 @@ template <bool kFp16>
 __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& f, int tid) {
   const int lane = tid & 31, rg = tid >> 5, g = lane >> 2, c = lane & 3, vw = 16 * rg;
   const SeqSpan& sp = f.sp;
+  const SegRole& role = f.role;
   float accS[16][4];
   int64_t slot = rules::kNoSlot;
   if (p.has_state_pool) slot = rules::pool_slot(p.state_indices.load(f.n), p.state_pool.rows);
-  if (slot >= 0) {
+  if (!role.first) {
+    if (role.from_start)
+      load_state(accS, p.seg_start, false, role.slot, f.hv, vw, 0, g, c);
+    else
+      init_segment_state(accS, role.trans, vw, 0, g, c);
+  } else if (slot >= 0) {
     load_state(accS, p.state_pool, p.kfirst, slot, f.hv, vw, 0, g, c);
   } else if (!p.has_state_pool && p.initial_state.data != nullptr) {
     load_state(accS, p.initial_state, p.kfirst, f.n, f.hv, vw, 0, g, c);
@@ -426,7 +434,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
       for (int e = 0; e < 4; ++e) accS[j][e] = 0.f;
   }
   int64_t ck_lo = 0, ck_hi = 0;
-  if (p.checkpoint_every > 0) {
+  if (role.outputs && p.checkpoint_every > 0) {
     ck_lo = p.checkpoint_offsets.load(f.n);
     const int64_t hi = p.checkpoint_offsets.load(f.n + 1);
     ck_hi = hi < p.checkpoints.rows ? hi : p.checkpoints.rows;
@@ -453,16 +461,14 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
                         lane, kHeadDim);
     // Outputs: O^T (16 value rows x 16 tokens of this warp) -> the warp's tile (stmatrix.trans)
     // -> out, 32 bytes per token row; while the state update runs.
-    __syncwarp();
-    {
+    if (role.outputs) {
+      __syncwarp();
       const int row = ((lane >> 4) << 3) + (lane & 7);
       stmatrix_x4_trans(
           o_s + out_tile_offset(row, (lane >> 3) & 1), pack_out<kFp16>(accO[0][0], accO[0][1]),
           pack_out<kFp16>(accO[0][2], accO[0][3]), pack_out<kFp16>(accO[1][0], accO[1][1]),
           pack_out<kFp16>(accO[1][2], accO[1][3]));
-    }
-    __syncwarp();
-    {
+      __syncwarp();
       const int r = lane >> 1, ch = lane & 1;
       if (r < L) {
         const uint4 x = *reinterpret_cast<const uint4*>(otile + out_tile_offset(r, ch));
@@ -473,8 +479,8 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
     __syncwarp();
     if (lane == 0) mbar_arrive(f.bar_empty + 8 * st);  // this warp is done with the stage
     // Checkpoint: the state after every checkpoint_every tokens (full chunks only).
-    if (p.checkpoint_every > 0 && L == kChunk16) {
-      const int64_t done = (j + 1) * kChunk16;
+    if (role.outputs && p.checkpoint_every > 0 && L == kChunk16) {
+      const int64_t done = role.tok0 + (j + 1) * kChunk16;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
         if (row >= 0 && row < ck_hi)
@@ -482,22 +488,41 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
       }
     }
   }
-  if (!p.has_state_pool && p.final_state.data != nullptr)
-    store_state(accS, p.final_state, p.kfirst, f.n, f.hv, vw, 0, g, c);
-  if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, f.hv, vw, 0, g, c);
+  if (role.last) {
+    if (!p.has_state_pool && p.final_state.data != nullptr)
+      store_state(accS, p.final_state, p.kfirst, f.n, f.hv, vw, 0, g, c);
+    if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, f.hv, vw, 0, g, c);
+  } else if (role.end_row >= 0) {  // a segment's end state that is not the sequence's
+    store_state(accS, role.trans ? p.seg_trans : (role.first ? p.seg_start : p.seg_local), false,
+                role.end_row, f.hv, vw, 0, g, c);
+  }
 }
 
-template <bool kFp16>
+// kSeg: a pass of the segmented prefill (Params::seg_pass; segments.cuh, docs/design.md 6.5), one
+// CTA per (segment slot, value head) and, in pass 1, per part: the segment's state from zero
+// (S_local) or its transition (the identity's rows with zero values, Mt).
+template <bool kFp16, bool kSeg = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   FusedCta f;
   f.smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   f.s0 = smem_addr(f.smem);
-  f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
-  f.n = blockIdx.x / static_cast<unsigned>(p.HV);
+  if constexpr (kSeg) {
+    const unsigned parts = p.seg_pass == 1 ? 2u : 1u;
+    const int64_t pair = blockIdx.x / parts;
+    f.hv = static_cast<int>(pair % p.HV);
+    const SegTask task = seg_task(p, pair / p.HV);
+    f.role = segment_role(p, task, pair / p.HV, blockIdx.x % parts == 1);
+    if (f.role.idle) return;
+    f.n = task.n;
+    f.sp = segment_span(p, task.seq, task.j);
+  } else {
+    f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+    f.n = blockIdx.x / static_cast<unsigned>(p.HV);
+    f.sp = seq_span(p, f.n);
+  }
   f.h = f.hv / p.groups;
-  f.sp = seq_span(p, f.n);
   f.nchunks = (f.sp.len + kChunk16 - 1) / kChunk16;
   f.bar_full = f.s0 + kFOffBar;
   f.bar_empty = f.bar_full + 8 * kFStages;

@@ -68,10 +68,12 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
   const bool weak = weak_decay_gate(lb, pr.math.lower_bound);
   PrefillPlan plan = prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
   const int64_t len = pr.d.varlen ? ceil_div(pr.d.T, pr.d.N > 0 ? pr.d.N : 1) : pr.d.T;
-  if (prefill_takes_fused(plan, len, pr.d.N, pr.d.HV, num_sms, tuning,
-                          fused_applies(lb, pr.math.lower_bound), weak)) {
+  const FusedChoice f = fused_choice(plan, len, pr.d.N, pr.d.HV, num_sms, tuning,
+                                     fused_applies(lb, pr.math.lower_bound), weak);
+  if (f.take) {
     plan.fused = true;
-    plan.segment_tokens = 0;
+    plan.segment_tokens = f.segment_tokens;
+    plan.predicted_us = f.predicted_us;
   }
   return plan;
 }
@@ -88,7 +90,12 @@ struct WorkspaceLayout {
 inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens,
                                         bool fused = false) {
   WorkspaceLayout w;
-  if (fused) return w;  // the fused kernel keeps its records in shared memory
+  if (fused) {  // records in shared memory: the segment states only
+    const int64_t slots = segment_slots(pr, segment_tokens);
+    if (slots > 0 && pr.d.N > 0)
+      w.total = static_cast<size_t>(slots) * pr.d.HV * 3 * kSegStateBytes + 128;
+    return w;
+  }
   const int64_t records = chunk_slots(pr) * pr.d.HV;
   if (records <= 0 || pr.d.N <= 0) return w;
   w.order = static_cast<size_t>(records) * kRecordBytes;
@@ -234,8 +241,16 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
                          Launch (&out)[4]) {
   int n = 0;
   if (p.fused) {
-    if (rec_blocks > 0)
+    if (rec_blocks <= 0) return n;
+    if (p.seg_tokens <= 0) {
       out[n++] = {PrefillKernel::kFused, rec_blocks, kFusedThreads, kFusedSmemBytes};
+      return n;
+    }
+    const int64_t seg_blocks = p.seg_slots * p.HV;
+    out[n++] = {PrefillKernel::kSegmentPass1, 2 * seg_blocks, kFusedThreads, kFusedSmemBytes};
+    out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads,
+                kScanSmemBytes};
+    out[n++] = {PrefillKernel::kSegmentPass2, seg_blocks, kFusedThreads, kFusedSmemBytes};
     return n;
   }
   if (prep_blocks > 0)

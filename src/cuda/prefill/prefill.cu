@@ -7,6 +7,8 @@
 //      the final state and pool slots.
 //   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
+//   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
+//   likewise with segments).
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -96,14 +98,20 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
         pass.seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1 ? 1 : 2;
-        KDA_RETURN_IF_ERROR((recurrence_for<kFp16, true>(p, d, &kernel)));
+        if (p.fused) {
+          kernel = pf::fused_kernel<kFp16, true>;
+          KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSegF16, S::kFusedSegBf16, kFp16),
+                                         kernel, pf::kFusedSmemBytes));
+        } else {
+          KDA_RETURN_IF_ERROR((recurrence_for<kFp16, true>(p, d, &kernel)));
+        }
         break;
       case pf::PrefillKernel::kSegmentScan:
         kernel = pf::segment_scan_kernel;
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kSegmentScan, kernel, pf::kScanSmemBytes));
         break;
       case pf::PrefillKernel::kFused:
-        kernel = pf::fused_kernel<kFp16>;
+        kernel = pf::fused_kernel<kFp16, false>;
         KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedF16, S::kFusedBf16, kFp16), kernel,
                                        pf::kFusedSmemBytes));
         break;
