@@ -30,6 +30,7 @@
 
 #include "bench_cuda.h"
 #include "core/tuning.h"  // the testing hook: --sweep forces segment sizes and value splits
+#include "cuda/heuristics/prefill.h"  // the plan of each case, printed with its figures
 #include "kda/kda.h"
 #include "support.h"
 
@@ -413,6 +414,26 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
 
 }  // namespace
 
+// The plan the library takes for a case (cuda/heuristics/prefill.h, as the launcher computes it):
+// "fused" or "2k" (prepare + recurrence), its segments and, for the two-kernel plan, its value
+// split and record length.
+std::string plan_text(const Case& c, int sms) {
+  const int64_t N = static_cast<int64_t>(c.lens.size());
+  int64_t T = 0;
+  for (int64_t l : c.lens) T = c.varlen ? T + l : l;
+  const bool weak = kda::cuda::pf::weak_decay_gate(true, g_lower_bound);
+  const auto& t = kda::detail::tuning();
+  const auto plan = kda::cuda::pf::prefill_plan(c.varlen, T, N, c.H, sms, t, weak);
+  const int64_t len = c.varlen ? (T + N - 1) / N : T;
+  const auto f = kda::cuda::pf::fused_choice(
+      plan, len, N, c.H, sms, t, kda::cuda::pf::fused_applies(true, g_lower_bound), weak);
+  const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
+  std::string s = f.take ? "fused" : "2k vs" + std::to_string(plan.rec.vs) +
+                                         (plan.rec.chunk16 ? " c16" : " c64");
+  if (seg > 0) s += " seg" + std::to_string(seg);
+  return s;
+}
+
 int main(int argc, char** argv) {
   std::string csv, json, only;
   int iters = 30;
@@ -462,9 +483,9 @@ int main(int argc, char** argv) {
                  "case,sequences,H,median_ms,min_ms,gbps,floor_pct,err_out,err_state,flashkda_ms,"
                  "fla_ms,must_ms,speedup_vs_flashkda\n");
   if (js) std::fprintf(js, "{\"device\": \"%s\", \"cases\": [", prop.name);
-  std::printf("%-4s %-24s %3s %8s %8s %6s %6s %9s %9s %8s %8s %7s %7s %s\n", "case", "sequences",
-              "H", "ms", "min ms", "GB/s", "floor", "err out", "err state", "FlashKDA", "must",
-              "FLA", "vs FK", "");
+  std::printf("%-4s %-24s %3s %8s %8s %6s %6s %9s %9s %8s %8s %7s %7s %-20s %s\n", "case",
+              "sequences", "H", "ms", "min ms", "GB/s", "floor", "err out", "err state",
+              "FlashKDA", "must", "FLA", "vs FK", "plan", "");
   bool all_ok = true, first = true;
   double log_sum_s = 0;
   int count_s = 0;
@@ -492,10 +513,12 @@ int main(int argc, char** argv) {
     char fla[16] = "-";
     if (c.fla_ms > 0) std::snprintf(fla, sizeof fla, "%.3f", c.fla_ms);
     std::printf(
-        "%-4s %-24s %3lld %8.3f %8.3f %6.0f %5.0f%% %9.2e %9.2e %8.3f %8.3f %7s %6.2fx %s%s\n",
+        "%-4s %-24s %3lld %8.3f %8.3f %6.0f %5.0f%% %9.2e %9.2e %8.3f %8.3f %7s %6.2fx %-20s "
+        "%s%s\n",
         c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
         100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms, c.must_ms, fla,
-        speedup, must ? "" : "ABOVE-MUST ", r.ok ? "" : "INACCURATE");
+        speedup, plan_text(c, prop.multiProcessorCount).c_str(), must ? "" : "ABOVE-MUST ",
+        r.ok ? "" : "INACCURATE");
     std::fflush(stdout);
     if (f)
       std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f,%.3f\n", c.name,
