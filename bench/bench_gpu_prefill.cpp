@@ -428,8 +428,9 @@ std::string plan_text(const Case& c, int sms) {
   const auto f = kda::cuda::pf::fused_choice(
       plan, len, N, c.H, sms, t, kda::cuda::pf::fused_applies(true, g_lower_bound), weak);
   const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
-  std::string s = f.take ? "fused" : "2k vs" + std::to_string(plan.rec.vs) +
-                                         (plan.rec.chunk16 ? " c16" : " c64");
+  std::string s =
+      f.take ? "fused"
+             : "2k vs" + std::to_string(plan.rec.vs) + (plan.rec.chunk16 ? " c16" : " c64");
   if (seg > 0) s += " seg" + std::to_string(seg);
   return s;
 }
@@ -484,8 +485,8 @@ int main(int argc, char** argv) {
                  "fla_ms,must_ms,speedup_vs_flashkda\n");
   if (js) std::fprintf(js, "{\"device\": \"%s\", \"cases\": [", prop.name);
   std::printf("%-4s %-24s %3s %8s %8s %6s %6s %9s %9s %8s %8s %7s %7s %-20s %s\n", "case",
-              "sequences", "H", "ms", "min ms", "GB/s", "floor", "err out", "err state",
-              "FlashKDA", "must", "FLA", "vs FK", "plan", "");
+              "sequences", "H", "ms", "min ms", "GB/s", "floor", "err out", "err state", "FlashKDA",
+              "must", "FLA", "vs FK", "plan", "");
   bool all_ok = true, first = true;
   double log_sum_s = 0;
   int count_s = 0;

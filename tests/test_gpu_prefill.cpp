@@ -584,7 +584,6 @@ TEST(GpuPrefillFused, MatchesReference) {
   }
 }
 
-
 // The segmented recurrence (heuristics/prefill.h prefill_plan; forced by
 // Tuning::prefill_segment = tokens per segment) on every path it can take: the value split of its
 // chains (16 / 32 with the K split, 64 / 128 on wgmma, 128 on 16-token steps), against the fp64

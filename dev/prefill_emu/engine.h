@@ -110,8 +110,8 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         if (p.fused)
           launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
         else
-          launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads,
-                 l.smem, pass);
+          launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads, l.smem,
+                 pass);
         break;
       case PrefillKernel::kSegmentScan:
         launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);

@@ -193,9 +193,9 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
 // transitions, the scan, pass 2). Forced (Tuning::prefill_fused = 1) it runs wherever it applies,
 // with the segment size of least predicted time (or the forced one); by default where the decay is
 // not weak (the 16-token steps' accuracy, weak_decay_gate), no value split or record length is
-// forced (knobs of the two-kernel plan) and its model predicts less than the two-kernel plan's. The model: a 16-token chunk costs kFusedStepUs whatever the wave (one CTA per
-// SM), plus kFusedPassUs per pass; the scan and the segments' extra launches as in
-// predicted_prefill_us.
+// forced (knobs of the two-kernel plan) and its model predicts less than the two-kernel plan's. The
+// model: a 16-token chunk costs kFusedStepUs whatever the wave (one CTA per SM), plus kFusedPassUs
+// per pass; the scan and the segments' extra launches as in predicted_prefill_us.
 inline constexpr double kFusedMaxDecayBound = 5.5;  // 8 x 5.5 = 44 < 45
 inline constexpr double kFusedStepUs = 1.2, kFusedPassUs = 10;
 inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
@@ -241,8 +241,8 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
   }
   // A forced value split or record length describes the two-kernel plan: it keeps that plan.
   const bool two_kernel_forced = t.prefill_vs != 0 || t.prefill_chunk != 0;
-  best.take = t.prefill_fused > 0 || (!weak_decay && !two_kernel_forced &&
-                                      best.predicted_us < plan.predicted_us);
+  best.take = t.prefill_fused > 0 ||
+              (!weak_decay && !two_kernel_forced && best.predicted_us < plan.predicted_us);
   return best;
 }
 

@@ -92,7 +92,7 @@ __device__ __forceinline__ void fused_a_frag(const float* m, int pitch, int k0, 
 
 // Where a CTA's walk is: its sequence, head and chunk count, shared memory and barriers.
 struct FusedCta {
-  SeqSpan sp;  // the sequence, or the segment (kSeg)
+  SeqSpan sp;    // the sequence, or the segment (kSeg)
   SegRole role;  // one segment per sequence unless kSeg
   int64_t n, nchunks;
   int hv, h;
