@@ -14,9 +14,9 @@ warp-specialized kernel of section 6.9 instead: one CTA per SM (132 slots), one 
 sequence, a chunk costing the longer of the consumers' state step and the producer's preparation
 (steps of 1.0 and 1.3 us).
 """
-import sys
 import heapq
 import math
+import sys
 
 SLOTS = 264
 LAUNCH_US = 10.0
