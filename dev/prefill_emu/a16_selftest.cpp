@@ -180,6 +180,12 @@ void run(const PrefillCase& c) {
 }  // namespace
 
 int main() {
+  // The two-kernel plan on 16-token records whatever the shape (a small call may otherwise take
+  // the fused kernel, which has no workspace records to check).
+  detail::Tuning t = detail::tuning();
+  t.prefill_fused = -1;
+  t.prefill_chunk = 16;
+  const detail::ScopedTuning scope(t);
   auto base = [] {
     PrefillCase c;
     c.K = 128;

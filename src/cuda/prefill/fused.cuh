@@ -498,6 +498,31 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
   }
 }
 
+// Varlen batches of 2..kFusedOrderMaxN sequences: CTA b takes the sequence of rank b / HV in the
+// order of decreasing length (ties by index), so that the longest sequences start first and none
+// runs alone at the end of the grid; every CTA ranks the sequences itself (one cu_seqlens value a
+// thread, then each thread counts the sequences before its own), with no workspace.
+inline constexpr int kFusedOrderMaxN = 64;
+__device__ __forceinline__ int64_t fused_sequence_of_rank(const Params& p, int64_t rank,
+                                                          uint8_t* smem) {
+  int64_t* lens = reinterpret_cast<int64_t*>(smem);  // [N]
+  int64_t* found = lens + kFusedOrderMaxN;
+  const int tid = threadIdx.x;
+  const int N = static_cast<int>(p.N);
+  if (tid < N) lens[tid] = seq_span(p, tid).len;
+  __syncthreads();
+  if (tid < N) {
+    int64_t r = 0;
+    for (int j = 0; j < N; ++j)
+      r += lens[j] > lens[tid] || (lens[j] == lens[tid] && j < tid) ? 1 : 0;
+    if (r == rank) *found = tid;
+  }
+  __syncthreads();
+  const int64_t n = *found;
+  __syncthreads();  // the scratch is the producer's before it is read again
+  return n;
+}
+
 // kSeg: a pass of the segmented prefill (Params::seg_pass; segments.cuh, docs/design.md 6.5), one
 // CTA per (segment slot, value head) and, in pass 1, per part: the segment's state from zero
 // (S_local) or its transition (the identity's rows with zero values, Mt).
@@ -520,6 +545,8 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   } else {
     f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
     f.n = blockIdx.x / static_cast<unsigned>(p.HV);
+    if (p.varlen && p.N > 1 && p.N <= kFusedOrderMaxN)
+      f.n = fused_sequence_of_rank(p, f.n, f.smem + kFOffTot);
     f.sp = seq_span(p, f.n);
   }
   f.h = f.hv / p.groups;
