@@ -349,7 +349,7 @@ TEST(PrefillHeuristics, Fused) {
     const cuda::pf::PrefillPlan plan = cuda::pf::prefill_plan(c.varlen, c.T, c.N, c.HV, 132, def);
     const int64_t len = c.varlen ? c.T / c.N : c.T;
     const auto d = fused_choice(plan, len, c.N, c.HV, 132, def, true, false);
-    EXPECT_EQ(d.take, d.predicted_us < plan.predicted_us) << c.T;
+    EXPECT_EQ(d.take, cuda::pf::kFusedTakenByDefault && d.predicted_us < plan.predicted_us) << c.T;
     EXPECT_LE(d.predicted_us, predicted_fused_us(len, c.N, c.HV, 0, 132)) << c.T;
     EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, def, true, true).take) << c.T;  // weak
     EXPECT_FALSE(fused_choice(plan, len, c.N, c.HV, 132, vs, true, false).take) << c.T;
