@@ -92,13 +92,22 @@ inline T __shfl_sync(unsigned, T v, int src) {
   std::memcpy(&out, &r, sizeof(T));
   return out;
 }
+// With a width (a power of two): lanes form segments of `width`; a source lane is taken within
+// the caller's segment (PTX shfl.sync with the segment mask), as the hardware does.
+template <typename T>
+inline T __shfl_sync(unsigned m, T v, int src, int width) {
+  const int base = emu::lane_id & ~(width - 1);
+  return __shfl_sync(m, v, base + (src & (width - 1)));
+}
 template <typename T>
 inline T __shfl_xor_sync(unsigned m, T v, int x) {
   return __shfl_sync(m, v, emu::lane_id ^ x);
 }
+// Lanes whose source (lane - d) falls before their segment keep their own value.
 template <typename T>
-inline T __shfl_up_sync(unsigned m, T v, int d) {
-  return __shfl_sync(m, v, emu::lane_id >= d ? emu::lane_id - d : emu::lane_id);
+inline T __shfl_up_sync(unsigned m, T v, int d, int width = 32) {
+  const int base = emu::lane_id & ~(width - 1);
+  return __shfl_sync(m, v, emu::lane_id - d >= base ? emu::lane_id - d : emu::lane_id);
 }
 inline unsigned __ballot_sync(unsigned, bool pred) {
   emu::warp_ctx->slot[emu::lane_id][0] = pred;

@@ -11,10 +11,11 @@
 // producer prepares up to four chunks ahead of the state chain and the two run side by side.
 // setmaxnreg gives the consumers kFConsumerRegs registers and the producer kFProducerRegs.
 //
-// Per chunk j (16 tokens, the 16-token path's math), producer thread (key channel cc, token half
-// th: tokens 8 th .. 8 th + 7):
-//   q^ = q / |q| * scale, k^ = k / |k| (l2norm; else q * scale, k), a = log2 decay (lower-bound
-//   gate), G = cumsum a within the chunk (the halves' totals exchanged through shared memory),
+// Per chunk j (16 tokens, the 16-token path's math), producer thread (token t, key channels
+// 8 cg .. 8 cg + 7; 16-byte reads and writes):
+//   q^ = q / |q| * scale, k^ = k / |k| (l2norm: the warps' partial sums through shared memory;
+//   else q * scale, k), a = log2 decay (lower-bound gate), G = cumsum a within the chunk (a scan
+//   over the 16 lanes of one channel group),
 //   b = beta (activated); then, anchored at the middle token m = 8 (exp(G_t - G_s) =
 //   exp(G_t - G_m) exp(G_m - G_s); the gate's bound keeps both factors within e^+-45,
 //   fused_applies):
@@ -54,6 +55,12 @@ inline constexpr int kFRaws = 3;
 inline constexpr int kFRawQ = 0, kFRawK = 4096, kFRawV = 8192, kFRawG = 12288, kFRawB = 20480;
 inline constexpr int kFRawBytes = kFRawB + 128;
 inline constexpr int kFOffRaw = kFStages * kFStageBytes;
+// Byte offset of 16-byte chunk `ch` of row r of a raw tile with `row_bytes` per row: the chunk
+// index XORed with r % 8, so that the elementwise pass's 16-byte reads of 8 rows at one chunk hit
+// 8 different bank groups.
+__host__ __device__ constexpr int raw_offset(int r, int ch, int row_bytes) {
+  return r * row_bytes + ((ch ^ (r & 7)) << 4);
+}
 // Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^(G - G_m), ka = k^ e^(G - G_m),
 // kd = k^ e^(G_m - G). Pitch 132: the mma.sync fragment reads (row g, column c) are conflict-free.
 inline constexpr int kFOpPitch = 132;
@@ -67,14 +74,13 @@ inline constexpr int kFOffPart = kFOffKd + kFOpBytes;
 inline constexpr int kFMPitch = 20;
 inline constexpr int kFOffM = kFOffPart + 8 * 2 * 256 * 4;
 inline constexpr int kFOffTm = kFOffM + kChunk16 * kFMPitch * 4;
-// em [128] (e^(G_m) per key); the halves' decay totals and a at token 8 [3][128]; the warps' norm
-// partial sums [8][16]; the norms' reciprocals [2][16].
+// em [128] (e^(G_m) per key); the warps' norm partial sums of q and k [2][16 t][8 warps]; the
+// sequence ranking's scratch (fused_sequence_of_rank, before the roles start).
 inline constexpr int kFOffEm = kFOffTm + kChunk16 * kFMPitch * 4;
-inline constexpr int kFOffTot = kFOffEm + 512;
-inline constexpr int kFOffRed = kFOffTot + 3 * 512;
-inline constexpr int kFOffRn = kFOffRed + 512;
+inline constexpr int kFOffRed = kFOffEm + 512;
+inline constexpr int kFOffOrder = kFOffRed + 1024;
 // Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[4], empty[4].
-inline constexpr int kFOffOut = kFOffRn + 128;
+inline constexpr int kFOffOut = kFOffOrder + 640;
 inline constexpr int kFOffBar = kFOffOut + 8 * 512;
 inline constexpr int kFusedSmemBytes = 1024 + kFOffBar + 16 * kFStages;
 static_assert(kFOffQa % 16 == 0 && kFOffOut % 128 == 0 && kFRawBytes % 16 == 0, "alignment");
@@ -100,11 +106,13 @@ struct FusedCta {
   uint32_t s0, bar_full, bar_empty;
 };
 
-// ---- The producer: thread pt (0..255) = key channel pt % 128 of token half pt / 128.
+// ---- The producer: thread pt (0..255); warp pw: tokens 0..15 of channel groups 2 pw, 2 pw + 1.
 template <bool kFp16>
 __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& f, int pt) {
   const int lane = pt & 31, pw = pt >> 5, g = lane >> 2, c = lane & 3;
-  const int cc = pt & (kHeadDim - 1), th = pt >> 7;
+  // Elementwise pass: token tok (the lane's low 4 bits) of channel group cg (channels c0 .. c0 +
+  // 7).
+  const int tok = lane & 15, cg = 2 * pw + (lane >> 4), c0 = 8 * cg;
   const SeqSpan& sp = f.sp;
   uint8_t* const smem = f.smem;
   auto sync = [] { named_barrier_sync(kFProducerBarrier, kFProducerThreads); };
@@ -146,8 +154,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const uint16_t* vb = static_cast<const uint16_t*>(p.v.data);
         const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
         if (vec) {
-          cp_async_16_zfill(raw_s + kFRawQ + r * 256 + 16 * ch, qb + oq, ok ? 16 : 0);
-          cp_async_16_zfill(raw_s + kFRawK + r * 256 + 16 * ch, kb + ok_, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qb + oq, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kb + ok_, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + vt, vb + ov, okv ? 16 : 0);
         } else {
           uint16_t wq[8], wk[8], wv[8];
@@ -157,8 +165,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
             wk[e] = ok ? kb[ok_ + e] : uint16_t{0};
             wv[e] = okv ? vb[ov + e] : uint16_t{0};
           }
-          std::memcpy(raw + kFRawQ + r * 256 + 16 * ch, wq, 16);
-          std::memcpy(raw + kFRawK + r * 256 + 16 * ch, wk, 16);
+          std::memcpy(raw + kFRawQ + raw_offset(r, ch, 256), wq, 16);
+          std::memcpy(raw + kFRawK + raw_offset(r, ch, 256), wk, 16);
           std::memcpy(raw + vt, wv, 16);
         }
       }
@@ -173,12 +181,12 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
           const int esz = g32 ? 4 : 2;
           const int64_t og = ok ? p.g.offset(sp.b, t0 + r, f.hv) + per * ch : 0;
           if (vec) {
-            cp_async_16_zfill(raw_s + kFRawG + r * (128 * esz) + 16 * ch, gb + og * esz,
+            cp_async_16_zfill(raw_s + kFRawG + raw_offset(r, ch, 128 * esz), gb + og * esz,
                               ok ? 16 : 0);
           } else {
             uint8_t w[16];
             for (int e = 0; e < 16; ++e) w[e] = ok ? gb[og * esz + e] : uint8_t{0};
-            std::memcpy(raw + kFRawG + r * (128 * esz) + 16 * ch, w, 16);
+            std::memcpy(raw + kFRawG + raw_offset(r, ch, 128 * esz), w, 16);
           }
         }
       }
@@ -186,18 +194,19 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     cp_async_commit();
   };
 
-  // Gate constants of this thread's key channel.
+  // Gate constants of this thread's key channels c0 .. c0 + 7.
   const float exp_a = p.A_log ? expf(p.A_log[f.hv * p.A_log_s]) : 1.f;
   const float ca = -exp_a * kLog2e;
-  const float cb = ca * (p.dt_bias ? p.dt_bias[f.hv * p.dt_bias_s + cc] : 0.f);
+  float cb[8];
+#pragma unroll
+  for (int i = 0; i < 8; ++i)
+    cb[i] = ca * (p.dt_bias ? p.dt_bias[f.hv * p.dt_bias_s + c0 + i] : 0.f);
   const float lb2 = p.lower_bound * kLog2e;
   const float eps = static_cast<float>(detail::kL2NormEps);
   float* const qa = reinterpret_cast<float*>(smem + kFOffQa);
   float* const ka = reinterpret_cast<float*>(smem + kFOffKa);
   float* const kd = reinterpret_cast<float*>(smem + kFOffKd);
-  float* const tot = reinterpret_cast<float*>(smem + kFOffTot);
   float* const red = reinterpret_cast<float*>(smem + kFOffRed);
-  float* const rn = reinterpret_cast<float*>(smem + kFOffRn);
   float* const emv = reinterpret_cast<float*>(smem + kFOffEm);
   float* const mt = reinterpret_cast<float*>(smem + kFOffM);
   float* const tms = reinterpret_cast<float*>(smem + kFOffTm);
@@ -210,86 +219,126 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     uint8_t* rec = smem + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
-    // -- Elementwise pass: channel cc over tokens 8 th .. 8 th + 7.
+    // -- Elementwise pass: token tok, channels c0 .. c0 + 7 (16-byte reads of q, k, g).
     float q[8], k[8], G[8];
     {
-      const uint16_t* rq = reinterpret_cast<const uint16_t*>(raw + kFRawQ);
-      const uint16_t* rk = reinterpret_cast<const uint16_t*>(raw + kFRawK);
-      float run = 0.f;
+      const uint4 qw = *reinterpret_cast<const uint4*>(raw + kFRawQ + raw_offset(tok, cg, 256));
+      const uint4 kw = *reinterpret_cast<const uint4*>(raw + kFRawK + raw_offset(tok, cg, 256));
+      const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w}, kv[4] = {kw.x, kw.y, kw.z, kw.w};
+      float gr[8];
+      if (g32) {
+        const uint4 g0 =
+            *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg, 512));
+        const uint4 g1 =
+            *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg + 1, 512));
+        const uint32_t gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int t = 8 * th + r;
-        q[r] = in_to_f32<kFp16>(rq[t * 128 + cc]);
-        k[r] = in_to_f32<kFp16>(rk[t * 128 + cc]);
-        const float gr =
-            g32 ? reinterpret_cast<const float*>(raw + kFRawG)[t * 128 + cc]
-                : in_to_f32<kFp16>(reinterpret_cast<const uint16_t*>(raw + kFRawG)[t * 128 + cc]);
-        // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0).
-        const bool valid = j * kChunk16 + t < sp.len;
-        run += valid ? log2_decay_lower_bound(gr, ca, cb, lb2) : 0.f;
-        G[r] = run;
-      }
-      tot[th * 128 + cc] = run;
-      if (th == 1) tot[256 + cc] = G[0];
-      if (p.use_qk_l2norm) {
-        float v[16];
+        for (int i = 0; i < 8; ++i) gr[i] = __uint_as_float(gv[i]);
+      } else {
+        const uint4 gw = *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, cg, 256));
+        const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w};
 #pragma unroll
-        for (int r = 0; r < 8; ++r) {
-          v[r] = q[r] * q[r];
-          v[8 + r] = k[r] * k[r];
+        for (int i = 0; i < 4; ++i) {
+          gr[2 * i] = lo_f32<kFp16>(gv[i]);
+          gr[2 * i + 1] = hi_f32<kFp16>(gv[i]);
         }
-        const float s = warp_row_sums<16>(v, lane);  // lane l: the sum of v[l / 2]
-        if ((lane & 1) == 0) red[pw * 16 + (lane >> 1)] = s;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        q[2 * i] = lo_f32<kFp16>(qv[i]);
+        q[2 * i + 1] = hi_f32<kFp16>(qv[i]);
+        k[2 * i] = lo_f32<kFp16>(kv[i]);
+        k[2 * i + 1] = hi_f32<kFp16>(kv[i]);
+      }
+      // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0). G: the inclusive
+      // scan of a over the chunk's 16 tokens (the 16 lanes of this channel group).
+      const bool valid = j * kChunk16 + tok < sp.len;
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        float x = valid ? log2_decay_lower_bound(gr[i], ca, cb[i], lb2) : 0.f;
+#pragma unroll
+        for (int d = 1; d < 16; d *= 2) {
+          const float y = __shfl_up_sync(0xffffffffu, x, d, 16);
+          if (tok >= d) x += y;
+        }
+        G[i] = x;
+      }
+      if (p.use_qk_l2norm) {  // this token's partial sums over the warp's 16 channels
+        float sq = 0.f, sk = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          sq = fmaf(q[i], q[i], sq);
+          sk = fmaf(k[i], k[i], sk);
+        }
+        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+        sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+        if (lane < 16) {
+          red[tok * 8 + pw] = sq;
+          red[128 + tok * 8 + pw] = sk;
+        }
+        sync();
+        const float4 q0 = *reinterpret_cast<const float4*>(red + tok * 8);
+        const float4 q1 = *reinterpret_cast<const float4*>(red + tok * 8 + 4);
+        const float4 k0 = *reinterpret_cast<const float4*>(red + 128 + tok * 8);
+        const float4 k1 = *reinterpret_cast<const float4*>(red + 128 + tok * 8 + 4);
+        const float rq =
+            rsqrtf(((q0.x + q0.y) + (q0.z + q0.w)) + ((q1.x + q1.y) + (q1.z + q1.w)) + eps) *
+            p.scale;
+        const float rk =
+            rsqrtf(((k0.x + k0.y) + (k0.z + k0.w)) + ((k1.x + k1.y) + (k1.z + k1.w)) + eps);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          q[i] *= rq;
+          k[i] *= rk;
+        }
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) q[i] *= p.scale;
       }
     }
-    sync();
-    // G over the whole chunk: the first half's total added to the second half; G_m at token 8.
-    const float t0 = tot[cc], gm = t0 + tot[256 + cc], gl = t0 + tot[128 + cc];
-    if (th == 1) {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) G[r] += t0;
-    }
-    if (p.use_qk_l2norm) {
-      if (pt < 32) {  // rn[h][i]: half h, row i (q tokens 0..7, k tokens 8..15 of the half)
-        const float* rr = red + 64 * (pt >> 4) + (pt & 15);
-        rn[pt] = rsqrtf(rr[0] + rr[16] + rr[32] + rr[48] + eps);
-      }
-      sync();
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        q[r] *= rn[16 * th + r] * p.scale;
-        k[r] *= rn[16 * th + 8 + r];
-      }
-    } else {
-#pragma unroll
-      for (int r = 0; r < 8; ++r) q[r] *= p.scale;
-    }
-    // Two exponentials per token: up = e^(G - G_m), dn = e^(G_m - G); e^G = e^(G_m) up and
-    // e^(G_L - G) = e^(G_L - G_m) dn (every factor within 2^+-58: |G| <= 16 x 5 log2 e).
+    // Two exponentials per element: up = e^(G - G_m), dn = e^(G_m - G); e^G = e^(G_m) up and
+    // e^(G_L - G) = e^(G_L - G_m) dn (every factor within 2^+-58: |G| <= 16 x 5 log2 e). G_m and
+    // G_L: the scan at tokens 8 and 15 of the channel group.
     {
-      const float em = fast_exp2(gm), elm = fast_exp2(gl - gm);
-      uint32_t kbw[4];
-      uint16_t* qg = reinterpret_cast<uint16_t*>(rec + kR16OffQg);
-#pragma unroll
-      for (int r = 0; r < 8; ++r) {
-        const int t = 8 * th + r;
-        const float up = fast_exp2(G[r] - gm), dn = fast_exp2(gm - G[r]);
-        qg[rec16_b16(t, cc)] = out_bits<false>(q[r] * (em * up));
-        const float kbv = k[r] * (elm * dn);
-        if (r & 1)
-          kbw[r >> 1] = pack_bf16(__uint_as_float(kbw[r >> 1]), kbv);
-        else
-          kbw[r >> 1] = __float_as_uint(kbv);
-        qa[t * kFOpPitch + cc] = tf32_round(q[r] * up);
-        ka[t * kFOpPitch + cc] = tf32_round(k[r] * up);
-        kd[t * kFOpPitch + cc] = tf32_round(k[r] * dn);
-      }
+      uint32_t qgw[4], qaw[8], kaw[8], kdw[8];
       uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
-      *reinterpret_cast<uint4*>(kbt + rec16_kbt(cc, 8 * th)) =
-          make_uint4(kbw[0], kbw[1], kbw[2], kbw[3]);
-      if (th == 0) {
-        reinterpret_cast<float*>(rec + kR16OffGL)[cc] = fast_exp2(gl);
-        emv[cc] = em;
+      float em[8], gl[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float gm = __shfl_sync(0xffffffffu, G[i], 8, 16);
+        gl[i] = __shfl_sync(0xffffffffu, G[i], 15, 16);
+        em[i] = fast_exp2(gm);
+        const float up = fast_exp2(G[i] - gm), dn = fast_exp2(gm - G[i]);
+        const float qgv = q[i] * (em[i] * up);
+        if (i & 1)
+          qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
+        else
+          qgw[i >> 1] = __float_as_uint(qgv);
+        const float kbv = k[i] * (fast_exp2(gl[i] - gm) * dn);
+        kbt[rec16_kbt(c0 + i, tok)] = out_bits<false>(kbv);
+        qaw[i] = f32_to_tf32(q[i] * up);
+        kaw[i] = f32_to_tf32(k[i] * up);
+        kdw[i] = f32_to_tf32(k[i] * dn);
+      }
+      *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
+          make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
+      uint4* qa4 = reinterpret_cast<uint4*>(qa + tok * kFOpPitch + c0);
+      uint4* ka4 = reinterpret_cast<uint4*>(ka + tok * kFOpPitch + c0);
+      uint4* kd4 = reinterpret_cast<uint4*>(kd + tok * kFOpPitch + c0);
+      qa4[0] = make_uint4(qaw[0], qaw[1], qaw[2], qaw[3]);
+      qa4[1] = make_uint4(qaw[4], qaw[5], qaw[6], qaw[7]);
+      ka4[0] = make_uint4(kaw[0], kaw[1], kaw[2], kaw[3]);
+      ka4[1] = make_uint4(kaw[4], kaw[5], kaw[6], kaw[7]);
+      kd4[0] = make_uint4(kdw[0], kdw[1], kdw[2], kdw[3]);
+      kd4[1] = make_uint4(kdw[4], kdw[5], kdw[6], kdw[7]);
+      if (tok == 15) {
+        float4* g4 = reinterpret_cast<float4*>(rec + kR16OffGL + 4 * c0);
+        g4[0] = make_float4(fast_exp2(gl[0]), fast_exp2(gl[1]), fast_exp2(gl[2]), fast_exp2(gl[3]));
+        g4[1] = make_float4(fast_exp2(gl[4]), fast_exp2(gl[5]), fast_exp2(gl[6]), fast_exp2(gl[7]));
+      } else if (tok == 8) {
+        float4* e4 = reinterpret_cast<float4*>(emv + c0);
+        e4[0] = make_float4(em[0], em[1], em[2], em[3]);
+        e4[1] = make_float4(em[4], em[5], em[6], em[7]);
       }
       // The v tile: raw stage -> stage, 16 bytes a thread (the same layout).
       *reinterpret_cast<uint4*>(rec + kRecord16Bytes + 16 * pt) =
@@ -546,7 +595,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
     f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
     f.n = blockIdx.x / static_cast<unsigned>(p.HV);
     if (p.varlen && p.N > 1 && p.N <= kFusedOrderMaxN)
-      f.n = fused_sequence_of_rank(p, f.n, f.smem + kFOffTot);
+      f.n = fused_sequence_of_rank(p, f.n, f.smem + kFOffOrder);
     f.sp = seq_span(p, f.n);
   }
   f.h = f.hv / p.groups;
