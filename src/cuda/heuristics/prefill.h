@@ -197,10 +197,10 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
 // model: a 16-token chunk costs kFusedStepUs whatever the wave (one CTA per SM), plus kFusedPassUs
 // per pass; the scan and the segments' extra launches as in predicted_prefill_us.
 inline constexpr double kFusedMaxDecayBound = 5.5;  // 8 x 5.5 = 44 < 45
-inline constexpr double kFusedStepUs = 1.2, kFusedPassUs = 10;
-// Whether the default plan takes the kernel where its model predicts less: off while the model's
-// constants (kFusedStepUs) are an estimate, not an H200 measurement; forcing works either way.
-inline constexpr bool kFusedTakenByDefault = false;
+// Measured on the H200 (bench_gpu_prefill, forced; docs/design.md 6.9): 5.8-6.0 us per chunk on
+// P1, P2, P4, P6, S8 and S10, whose producer is issue-bound; the pass overhead as the two-kernel
+// plan's. On targets.md's cases it predicts more than the two-kernel plan.
+inline constexpr double kFusedStepUs = 6.0, kFusedPassUs = 10;
 inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
   return lower_bound_gate && lower_bound >= -kFusedMaxDecayBound;
 }
@@ -245,8 +245,7 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
   // A forced value split or record length describes the two-kernel plan: it keeps that plan.
   const bool two_kernel_forced = t.prefill_vs != 0 || t.prefill_chunk != 0;
   best.take = t.prefill_fused > 0 ||
-              (kFusedTakenByDefault &&
-               (!weak_decay && !two_kernel_forced && best.predicted_us < plan.predicted_us));
+              (!weak_decay && !two_kernel_forced && best.predicted_us < plan.predicted_us);
   return best;
 }
 
