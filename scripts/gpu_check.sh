@@ -7,7 +7,8 @@
 # kda's per-kernel GPU times (bench/peers/fla_train_bench.py --profile; TRAIN_ACCURACY=1 adds the
 # gradient error table; needs the kda package installed, e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
-# (prefill cases, default P1..P7), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
+# (prefill cases, default P1..P7), FUSED_CASES / FUSED_SANITIZE (the fused stage's benchmark cases
+# and sanitizer tools), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/; a carried .deps/triton_cache.tgz skips their
 # Triton compilation. Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
@@ -226,7 +227,7 @@ if has fused; then
     KDA_CUDA_PREFILL_FUSED=$mode timeout 200 ./$B/bench/bench_gpu_prefill --iters 20 --no-check ${FUSED_CASES:+--case $FUSED_CASES} >"$OUT/fused_bench_$mode.log" 2>&1
     note "bench, KDA_CUDA_PREFILL_FUSED=$mode: $(grep -E '^[PS][0-9]+ ' "$OUT/fused_bench_$mode.log" | cut -c1-45 | tr -s ' ' | tr '\n' ';')"
   done
-  for tool in memcheck racecheck synccheck; do
+  for tool in ${FUSED_SANITIZE-memcheck racecheck synccheck}; do
     extra=(); [ $tool = racecheck ] && extra=(--racecheck-report hazard)
     timeout 150 compute-sanitizer --tool $tool "${extra[@]}" --error-exitcode 9 ./$B/tests/kda_gpu_tests \
       --gtest_filter='GpuPrefillFused.*' --gtest_brief=1 >"$OUT/fused_$tool.log" 2>&1
