@@ -391,7 +391,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     }
     sync();
     // -- X = (I + M)^-1 by forward substitution, lane s < 16 of warp 0 holding column s (updates
-    // of every later row as soon as x_r is known: a chain of 16 FMAs); Tm = X diag(b).
+    // of every later row as soon as x_r is known: a chain of 16 FMAs); Tm = X diag(b). Row r of
+    // M^T is read in 16-byte runs from the first run holding a column t > r (36 broadcast reads).
     if (pw == 0) {
       const int s = lane & 15;
       float acc[16];
@@ -401,7 +402,13 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       for (int r = 0; r < 16; ++r) {
         const float xr = acc[r];
 #pragma unroll
-        for (int t = r + 1; t < 16; ++t) acc[t] = fmaf(-mt[r * kFMPitch + t], xr, acc[t]);
+        for (int q4 = (r + 1) / 4; q4 < 4; ++q4) {
+          const float4 m4 = *reinterpret_cast<const float4*>(mt + r * kFMPitch + 4 * q4);
+          const float m[4] = {m4.x, m4.y, m4.z, m4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (4 * q4 + e > r) acc[4 * q4 + e] = fmaf(-m[e], xr, acc[4 * q4 + e]);
+        }
       }
       const float bs = bet[s];
       if (lane < 16) {
