@@ -8,7 +8,8 @@
 # gradient error table; needs the kda package installed, e.g. by the python stage first).
 # Env: GPU_TEST_FILTER (gtest filter for the tests stage), FLA_BENCHES (decode prefill), FLA_CASES
 # (prefill cases, default P1..P7), FUSED_CASES / FUSED_SANITIZE (the fused stage's benchmark cases
-# and sanitizer tools), DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
+# and sanitizer tools), BUILD_TARGETS (the build stage's CMake targets; default all),
+# DECODE_KERNELS (kernel sweep of the decode benchmark). FLA's
 # benchmarks (bench/peers/) need its wheel in .whl/; a carried .deps/triton_cache.tgz skips their
 # Triton compilation. Logs go to $OUT (or ./gpu_out); a short summary is printed last.
 set -uo pipefail
@@ -40,7 +41,7 @@ if has build; then
   # Without a system GoogleTest, use the copy in .deps/gtest (dev/carry_gtest.sh).
   [ -f /usr/include/gtest/gtest.h ] || extra+=(-DCMAKE_PREFIX_PATH="$PWD/.deps/gtest")
   if cmake -S . -B build-gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_PTXAS_VERBOSE=ON "${extra[@]}" >"$OUT/build.log" 2>&1 &&
-     cmake --build build-gpu --parallel >>"$OUT/build.log" 2>&1; then
+     cmake --build build-gpu --parallel ${BUILD_TARGETS:+--target $BUILD_TARGETS} >>"$OUT/build.log" 2>&1; then
     note "build ok ($(( $(date +%s) - t0 )) s)"
   else
     note "build FAILED"; tail -40 "$OUT/build.log"; exit 1

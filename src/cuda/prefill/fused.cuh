@@ -16,13 +16,12 @@
 //   q^ = q / |q| * scale, k^ = k / |k| (l2norm: the warps' partial sums through shared memory;
 //   else q * scale, k), a = log2 decay (lower-bound gate), G = cumsum a within the chunk (a scan
 //   over the 16 lanes of one channel group),
-//   b = beta (activated); then, anchored at the middle token m = 8 (exp(G_t - G_s) =
-//   exp(G_t - G_m) exp(G_m - G_s); the gate's bound keeps both factors within e^+-45,
-//   fused_applies):
-//   Akk = (k^ e^(G - G_m)) (k^ e^(G_m - G))^T (s < t), Aqk = (q^ e^(G - G_m)) (...)^T (s <= t),
+//   b = beta (activated); then, anchored at the chunk's start (exp(G_t - G_s) = e^(G_t) e^(-G_s);
+//   the gate's bound, |a| <= 5 log2 e, keeps both factors within 2^+-116, fused_applies):
+//   Akk = (k^ e^G) (k^ e^-G)^T (s < t), Aqk = (q^ e^G) (k^ e^-G)^T (s <= t),
 //   on tf32 mma.sync, each of the 8 warps summing 16 keys, the partials added in shared memory;
 //   X = (I + diag(b) Akk)^-1 by fp32 forward substitution in one warp, Tm = X diag(b) (tf32);
-//   W = Tm (k^ e^G) = e^(G_m) (Tm (k^ e^(G - G_m))) per key column (bf16), qg = q^ e^G (bf16),
+//   W = Tm (k^ e^G) (tf32 mma.sync, bf16 out), qg = q^ e^G (bf16),
 //   kbT = (k^ e^(G_L - G))^T (bf16), gL = e^(G_L).
 // Raw inputs (cp.async, one commit group per chunk) go into a ring of three raw stages two chunks
 // ahead; beta, whose elements are not 16-byte runs, goes through a register one load ahead.
@@ -61,8 +60,8 @@ inline constexpr int kFOffRaw = kFStages * kFStageBytes;
 __host__ __device__ constexpr int raw_offset(int r, int ch, int row_bytes) {
   return r * row_bytes + ((ch ^ (r & 7)) << 4);
 }
-// Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^(G - G_m), ka = k^ e^(G - G_m),
-// kd = k^ e^(G_m - G). Pitch 132: the mma.sync fragment reads (row g, column c) are conflict-free.
+// Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^G, ka = k^ e^G,
+// kd = k^ e^-G. Pitch 132: the mma.sync fragment reads (row g, column c) are conflict-free.
 inline constexpr int kFOpPitch = 132;
 inline constexpr int kFOpBytes = kChunk16 * kFOpPitch * 4;
 inline constexpr int kFOffQa = kFOffRaw + kFRaws * kFRawBytes;
@@ -74,10 +73,9 @@ inline constexpr int kFOffPart = kFOffKd + kFOpBytes;
 inline constexpr int kFMPitch = 20;
 inline constexpr int kFOffM = kFOffPart + 8 * 2 * 256 * 4;
 inline constexpr int kFOffTm = kFOffM + kChunk16 * kFMPitch * 4;
-// em [128] (e^(G_m) per key); the warps' norm partial sums of q and k [2][16 t][8 warps]; the
-// sequence ranking's scratch (fused_sequence_of_rank, before the roles start).
-inline constexpr int kFOffEm = kFOffTm + kChunk16 * kFMPitch * 4;
-inline constexpr int kFOffRed = kFOffEm + 512;
+// The warps' norm partial sums of q and k [2][16 t][8 warps]; the sequence ranking's scratch
+// (fused_sequence_of_rank, before the roles start).
+inline constexpr int kFOffRed = kFOffTm + kChunk16 * kFMPitch * 4;
 inline constexpr int kFOffOrder = kFOffRed + 1024;
 // Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[4], empty[4].
 inline constexpr int kFOffOut = kFOffOrder + 640;
@@ -207,7 +205,6 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   float* const ka = reinterpret_cast<float*>(smem + kFOffKa);
   float* const kd = reinterpret_cast<float*>(smem + kFOffKd);
   float* const red = reinterpret_cast<float*>(smem + kFOffRed);
-  float* const emv = reinterpret_cast<float*>(smem + kFOffEm);
   float* const mt = reinterpret_cast<float*>(smem + kFOffM);
   float* const tms = reinterpret_cast<float*>(smem + kFOffTm);
 
@@ -296,29 +293,28 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         for (int i = 0; i < 8; ++i) q[i] *= p.scale;
       }
     }
-    // Two exponentials per element: up = e^(G - G_m), dn = e^(G_m - G); e^G = e^(G_m) up and
-    // e^(G_L - G) = e^(G_L - G_m) dn (every factor within 2^+-58: |G| <= 16 x 5 log2 e). G_m and
-    // G_L: the scan at tokens 8 and 15 of the channel group.
+    // Two exponentials per element, anchored at the chunk's start: e^G and e^-G (G in
+    // [-16 x 5 log2 e, 0]: both factors within 2^+-116, normal fp32 and tf32 numbers), and
+    // e^(G_L - G) = e^-G e^(G_L) with e^(G_L) the last token's e^G (a shuffle from lane 15).
     {
       uint32_t qgw[4], qaw[8], kaw[8], kdw[8];
       uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
-      float em[8], gl[8];
+      float eg[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
-        const float gm = __shfl_sync(0xffffffffu, G[i], 8, 16);
-        gl[i] = __shfl_sync(0xffffffffu, G[i], 15, 16);
-        em[i] = fast_exp2(gm);
-        const float up = fast_exp2(G[i] - gm), dn = fast_exp2(gm - G[i]);
-        const float qgv = q[i] * (em[i] * up);
+        eg[i] = fast_exp2(G[i]);
+        const float ieg = fast_exp2(-G[i]);
+        const float egl = __shfl_sync(0xffffffffu, eg[i], 15, 16);
+        const float qgv = q[i] * eg[i];
         if (i & 1)
           qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
         else
           qgw[i >> 1] = __float_as_uint(qgv);
-        const float kbv = k[i] * (fast_exp2(gl[i] - gm) * dn);
-        kbt[rec16_kbt(c0 + i, tok)] = out_bits<false>(kbv);
-        qaw[i] = f32_to_tf32(q[i] * up);
-        kaw[i] = f32_to_tf32(k[i] * up);
-        kdw[i] = f32_to_tf32(k[i] * dn);
+        const float kdv = k[i] * ieg;
+        kbt[rec16_kbt(c0 + i, tok)] = out_bits<false>(kdv * egl);
+        qaw[i] = f32_to_tf32(qgv);
+        kaw[i] = f32_to_tf32(k[i] * eg[i]);
+        kdw[i] = f32_to_tf32(kdv);
       }
       *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
           make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
@@ -333,12 +329,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       kd4[1] = make_uint4(kdw[4], kdw[5], kdw[6], kdw[7]);
       if (tok == 15) {
         float4* g4 = reinterpret_cast<float4*>(rec + kR16OffGL + 4 * c0);
-        g4[0] = make_float4(fast_exp2(gl[0]), fast_exp2(gl[1]), fast_exp2(gl[2]), fast_exp2(gl[3]));
-        g4[1] = make_float4(fast_exp2(gl[4]), fast_exp2(gl[5]), fast_exp2(gl[6]), fast_exp2(gl[7]));
-      } else if (tok == 8) {
-        float4* e4 = reinterpret_cast<float4*>(emv + c0);
-        e4[0] = make_float4(em[0], em[1], em[2], em[3]);
-        e4[1] = make_float4(em[4], em[5], em[6], em[7]);
+        g4[0] = make_float4(eg[0], eg[1], eg[2], eg[3]);
+        g4[1] = make_float4(eg[4], eg[5], eg[6], eg[7]);
       }
       // The v tile: raw stage -> stage, 16 bytes a thread (the same layout).
       *reinterpret_cast<uint4*>(rec + kRecord16Bytes + 16 * pt) =
@@ -422,7 +414,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       }
     }
     sync();
-    // -- W = e^(G_m) (Tm ka): warp pw, key columns [16 pw, 16 pw + 16) (2 n-tiles, 2 k-steps).
+    // -- W = Tm ka: warp pw, key columns [16 pw, 16 pw + 16) (2 n-tiles, 2 k-steps).
     {
       uint16_t* wr = reinterpret_cast<uint16_t*>(rec + kR16OffW);
       float acc[2][4] = {};
@@ -441,11 +433,9 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt) {
         const int col = 16 * pw + 8 * nt + 2 * c;
-        const float e0 = emv[col], e1 = emv[col + 1];
-        *reinterpret_cast<uint32_t*>(wr + rec16_b16(g, col)) =
-            pack_bf16(acc[nt][0] * e0, acc[nt][1] * e1);
+        *reinterpret_cast<uint32_t*>(wr + rec16_b16(g, col)) = pack_bf16(acc[nt][0], acc[nt][1]);
         *reinterpret_cast<uint32_t*>(wr + rec16_b16(g + 8, col)) =
-            pack_bf16(acc[nt][2] * e0, acc[nt][3] * e1);
+            pack_bf16(acc[nt][2], acc[nt][3]);
       }
     }
   };
