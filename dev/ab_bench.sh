@@ -34,9 +34,9 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       n=$(basename "$t")
       extra=(); [ "$r" -gt 1 ] && extra=(--no-check)  # errors from round 1
       env ${AB_ENV:-} ${var//,/ } timeout 120 "$t/build-gpu/bench/bench_gpu_prefill" ${BENCH_ARGS:-} "${extra[@]}" >"$OUT/round.log" 2>&1
-      echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^P[0-9]" "$OUT/round.log"
+      echo "---- $n ${var:+$var }round $r (rc=$?)"; grep -E "^[PS][0-9]" "$OUT/round.log"
       # case and median ms per run, for the table at the end (columns: tree, setting)
-      awk -v col="$n${var:+ $var}" '/^P[0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print col "\t" $1 "\t" $i; break}}' "$OUT/round.log" >>"$OUT/ab_medians.tsv"
+      awk -v col="$n${var:+ $var}" '/^[PS][0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print col "\t" $1 "\t" $i; break}}' "$OUT/round.log" >>"$OUT/ab_medians.tsv"
       cat "$OUT/round.log" >>"$OUT/bench_$n.log"; rm -f "$OUT/round.log"  # one log per tree, few files in $OUT
     done
   done

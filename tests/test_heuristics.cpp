@@ -324,6 +324,7 @@ TEST(PrefillHeuristics, Fused) {
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_FUSED", "yes"}}).prefill_fused, 0);
   EXPECT_TRUE(cuda::pf::fused_applies(true, -5.0));
   EXPECT_FALSE(cuda::pf::fused_applies(false, -5.0));  // softplus / precomputed: unbounded decay
+  EXPECT_FALSE(cuda::pf::fused_applies(true, -5.01));  // beyond the start-anchored factors' range
   // P4: 8 x 1024 tokens, 96 heads: 768 CTAs in 6 waves of 64 chunks.
   EXPECT_NEAR(predicted_fused_us(1024, 8, 96, 0, 132), 6 * 64 * kFusedStepUs + kFusedPassUs, 1e-9);
   // S1 in 4 segments of 256 tokens: pass 1 (first segment + 2 x 2 inner) and pass 2 (3), one wave

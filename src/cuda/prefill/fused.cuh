@@ -40,17 +40,22 @@ inline constexpr int kFConsumerRegs = 168, kFProducerRegs = 88;
 static_assert(kFConsumerThreads * kFConsumerRegs + kFProducerThreads * kFProducerRegs <= 65536,
               "the two roles' registers fit the register file");
 static_assert(kFusedThreads * 128 <= 65536, "the launch's registers (128 a thread)");
-inline constexpr int kFProducerBarrier = 1;  // named barrier of the producer's 256 threads
+// The producer is two groups of 4 warps (128 threads) that build alternate chunks (group gp the
+// chunks j = gp mod 2), each with its own named barrier, raw stages and scratch, so that one
+// group's barrier-separated phases overlap the other's.
+inline constexpr int kFGroups = 2, kFGroupThreads = kFProducerThreads / kFGroups;
+inline constexpr int kFGroupBarrier0 = 1;  // named barriers 1, 2 (0 is __syncthreads)
 
 // Shared memory (from the first 1024-byte aligned address):
 // Stages: the 16-token record (15,360 B) and the chunk's v tile [16][128] bf16 (swizzle_vtile).
-inline constexpr int kFStages = 4;
+inline constexpr int kFStages = 3;
 inline constexpr int kFVBytes = kChunk16 * kHeadDim * 2;
 inline constexpr int kFStageBytes = kRecord16Bytes + kFVBytes;
 static_assert(kFStageBytes % 1024 == 0, "stages at the records' swizzle period");
-// Raw stages: q, k [16][128] (16-bit, row-major), v (the stage's v tile layout), g [16][128]
-// (16-bit or fp32), b [16] fp32 (activated beta).
-inline constexpr int kFRaws = 3;
+// Raw stages, two per group (chunk j of group gp in stage 2 gp + (j / 2) % 2): q, k [16][128]
+// (16-bit, row-major), v (the stage's v tile layout), g [16][128] (16-bit or fp32), b [16] fp32
+// (activated beta).
+inline constexpr int kFRaws = 2;
 inline constexpr int kFRawQ = 0, kFRawK = 4096, kFRawV = 8192, kFRawG = 12288, kFRawB = 20480;
 inline constexpr int kFRawBytes = kFRawB + 128;
 inline constexpr int kFOffRaw = kFStages * kFStageBytes;
@@ -60,28 +65,32 @@ inline constexpr int kFOffRaw = kFStages * kFStageBytes;
 __host__ __device__ constexpr int raw_offset(int r, int ch, int row_bytes) {
   return r * row_bytes + ((ch ^ (r & 7)) << 4);
 }
-// Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^G, ka = k^ e^G,
-// kd = k^ e^-G. Pitch 132: the mma.sync fragment reads (row g, column c) are conflict-free.
+// A group's scratch: the Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^G,
+// ka = k^ e^G, kd = k^ e^-G (pitch 132: the mma.sync fragment reads (row g, column c) are
+// conflict-free); the Gram products' per-warp partial sums [4][2][16][16]; M^T [16][kFMPitch]
+// (b_t Akk[t][r] at [r][t]); Tm [16][kFMPitch] (W's A operand); the warps' norm partial sums of q
+// and k [2][16 t][4 warps].
 inline constexpr int kFOpPitch = 132;
 inline constexpr int kFOpBytes = kChunk16 * kFOpPitch * 4;
-inline constexpr int kFOffQa = kFOffRaw + kFRaws * kFRawBytes;
-inline constexpr int kFOffKa = kFOffQa + kFOpBytes;
-inline constexpr int kFOffKd = kFOffKa + kFOpBytes;
-// The Gram products' per-warp partial sums [8][2][16][16]; M^T [16][kFMPitch] (b_t Akk[t][r] at
-// [r][t]); Tm [16][kFMPitch] (W's A operand).
-inline constexpr int kFOffPart = kFOffKd + kFOpBytes;
 inline constexpr int kFMPitch = 20;
-inline constexpr int kFOffM = kFOffPart + 8 * 2 * 256 * 4;
-inline constexpr int kFOffTm = kFOffM + kChunk16 * kFMPitch * 4;
-// The warps' norm partial sums of q and k [2][16 t][8 warps]; the sequence ranking's scratch
-// (fused_sequence_of_rank, before the roles start).
-inline constexpr int kFOffRed = kFOffTm + kChunk16 * kFMPitch * 4;
-inline constexpr int kFOffOrder = kFOffRed + 1024;
-// Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[4], empty[4].
+inline constexpr int kFGQa = 0, kFGKa = kFOpBytes, kFGKd = 2 * kFOpBytes;
+inline constexpr int kFGPart = 3 * kFOpBytes;
+inline constexpr int kFGM = kFGPart + 4 * 2 * 256 * 4;
+inline constexpr int kFGTm = kFGM + kChunk16 * kFMPitch * 4;
+inline constexpr int kFGRed = kFGTm + kChunk16 * kFMPitch * 4;
+inline constexpr int kFGroupBytes = kFGRed + 2 * 16 * 4 * 4;
+inline constexpr int kFOffGroup = kFOffRaw + kFGroups * kFRaws * kFRawBytes;
+// The gate's per-key constants cb [128]; the sequence ranking's scratch (fused_sequence_of_rank,
+// before the roles start).
+inline constexpr int kFOffCb = kFOffGroup + kFGroups * kFGroupBytes;
+inline constexpr int kFOffOrder = kFOffCb + 512;
+// Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[3], empty[3].
 inline constexpr int kFOffOut = kFOffOrder + 640;
 inline constexpr int kFOffBar = kFOffOut + 8 * 512;
 inline constexpr int kFusedSmemBytes = 1024 + kFOffBar + 16 * kFStages;
-static_assert(kFOffQa % 16 == 0 && kFOffOut % 128 == 0 && kFRawBytes % 16 == 0, "alignment");
+static_assert(kFOffGroup % 16 == 0 && kFGroupBytes % 16 == 0 && kFOffOut % 128 == 0 &&
+                  kFRawBytes % 16 == 0,
+              "alignment");
 static_assert(kFusedSmemBytes <= 232448, "one fused CTA per SM");
 
 // The tf32 A fragment of m16n8k8 (rows g, g + 8 x columns k0 + c, k0 + c + 4) of an fp32 matrix
@@ -104,52 +113,57 @@ struct FusedCta {
   uint32_t s0, bar_full, bar_empty;
 };
 
-// ---- The producer: thread pt (0..255); warp pw: tokens 0..15 of channel groups 2 pw, 2 pw + 1.
+// ---- The producer: thread pt (0..255) of group gp = pt / 128 (local thread lt, warp lw 0..3),
+// which builds the chunks j = gp, gp + 2, ...
 template <bool kFp16>
 __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& f, int pt) {
-  const int lane = pt & 31, pw = pt >> 5, g = lane >> 2, c = lane & 3;
-  // Elementwise pass: token tok (the lane's low 4 bits) of channel group cg (channels c0 .. c0 +
-  // 7).
-  const int tok = lane & 15, cg = 2 * pw + (lane >> 4), c0 = 8 * cg;
+  const int gp = pt / kFGroupThreads, lt = pt % kFGroupThreads;
+  const int lane = lt & 31, lw = lt >> 5, g = lane >> 2, c = lane & 3;
+  // Elementwise pass: token tok (the lane's low 4 bits) of channel groups cgl and cgl + 8 (the
+  // key channels 8 cgl .. 8 cgl + 7 and 64 more).
+  const int tok = lane & 15, cgl = 2 * lw + (lane >> 4);
   const SeqSpan& sp = f.sp;
   uint8_t* const smem = f.smem;
-  auto sync = [] { named_barrier_sync(kFProducerBarrier, kFProducerThreads); };
+  auto sync = [gp] { named_barrier_sync(kFGroupBarrier0 + gp, kFGroupThreads); };
+  auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
-  // Loads of chunk j into raw stage j % 3 (cp.async, 16 bytes; zeros past the sequence), one
-  // commit group per chunk (empty past the end). beta: the previous chunk's value (loaded one
-  // chunk ahead, in `bbits`) is activated into its raw stage, then this chunk's is loaded.
+  // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
+  // group per call (empty past the end); beta's bits into `bbits` (activated into the raw stage by
+  // put_beta before the chunk's barrier).
   const bool vec = p.q.vec && p.k.vec && p.v.vec && p.g.vec;
   const bool g32 = p.g.dtype == kF32;
   uint32_t bbits = 0;
-  auto issue = [&](int64_t j) {
-    if (j >= 1 && j - 1 < f.nchunks && pt < kChunk16) {
-      const int64_t tl = (j - 1) * kChunk16 + pt;
-      float* bd =
-          reinterpret_cast<float*>(smem + kFOffRaw + ((j - 1) % kFRaws) * kFRawBytes + kFRawB);
-      bd[pt] = tl < sp.len
+  auto put_beta = [&](int64_t j) {
+    if (j < f.nchunks && lt < kChunk16) {
+      const int64_t tl = j * kChunk16 + lt;
+      float* bd = reinterpret_cast<float*>(smem + raw_at(j) + kFRawB);
+      bd[lt] = tl < sp.len
                    ? beta_fast(p.beta_logits, p.allow_neg_eigval, bits_to_f32(bbits, p.beta.dtype))
                    : 0.f;
     }
+  };
+  auto issue = [&](int64_t j) {
     if (j < f.nchunks) {
-      uint8_t* raw = smem + kFOffRaw + (j % kFRaws) * kFRawBytes;
-      const uint32_t raw_s = f.s0 + kFOffRaw + (j % kFRaws) * kFRawBytes;
+      uint8_t* raw = smem + raw_at(j);
+      const uint32_t raw_s = f.s0 + raw_at(j);
       const int64_t t0 = sp.bos + j * kChunk16;
-      if (pt < kChunk16) {
-        const int64_t tl = j * kChunk16 + pt;
+      if (lt < kChunk16) {
+        const int64_t tl = j * kChunk16 + lt;
         bbits = tl < sp.len
-                    ? load_bits_any(p.beta.data, p.beta.dtype, p.beta.offset(sp.b, t0 + pt, f.hv))
+                    ? load_bits_any(p.beta.data, p.beta.dtype, p.beta.offset(sp.b, t0 + lt, f.hv))
                     : 0u;
       }
-      {  // q, k, v: 16 rows x 16 chunks of 16 bytes, one of each per thread
-        const int r = pt >> 4, ch = pt & 15;
+      const uint16_t* qb = static_cast<const uint16_t*>(p.q.data);
+      const uint16_t* kb = static_cast<const uint16_t*>(p.k.data);
+      const uint16_t* vb = static_cast<const uint16_t*>(p.v.data);
+#pragma unroll
+      for (int m = 0; m < 2; ++m) {  // q, k, v: 16 rows x 16 chunks of 16 bytes, two a thread
+        const int i = lt + kFGroupThreads * m, r = i >> 4, ch = i & 15;
         const bool ok = j * kChunk16 + r < sp.len;
         const int64_t oq = ok ? p.q.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
         const int64_t ok_ = ok ? p.k.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
         const bool okv = ok && !f.role.trans;  // the transition's rows: zero values
         const int64_t ov = okv ? p.v.offset(sp.b, t0 + r, f.hv) + 8 * ch : 0;
-        const uint16_t* qb = static_cast<const uint16_t*>(p.q.data);
-        const uint16_t* kb = static_cast<const uint16_t*>(p.k.data);
-        const uint16_t* vb = static_cast<const uint16_t*>(p.v.data);
         const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
         if (vec) {
           cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qb + oq, ok ? 16 : 0);
@@ -171,8 +185,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       const int gch = g32 ? 32 : 16;  // 16-byte chunks per g row
       const uint8_t* gb = static_cast<const uint8_t*>(p.g.data);
 #pragma unroll
-      for (int m = 0; m < 2; ++m) {
-        const int i = pt + kFProducerThreads * m, r = i / gch, ch = i % gch;
+      for (int m = 0; m < 4; ++m) {
+        const int i = lt + kFGroupThreads * m, r = i / gch, ch = i % gch;
         if (r < kChunk16) {
           const bool ok = j * kChunk16 + r < sp.len;
           const int per = g32 ? 4 : 8;  // elements per chunk
@@ -192,113 +206,121 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     cp_async_commit();
   };
 
-  // Gate constants of this thread's key channels c0 .. c0 + 7.
+  // Gate constants: ca, and cb [128] in shared memory (fused_kernel writes them before the roles
+  // start).
   const float exp_a = p.A_log ? expf(p.A_log[f.hv * p.A_log_s]) : 1.f;
   const float ca = -exp_a * kLog2e;
-  float cb[8];
-#pragma unroll
-  for (int i = 0; i < 8; ++i)
-    cb[i] = ca * (p.dt_bias ? p.dt_bias[f.hv * p.dt_bias_s + c0 + i] : 0.f);
+  const float* const cbv = reinterpret_cast<const float*>(smem + kFOffCb);
   const float lb2 = p.lower_bound * kLog2e;
   const float eps = static_cast<float>(detail::kL2NormEps);
-  float* const qa = reinterpret_cast<float*>(smem + kFOffQa);
-  float* const ka = reinterpret_cast<float*>(smem + kFOffKa);
-  float* const kd = reinterpret_cast<float*>(smem + kFOffKd);
-  float* const red = reinterpret_cast<float*>(smem + kFOffRed);
-  float* const mt = reinterpret_cast<float*>(smem + kFOffM);
-  float* const tms = reinterpret_cast<float*>(smem + kFOffTm);
+  uint8_t* const gs = smem + kFOffGroup + gp * kFGroupBytes;
+  float* const qa = reinterpret_cast<float*>(gs + kFGQa);
+  float* const ka = reinterpret_cast<float*>(gs + kFGKa);
+  float* const kd = reinterpret_cast<float*>(gs + kFGKd);
+  float* const red = reinterpret_cast<float*>(gs + kFGRed);
+  float* const mt = reinterpret_cast<float*>(gs + kFGM);
+  float* const tms = reinterpret_cast<float*>(gs + kFGTm);
 
-  // Chunk j's record and v tile into stage j % 4 (free once its previous chunk's consumers have
-  // released it), from raw stage j % 3 (complete and visible to every producer thread).
+  // Chunk j's record and v tile into stage j % 3 (free once its previous chunk's consumers have
+  // released it), from its raw stage (complete and visible to every thread of the group).
   auto prepare = [&](int64_t j) {
-    const int st = static_cast<int>(j & (kFStages - 1));
-    const uint8_t* raw = smem + kFOffRaw + (j % kFRaws) * kFRawBytes;
+    const int st = static_cast<int>(j % kFStages);
+    const uint8_t* raw = smem + raw_at(j);
     uint8_t* rec = smem + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
-    // -- Elementwise pass: token tok, channels c0 .. c0 + 7 (16-byte reads of q, k, g).
-    float q[8], k[8], G[8];
-    {
-      const uint4 qw = *reinterpret_cast<const uint4*>(raw + kFRawQ + raw_offset(tok, cg, 256));
-      const uint4 kw = *reinterpret_cast<const uint4*>(raw + kFRawK + raw_offset(tok, cg, 256));
-      const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w}, kv[4] = {kw.x, kw.y, kw.z, kw.w};
-      float gr[8];
-      if (g32) {
-        const uint4 g0 =
-            *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg, 512));
-        const uint4 g1 =
-            *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg + 1, 512));
-        const uint32_t gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+    // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
+    // warp's 32 (lanes tok, tok + 16), then the group's four warps through shared memory.
+    uint4 qw[2], kw[2];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) gr[i] = __uint_as_float(gv[i]);
-      } else {
-        const uint4 gw = *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, cg, 256));
-        const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w};
+    for (int h = 0; h < 2; ++h) {
+      qw[h] = *reinterpret_cast<const uint4*>(raw + kFRawQ + raw_offset(tok, cgl + 8 * h, 256));
+      kw[h] = *reinterpret_cast<const uint4*>(raw + kFRawK + raw_offset(tok, cgl + 8 * h, 256));
+    }
+    float rq = p.scale, rk = 1.f;
+    if (p.use_qk_l2norm) {
+      float sq = 0.f, sk = 0.f;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t qv[4] = {qw[h].x, qw[h].y, qw[h].z, qw[h].w};
+        const uint32_t kv[4] = {kw[h].x, kw[h].y, kw[h].z, kw[h].w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          gr[2 * i] = lo_f32<kFp16>(gv[i]);
-          gr[2 * i + 1] = hi_f32<kFp16>(gv[i]);
+          const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
+          const float k0 = lo_f32<kFp16>(kv[i]), k1 = hi_f32<kFp16>(kv[i]);
+          sq = fmaf(q1, q1, fmaf(q0, q0, sq));
+          sk = fmaf(k1, k1, fmaf(k0, k0, sk));
         }
       }
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        q[2 * i] = lo_f32<kFp16>(qv[i]);
-        q[2 * i + 1] = hi_f32<kFp16>(qv[i]);
-        k[2 * i] = lo_f32<kFp16>(kv[i]);
-        k[2 * i + 1] = hi_f32<kFp16>(kv[i]);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 16);
+      sk += __shfl_xor_sync(0xffffffffu, sk, 16);
+      if (lane < 16) {
+        red[tok * 4 + lw] = sq;
+        red[64 + tok * 4 + lw] = sk;
       }
-      // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0). G: the inclusive
-      // scan of a over the chunk's 16 tokens (the 16 lanes of this channel group).
-      const bool valid = j * kChunk16 + tok < sp.len;
-#pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        float x = valid ? log2_decay_lower_bound(gr[i], ca, cb[i], lb2) : 0.f;
-#pragma unroll
-        for (int d = 1; d < 16; d *= 2) {
-          const float y = __shfl_up_sync(0xffffffffu, x, d, 16);
-          if (tok >= d) x += y;
-        }
-        G[i] = x;
-      }
-      if (p.use_qk_l2norm) {  // this token's partial sums over the warp's 16 channels
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          sq = fmaf(q[i], q[i], sq);
-          sk = fmaf(k[i], k[i], sk);
-        }
-        sq += __shfl_xor_sync(0xffffffffu, sq, 16);
-        sk += __shfl_xor_sync(0xffffffffu, sk, 16);
-        if (lane < 16) {
-          red[tok * 8 + pw] = sq;
-          red[128 + tok * 8 + pw] = sk;
-        }
-        sync();
-        const float4 q0 = *reinterpret_cast<const float4*>(red + tok * 8);
-        const float4 q1 = *reinterpret_cast<const float4*>(red + tok * 8 + 4);
-        const float4 k0 = *reinterpret_cast<const float4*>(red + 128 + tok * 8);
-        const float4 k1 = *reinterpret_cast<const float4*>(red + 128 + tok * 8 + 4);
-        const float rq =
-            rsqrtf(((q0.x + q0.y) + (q0.z + q0.w)) + ((q1.x + q1.y) + (q1.z + q1.w)) + eps) *
-            p.scale;
-        const float rk =
-            rsqrtf(((k0.x + k0.y) + (k0.z + k0.w)) + ((k1.x + k1.y) + (k1.z + k1.w)) + eps);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          q[i] *= rq;
-          k[i] *= rk;
-        }
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) q[i] *= p.scale;
-      }
+      sync();
+      const float4 q4 = *reinterpret_cast<const float4*>(red + tok * 4);
+      const float4 k4 = *reinterpret_cast<const float4*>(red + 64 + tok * 4);
+      rq = rsqrtf(((q4.x + q4.y) + (q4.z + q4.w)) + eps) * p.scale;
+      rk = rsqrtf(((k4.x + k4.y) + (k4.z + k4.w)) + eps);
     }
-    // Two exponentials per element, anchored at the chunk's start: e^G and e^-G (G in
-    // [-16 x 5 log2 e, 0]: both factors within 2^+-116, normal fp32 and tf32 numbers), and
-    // e^(G_L - G) = e^-G e^(G_L) with e^(G_L) the last token's e^G (a shuffle from lane 15).
-    {
+    // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0).
+    const bool valid = j * kChunk16 + tok < sp.len;
+    uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int cg = cgl + 8 * h, c0 = 8 * cg;
+      float q[8], k[8], G[8];
+      {
+        const uint32_t qv[4] = {qw[h].x, qw[h].y, qw[h].z, qw[h].w};
+        const uint32_t kv[4] = {kw[h].x, kw[h].y, kw[h].z, kw[h].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          q[2 * i] = lo_f32<kFp16>(qv[i]) * rq;
+          q[2 * i + 1] = hi_f32<kFp16>(qv[i]) * rq;
+          k[2 * i] = lo_f32<kFp16>(kv[i]) * rk;
+          k[2 * i + 1] = hi_f32<kFp16>(kv[i]) * rk;
+        }
+      }
+      {
+        float gr[8];
+        if (g32) {
+          const uint4 g0 =
+              *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg, 512));
+          const uint4 g1 =
+              *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg + 1, 512));
+          const uint32_t gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
+#pragma unroll
+          for (int i = 0; i < 8; ++i) gr[i] = __uint_as_float(gv[i]);
+        } else {
+          const uint4 gw = *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, cg, 256));
+          const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            gr[2 * i] = lo_f32<kFp16>(gv[i]);
+            gr[2 * i + 1] = hi_f32<kFp16>(gv[i]);
+          }
+        }
+        const float4 cb0 = *reinterpret_cast<const float4*>(cbv + c0);
+        const float4 cb1 = *reinterpret_cast<const float4*>(cbv + c0 + 4);
+        const float cb[8] = {cb0.x, cb0.y, cb0.z, cb0.w, cb1.x, cb1.y, cb1.z, cb1.w};
+        // G: the inclusive scan of a over the chunk's 16 tokens (the 16 lanes of this channel
+        // group).
+#pragma unroll
+        for (int i = 0; i < 8; ++i) {
+          float x = valid ? log2_decay_lower_bound(gr[i], ca, cb[i], lb2) : 0.f;
+#pragma unroll
+          for (int d = 1; d < 16; d *= 2) {
+            const float y = __shfl_up_sync(0xffffffffu, x, d, 16);
+            if (tok >= d) x += y;
+          }
+          G[i] = x;
+        }
+      }
+      // Two exponentials per element, anchored at the chunk's start: e^G and e^-G (G in
+      // [-16 x 5 log2 e, 0]: both factors within 2^+-116, normal fp32 and tf32 numbers), and
+      // e^(G_L - G) = e^-G e^(G_L) with e^(G_L) the last token's e^G (a shuffle from lane 15).
       uint32_t qgw[4], qaw[8], kaw[8], kdw[8];
-      uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
       float eg[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
@@ -332,18 +354,22 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         g4[0] = make_float4(eg[0], eg[1], eg[2], eg[3]);
         g4[1] = make_float4(eg[4], eg[5], eg[6], eg[7]);
       }
-      // The v tile: raw stage -> stage, 16 bytes a thread (the same layout).
-      *reinterpret_cast<uint4*>(rec + kRecord16Bytes + 16 * pt) =
-          *reinterpret_cast<const uint4*>(raw + kFRawV + 16 * pt);
+    }
+    // The v tile: raw stage -> stage, 32 bytes a thread (the same layout).
+#pragma unroll
+    for (int m = 0; m < 2; ++m) {
+      const int o = 16 * (lt + kFGroupThreads * m);
+      *reinterpret_cast<uint4*>(rec + kRecord16Bytes + o) =
+          *reinterpret_cast<const uint4*>(raw + kFRawV + o);
     }
     sync();
-    // -- Gram products: warp pw sums over key columns [16 pw, 16 pw + 16): Akk = ka kd^T,
+    // -- Gram products: warp lw sums over key columns [32 lw, 32 lw + 32): Akk = ka kd^T,
     // Aqk = qa kd^T (tf32 m16n8k8; A (row g | g + 8, k c | c + 4), B (k c | c + 4, column g)).
     {
       float acck[2][4] = {}, accq[2][4] = {};
 #pragma unroll
-      for (int ks = 0; ks < 2; ++ks) {
-        const int k0 = 16 * pw + 8 * ks;
+      for (int ks = 0; ks < 4; ++ks) {
+        const int k0 = 32 * lw + 8 * ks;
         uint32_t ak[4], aq[4];
         fused_a_frag(ka, kFOpPitch, k0, g, c, ak);
         fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
@@ -356,7 +382,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
           mma_tf32(accq[nt], aq, b0, b1);
         }
       }
-      float* part = reinterpret_cast<float*>(smem + kFOffPart) + pw * 512;
+      float* part = reinterpret_cast<float*>(gs + kFGPart) + lw * 512;
 #pragma unroll
       for (int nt = 0; nt < 2; ++nt)
 #pragma unroll
@@ -367,25 +393,30 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         }
     }
     sync();
-    // -- The eight partials summed: M^T (b_t Akk[t][s], s < t, at [s][t]) and the record's Aqk
-    // (s <= t, tf32; zero above the diagonal). Thread: element (t, s) = (pt / 16, pt % 16).
+    // -- The four partials summed: M^T (b_t Akk[t][s], s < t, at [s][t]) and the record's Aqk
+    // (s <= t, tf32; zero above the diagonal). Thread: elements (t, s) = (i / 16, i % 16) for
+    // i = lt, lt + 128.
     {
-      const float* part = reinterpret_cast<const float*>(smem + kFOffPart);
-      const int t = pt >> 4, s = pt & 15;
-      float sk = 0.f, sq = 0.f;
+      const float* part = reinterpret_cast<const float*>(gs + kFGPart);
 #pragma unroll
-      for (int w = 0; w < 8; ++w) {
-        sk += part[512 * w + pt];
-        sq += part[512 * w + 256 + pt];
+      for (int m = 0; m < 2; ++m) {
+        const int i = lt + kFGroupThreads * m, t = i >> 4, s = i & 15;
+        float sk = 0.f, sq = 0.f;
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          sk += part[512 * w + i];
+          sq += part[512 * w + 256 + i];
+        }
+        mt[s * kFMPitch + t] = s < t ? bet[t] * sk : 0.f;
+        reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] = s <= t ? tf32_round(sq) : 0.f;
       }
-      mt[s * kFMPitch + t] = s < t ? bet[t] * sk : 0.f;
-      reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] = s <= t ? tf32_round(sq) : 0.f;
     }
     sync();
-    // -- X = (I + M)^-1 by forward substitution, lane s < 16 of warp 0 holding column s (updates
-    // of every later row as soon as x_r is known: a chain of 16 FMAs); Tm = X diag(b). Row r of
-    // M^T is read in 16-byte runs from the first run holding a column t > r (36 broadcast reads).
-    if (pw == 0) {
+    // -- X = (I + M)^-1 by forward substitution, lane s < 16 of the group's warp 0 holding column
+    // s (updates of every later row as soon as x_r is known: a chain of 16 FMAs); Tm = X diag(b).
+    // Row r of M^T is read in 16-byte runs from the first run holding a column t > r (36
+    // broadcast reads).
+    if (lw == 0) {
       const int s = lane & 15;
       float acc[16];
 #pragma unroll
@@ -414,25 +445,25 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       }
     }
     sync();
-    // -- W = Tm ka: warp pw, key columns [16 pw, 16 pw + 16) (2 n-tiles, 2 k-steps).
+    // -- W = Tm ka: warp lw, key columns [32 lw, 32 lw + 32) (4 n-tiles, 2 k-steps).
     {
       uint16_t* wr = reinterpret_cast<uint16_t*>(rec + kR16OffW);
-      float acc[2][4] = {};
+      float acc[4][4] = {};
 #pragma unroll
       for (int ks = 0; ks < 2; ++ks) {
         const int sk0 = 8 * ks;
         uint32_t a[4];
         fused_a_frag(tms, kFMPitch, sk0, g, c, a);
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-          const int col = 16 * pw + 8 * nt + g;
+        for (int nt = 0; nt < 4; ++nt) {
+          const int col = 32 * lw + 8 * nt + g;
           mma_tf32(acc[nt], a, __float_as_uint(ka[(sk0 + c) * kFOpPitch + col]),
                    __float_as_uint(ka[(sk0 + c + 4) * kFOpPitch + col]));
         }
       }
 #pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-        const int col = 16 * pw + 8 * nt + 2 * c;
+      for (int nt = 0; nt < 4; ++nt) {
+        const int col = 32 * lw + 8 * nt + 2 * c;
         *reinterpret_cast<uint32_t*>(wr + rec16_b16(g, col)) = pack_bf16(acc[nt][0], acc[nt][1]);
         *reinterpret_cast<uint32_t*>(wr + rec16_b16(g + 8, col)) =
             pack_bf16(acc[nt][2], acc[nt][3]);
@@ -440,17 +471,21 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     }
   };
 
-  issue(0);
-  issue(1);
-  cp_async_wait<1>();  // chunk 0's raw inputs
+  // Chunks j = gp, gp + 2, ...: the raw inputs of j + 2 are in flight while j is prepared; those
+  // of j + 4 are issued once the group's barrier has retired j's raw stage.
+  issue(gp);
+  put_beta(gp);
+  issue(gp + 2);
+  cp_async_wait<1>();  // chunk gp's raw inputs
   sync();
-  for (int64_t j = 0; j < f.nchunks; ++j) {
-    issue(j + 2);  // into the raw stage chunk j - 1 used
+  for (int64_t j = gp; j < f.nchunks; j += kFGroups) {
     prepare(j);
-    cp_async_wait<1>();   // chunk j + 1's raw inputs
+    put_beta(j + 2);
+    cp_async_wait<0>();   // chunk j + 2's raw inputs
     fence_proxy_async();  // the record's generic stores before the consumers' wgmma reads
     sync();
-    if (pt == 0) mbar_arrive(f.bar_full + 8 * static_cast<int>(j & (kFStages - 1)));
+    if (lt == 0) mbar_arrive(f.bar_full + 8 * static_cast<int>(j % kFStages));
+    issue(j + 4);  // into chunk j's raw stage
   }
   cp_async_wait<0>();
 }
@@ -493,7 +528,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
   const int64_t ooff0 = p.out.offset(sp.b, sp.bos + (lane >> 1), f.hv) + vw + 8 * (lane & 1);
 
   for (int64_t j = 0; j < f.nchunks; ++j) {
-    const int st = static_cast<int>(j & (kFStages - 1));
+    const int st = static_cast<int>(j % kFStages);
     const uint32_t sbase = f.s0 + st * kFStageBytes;
     mbar_wait(f.bar_full + 8 * st, static_cast<uint32_t>((j / kFStages) & 1));
     const int L =
@@ -600,6 +635,11 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   f.bar_full = f.s0 + kFOffBar;
   f.bar_empty = f.bar_full + 8 * kFStages;
   const int tid = threadIdx.x;
+  if (tid < kHeadDim) {  // the gate's per-key constants (exp(A_log) dt_bias in log2 units)
+    const float ca = -(p.A_log ? expf(p.A_log[f.hv * p.A_log_s]) : 1.f) * kLog2e;
+    reinterpret_cast<float*>(f.smem + kFOffCb)[tid] =
+        ca * (p.dt_bias ? p.dt_bias[f.hv * p.dt_bias_s + tid] : 0.f);
+  }
   if (tid == 0) {
 #pragma unroll
     for (int i = 0; i < kFStages; ++i) {
