@@ -230,20 +230,19 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
-    // warp's 32 (lanes tok, tok + 16), then the group's four warps through shared memory.
-    uint4 qw[2], kw[2];
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      qw[h] = *reinterpret_cast<const uint4*>(raw + kFRawQ + raw_offset(tok, cgl + 8 * h, 256));
-      kw[h] = *reinterpret_cast<const uint4*>(raw + kFRawK + raw_offset(tok, cgl + 8 * h, 256));
-    }
+    // warp's 32 (lanes tok, tok + 16), then the group's four warps through shared memory. Then
+    // the two halves one after the other (q and k read again: fewer live registers).
+    auto raw16 = [&](int off, int h) {
+      return *reinterpret_cast<const uint4*>(raw + off + raw_offset(tok, cgl + 8 * h, 256));
+    };
     float rq = p.scale, rk = 1.f;
     if (p.use_qk_l2norm) {
       float sq = 0.f, sk = 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint32_t qv[4] = {qw[h].x, qw[h].y, qw[h].z, qw[h].w};
-        const uint32_t kv[4] = {kw[h].x, kw[h].y, kw[h].z, kw[h].w};
+        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
+        const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
@@ -267,13 +266,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0).
     const bool valid = j * kChunk16 + tok < sp.len;
     uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
-#pragma unroll
+#pragma unroll 1
     for (int h = 0; h < 2; ++h) {
       const int cg = cgl + 8 * h, c0 = 8 * cg;
       float q[8], k[8], G[8];
       {
-        const uint32_t qv[4] = {qw[h].x, qw[h].y, qw[h].z, qw[h].w};
-        const uint32_t kv[4] = {kw[h].x, kw[h].y, kw[h].z, kw[h].w};
+        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
+        const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           q[2 * i] = lo_f32<kFp16>(qv[i]) * rq;
