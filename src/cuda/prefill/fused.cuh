@@ -1,30 +1,33 @@
 // fused.cuh — the fused prefill kernel (docs/design.md sections 6.7-6.9): one launch, no
 // workspace. A CTA walks one (sequence, value head) over 16-token chunks with two roles:
-//   - the producer (warps 8..15, 256 threads) builds each chunk's operands, the 16-token record of
-//     the chunk-16 path (common.cuh, rec16_*) and the chunk's v tile, from the raw q, k, g, beta, v
-//     into a ring of four shared-memory stages;
+//   - the producer (warps 8..15, 256 threads, two groups of 4 warps taking alternate chunks)
+//     builds each chunk's operands, the 16-token record of the chunk-16 path (common.cuh, rec16_*)
+//     and the chunk's v tile, from the raw q, k, g, beta, v into a ring of three shared-memory
+//     stages;
 //   - the consumers (warps 0..7, two warpgroups) hold the state S^T [128 v][128 k] in registers,
 //     warpgroup w its value rows [64 w, 64 w + 64), and run the recurrence's 16-token step
 //     (step_wgmma16) on each stage in turn, storing the outputs.
 // Stage s has a "full" mbarrier (the producer's arrival once the record is written) and an
 // "empty" one (one arrival per consumer warp once its products have read the stage), so the
-// producer prepares up to four chunks ahead of the state chain and the two run side by side.
+// producer prepares up to three chunks ahead of the state chain and the two run side by side.
 // setmaxnreg gives the consumers kFConsumerRegs registers and the producer kFProducerRegs.
 //
-// Per chunk j (16 tokens, the 16-token path's math), producer thread (token t, key channels
-// 8 cg .. 8 cg + 7; 16-byte reads and writes):
+// Per chunk j (16 tokens, the 16-token path's math), thread of its group (token t, key channels
+// 8 cg .. 8 cg + 7 for two channel groups cg, 64 channels apart; 16-byte reads and writes):
 //   q^ = q / |q| * scale, k^ = k / |k| (l2norm: the warps' partial sums through shared memory;
 //   else q * scale, k), a = log2 decay (lower-bound gate), G = cumsum a within the chunk (a scan
 //   over the 16 lanes of one channel group),
 //   b = beta (activated); then, anchored at the chunk's start (exp(G_t - G_s) = e^(G_t) e^(-G_s);
 //   the gate's bound, |a| <= 5 log2 e, keeps both factors within 2^+-116, fused_applies):
 //   Akk = (k^ e^G) (k^ e^-G)^T (s < t), Aqk = (q^ e^G) (k^ e^-G)^T (s <= t),
-//   on tf32 mma.sync, each of the 8 warps summing 16 keys, the partials added in shared memory;
+//   on tf32 mma.sync, each of the group's 4 warps summing 32 keys, the partials added in shared
+//   memory;
 //   X = (I + diag(b) Akk)^-1 by fp32 forward substitution in one warp, Tm = X diag(b) (tf32);
 //   W = Tm (k^ e^G) (tf32 mma.sync, bf16 out), qg = q^ e^G (bf16),
 //   kbT = (k^ e^(G_L - G))^T (bf16), gL = e^(G_L).
-// Raw inputs (cp.async, one commit group per chunk) go into a ring of three raw stages two chunks
-// ahead; beta, whose elements are not 16-byte runs, goes through a register one load ahead.
+// Raw inputs (cp.async, one commit group per chunk) go into the group's two raw stages, its next
+// chunk's in flight while one is built; beta, whose elements are not 16-byte runs, goes through a
+// register one load ahead.
 #pragma once
 
 #include "cuda/common/warp_sums.cuh"
