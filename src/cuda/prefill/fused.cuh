@@ -121,88 +121,89 @@ struct FusedCta {
 template <bool kFp16>
 __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& f, int pt) {
   const int gp = pt / kFGroupThreads, lt = pt % kFGroupThreads;
-  const int lane = lt & 31, lw = lt >> 5, g = lane >> 2, c = lane & 3;
-  // Elementwise pass: token tok (the lane's low 4 bits) of channel groups cgl and cgl + 8 (the
-  // key channels 8 cgl .. 8 cgl + 7 and 64 more).
-  const int tok = lane & 15, cgl = 2 * lw + (lane >> 4);
   const SeqSpan& sp = f.sp;
   uint8_t* const smem = f.smem;
   auto sync = [gp] { named_barrier_sync(kFGroupBarrier0 + gp, kFGroupThreads); };
   auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
   // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
-  // group per call (empty past the end); beta's bits into `bbits` (activated into the raw stage by
-  // put_beta before the chunk's barrier).
+  // group per call (empty past the end), by warps 1-3 of the group (96 threads: they run while
+  // warp 0 solves); beta's bits into `bbits` (activated into the raw stage by put_beta, by the
+  // same threads). The element offsets of the sequence's first token are computed once.
   const bool vec = p.q.vec && p.k.vec && p.v.vec && p.g.vec;
   const bool g32 = p.g.dtype == kF32;
+  const int il = lt - 32;  // the loading thread, 0..95 (negative: warp 0)
+  const uint16_t* const qs = static_cast<const uint16_t*>(p.q.data) + p.q.offset(sp.b, sp.bos, f.h);
+  const uint16_t* const ks = static_cast<const uint16_t*>(p.k.data) + p.k.offset(sp.b, sp.bos, f.h);
+  const uint16_t* const vs =
+      static_cast<const uint16_t*>(p.v.data) + p.v.offset(sp.b, sp.bos, f.hv);
+  const int gesz = g32 ? 4 : 2;
+  const uint8_t* const gsq =
+      static_cast<const uint8_t*>(p.g.data) + p.g.offset(sp.b, sp.bos, f.hv) * gesz;
   uint32_t bbits = 0;
   auto put_beta = [&](int64_t j) {
-    if (j < f.nchunks && lt < kChunk16) {
-      const int64_t tl = j * kChunk16 + lt;
+    if (j < f.nchunks && il >= 0 && il < kChunk16) {
+      const int64_t tl = j * kChunk16 + il;
       float* bd = reinterpret_cast<float*>(smem + raw_at(j) + kFRawB);
-      bd[lt] = tl < sp.len
+      bd[il] = tl < sp.len
                    ? beta_fast(p.beta_logits, p.allow_neg_eigval, bits_to_f32(bbits, p.beta.dtype))
                    : 0.f;
     }
   };
   auto issue = [&](int64_t j) {
-    if (j < f.nchunks) {
+    if (il >= 0 && j < f.nchunks) {
       uint8_t* raw = smem + raw_at(j);
       const uint32_t raw_s = f.s0 + raw_at(j);
-      const int64_t t0 = sp.bos + j * kChunk16;
-      if (lt < kChunk16) {
-        const int64_t tl = j * kChunk16 + lt;
-        bbits = tl < sp.len
-                    ? load_bits_any(p.beta.data, p.beta.dtype, p.beta.offset(sp.b, t0 + lt, f.hv))
-                    : 0u;
+      const int64_t tj = j * kChunk16;  // the chunk's first token, in the sequence
+      if (il < kChunk16) {
+        const int64_t tl = tj + il;
+        bbits = tl < sp.len ? load_bits_any(p.beta.data, p.beta.dtype,
+                                            p.beta.offset(sp.b, sp.bos + tl, f.hv))
+                            : 0u;
       }
-      const uint16_t* qb = static_cast<const uint16_t*>(p.q.data);
-      const uint16_t* kb = static_cast<const uint16_t*>(p.k.data);
-      const uint16_t* vb = static_cast<const uint16_t*>(p.v.data);
-#pragma unroll
-      for (int m = 0; m < 2; ++m) {  // q, k, v: 16 rows x 16 chunks of 16 bytes, two a thread
-        const int i = lt + kFGroupThreads * m, r = i >> 4, ch = i & 15;
-        const bool ok = j * kChunk16 + r < sp.len;
-        const int64_t oq = ok ? p.q.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
-        const int64_t ok_ = ok ? p.k.offset(sp.b, t0 + r, f.h) + 8 * ch : 0;
-        const bool okv = ok && !f.role.trans;  // the transition's rows: zero values
-        const int64_t ov = okv ? p.v.offset(sp.b, t0 + r, f.hv) + 8 * ch : 0;
+      // q, k, v: 16 rows x 16 runs of 16 bytes.
+#pragma unroll 1
+      for (int i = il; i < kChunk16 * 16; i += 96) {
+        const int r = i >> 4, ch = i & 15;
+        const int64_t t = tj + r;
+        const bool ok = t < sp.len, okv = ok && !f.role.trans;  // the transition's rows: zero v
+        const int64_t tc = ok ? t : 0;
+        const uint16_t* const qp = qs + tc * p.q.s1 + 8 * ch;
+        const uint16_t* const kp = ks + tc * p.k.s1 + 8 * ch;
+        const uint16_t* const vp = vs + tc * p.v.s1 + 8 * ch;
         const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
         if (vec) {
-          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qb + oq, ok ? 16 : 0);
-          cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kb + ok_, ok ? 16 : 0);
-          cp_async_16_zfill(raw_s + vt, vb + ov, okv ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kp, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + vt, vp, okv ? 16 : 0);
         } else {
           uint16_t wq[8], wk[8], wv[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            wq[e] = ok ? qb[oq + e] : uint16_t{0};
-            wk[e] = ok ? kb[ok_ + e] : uint16_t{0};
-            wv[e] = okv ? vb[ov + e] : uint16_t{0};
+            wq[e] = ok ? qp[e] : uint16_t{0};
+            wk[e] = ok ? kp[e] : uint16_t{0};
+            wv[e] = okv ? vp[e] : uint16_t{0};
           }
           std::memcpy(raw + kFRawQ + raw_offset(r, ch, 256), wq, 16);
           std::memcpy(raw + kFRawK + raw_offset(r, ch, 256), wk, 16);
           std::memcpy(raw + vt, wv, 16);
         }
       }
-      const int gch = g32 ? 32 : 16;  // 16-byte chunks per g row
-      const uint8_t* gb = static_cast<const uint8_t*>(p.g.data);
-#pragma unroll
-      for (int m = 0; m < 4; ++m) {
-        const int i = lt + kFGroupThreads * m, r = i / gch, ch = i % gch;
-        if (r < kChunk16) {
-          const bool ok = j * kChunk16 + r < sp.len;
-          const int per = g32 ? 4 : 8;  // elements per chunk
-          const int esz = g32 ? 4 : 2;
-          const int64_t og = ok ? p.g.offset(sp.b, t0 + r, f.hv) + per * ch : 0;
-          if (vec) {
-            cp_async_16_zfill(raw_s + kFRawG + raw_offset(r, ch, 128 * esz), gb + og * esz,
-                              ok ? 16 : 0);
-          } else {
-            uint8_t w[16];
-            for (int e = 0; e < 16; ++e) w[e] = ok ? gb[og * esz + e] : uint8_t{0};
-            std::memcpy(raw + kFRawG + raw_offset(r, ch, 128 * esz), w, 16);
-          }
+      // g: 16 rows of 16 (bf16 / fp16) or 32 (fp32) runs.
+      const int gsh = g32 ? 5 : 4;
+#pragma unroll 1
+      for (int i = il; i < (kChunk16 << gsh); i += 96) {
+        const int r = i >> gsh, ch = i & ((1 << gsh) - 1);
+        const int64_t t = tj + r;
+        const bool ok = t < sp.len;
+        const uint8_t* const gp8 = gsq + ((ok ? t : 0) * p.g.s1) * gesz + 16 * ch;
+        const uint32_t dst = kFRawG + raw_offset(r, ch, 128 * gesz);
+        if (vec) {
+          cp_async_16_zfill(raw_s + dst, gp8, ok ? 16 : 0);
+        } else {
+          uint8_t w[16];
+          for (int e = 0; e < 16; ++e) w[e] = ok ? gp8[e] : uint8_t{0};
+          std::memcpy(raw + dst, w, 16);
         }
       }
     }
@@ -213,23 +214,30 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   // start).
   const float exp_a = p.A_log ? expf(p.A_log[f.hv * p.A_log_s]) : 1.f;
   const float ca = -exp_a * kLog2e;
-  const float* const cbv = reinterpret_cast<const float*>(smem + kFOffCb);
   const float lb2 = p.lower_bound * kLog2e;
   const float eps = static_cast<float>(detail::kL2NormEps);
-  uint8_t* const gs = smem + kFOffGroup + gp * kFGroupBytes;
-  float* const qa = reinterpret_cast<float*>(gs + kFGQa);
-  float* const ka = reinterpret_cast<float*>(gs + kFGKa);
-  float* const kd = reinterpret_cast<float*>(gs + kFGKd);
-  float* const red = reinterpret_cast<float*>(gs + kFGRed);
-  float* const mt = reinterpret_cast<float*>(gs + kFGM);
-  float* const tms = reinterpret_cast<float*>(gs + kFGTm);
-
-  // Chunk j's record and v tile into stage j % 3 (free once its previous chunk's consumers have
-  // released it), from its raw stage (complete and visible to every thread of the group).
   auto prepare = [&](int64_t j) {
+    // The thread's index, opaque to the compiler here: otherwise it hoists every chunk-invariant
+    // shared-memory address and constant derived from it out of the loop and, short of
+    // registers, spills them (a local load at each use instead of an integer add).
+    int ltv = lt;
+    asm volatile("" : "+r"(ltv));
+    uint8_t* const smv = smem;
+    const int lane = ltv & 31, lw = ltv >> 5, g = lane >> 2, c = lane & 3;
+    // Elementwise pass: token tok (the lane's low 4 bits) of channel groups cgl and cgl + 8 (the
+    // key channels 8 cgl .. 8 cgl + 7 and 64 more).
+    const int tok = lane & 15, cgl = 2 * lw + (lane >> 4);
+    const float* const cbv = reinterpret_cast<const float*>(smv + kFOffCb);
+    uint8_t* const gs = smv + kFOffGroup + gp * kFGroupBytes;
+    float* const qa = reinterpret_cast<float*>(gs + kFGQa);
+    float* const ka = reinterpret_cast<float*>(gs + kFGKa);
+    float* const kd = reinterpret_cast<float*>(gs + kFGKd);
+    float* const red = reinterpret_cast<float*>(gs + kFGRed);
+    float* const mt = reinterpret_cast<float*>(gs + kFGM);
+    float* const tms = reinterpret_cast<float*>(gs + kFGTm);
     const int st = static_cast<int>(j % kFStages);
-    const uint8_t* raw = smem + raw_at(j);
-    uint8_t* rec = smem + st * kFStageBytes;
+    const uint8_t* raw = smv + raw_at(j);
+    uint8_t* rec = smv + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
@@ -446,6 +454,12 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
           tmr[rec16_f32(t, s)] = v;
         }
       }
+    } else {
+      // Meanwhile warps 1-3: chunk j + 2's beta, then chunk j + 4's loads into chunk j's raw
+      // stage (its q, k, g and v were last read before the Gram products' barrier; its beta,
+      // which the solve still reads, is not a cp.async destination).
+      put_beta(j + 2);
+      issue(j + 4);
     }
     sync();
     // -- W = Tm ka: warp lw, key columns [32 lw, 32 lw + 32) (4 n-tiles, 2 k-steps).
@@ -475,7 +489,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   };
 
   // Chunks j = gp, gp + 2, ...: the raw inputs of j + 2 are in flight while j is prepared; those
-  // of j + 4 are issued once the group's barrier has retired j's raw stage.
+  // of j + 4 are issued during j's solve (prepare).
   issue(gp);
   put_beta(gp);
   issue(gp + 2);
@@ -483,12 +497,10 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   sync();
   for (int64_t j = gp; j < f.nchunks; j += kFGroups) {
     prepare(j);
-    put_beta(j + 2);
-    cp_async_wait<0>();   // chunk j + 2's raw inputs
+    cp_async_wait<1>();   // chunk j + 2's raw inputs (j + 4's may be in flight)
     fence_proxy_async();  // the record's generic stores before the consumers' wgmma reads
     sync();
     if (lt == 0) mbar_arrive(f.bar_full + 8 * static_cast<int>(j % kFStages));
-    issue(j + 4);  // into chunk j's raw stage
   }
   cp_async_wait<0>();
 }
