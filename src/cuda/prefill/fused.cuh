@@ -55,16 +55,19 @@ inline constexpr int kFStages = 3;
 inline constexpr int kFVBytes = kChunk16 * kHeadDim * 2;
 inline constexpr int kFStageBytes = kRecord16Bytes + kFVBytes;
 static_assert(kFStageBytes % 1024 == 0, "stages at the records' swizzle period");
-// Raw stages, two per group (chunk j of group gp in stage 2 gp + (j / 2) % 2), rows padded by 16
-// bytes so that the elementwise pass's 16-byte reads of 8 rows at one column hit 8 different bank
-// groups: q, k, v [16][128] 16-bit (pitch 272 B), g [16][128] (16-bit, pitch 272, or fp32, pitch
-// 528), b [16] fp32 (activated beta). Each row is one bulk copy, completing on the stage's mbarrier.
+// Raw stages, two per group (chunk j of group gp in stage 2 gp + (j / 2) % 2): q, k [16][128]
+// (16-bit, row-major), v (the stage's v tile layout), g [16][128] (16-bit or fp32), b [16] fp32
+// (activated beta).
 inline constexpr int kFRaws = 2;
-inline constexpr int kFRawPitch16 = 2 * kHeadDim + 16, kFRawPitch32 = 4 * kHeadDim + 16;
-inline constexpr int kFRawQ = 0, kFRawK = kChunk16 * kFRawPitch16, kFRawV = 2 * kFRawK,
-                     kFRawG = 3 * kFRawK, kFRawB = kFRawG + kChunk16 * kFRawPitch32;
+inline constexpr int kFRawQ = 0, kFRawK = 4096, kFRawV = 8192, kFRawG = 12288, kFRawB = 20480;
 inline constexpr int kFRawBytes = kFRawB + 128;
 inline constexpr int kFOffRaw = kFStages * kFStageBytes;
+// Byte offset of 16-byte chunk `ch` of row r of a raw tile with `row_bytes` per row: the chunk
+// index XORed with r % 8, so that the elementwise pass's 16-byte reads of 8 rows at one chunk hit
+// 8 different bank groups.
+__host__ __device__ constexpr int raw_offset(int r, int ch, int row_bytes) {
+  return r * row_bytes + ((ch ^ (r & 7)) << 4);
+}
 // A group's scratch: the Gram / W operands, fp32 (tf32-rounded) [16][kFOpPitch]: qa = q^ e^G,
 // ka = k^ e^G, kd = k^ e^-G (pitch 132: the mma.sync fragment reads (row g, column c) are
 // conflict-free); the Gram products' per-warp partial sums [4][2][16][16]; M^T [16][kFMPitch]
@@ -84,11 +87,10 @@ inline constexpr int kFOffGroup = kFOffRaw + kFGroups * kFRaws * kFRawBytes;
 // before the roles start).
 inline constexpr int kFOffCb = kFOffGroup + kFGroups * kFGroupBytes;
 inline constexpr int kFOffOrder = kFOffCb + 512;
-// Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[3], empty[3],
-// raw[4] (the raw stages, group-major).
+// Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[3], empty[3].
 inline constexpr int kFOffOut = kFOffOrder + 640;
 inline constexpr int kFOffBar = kFOffOut + 8 * 512;
-inline constexpr int kFusedSmemBytes = 1024 + kFOffBar + 16 * kFStages + 8 * kFGroups * kFRaws;
+inline constexpr int kFusedSmemBytes = 1024 + kFOffBar + 16 * kFStages;
 static_assert(kFOffGroup % 16 == 0 && kFGroupBytes % 16 == 0 && kFOffOut % 128 == 0 &&
                   kFRawBytes % 16 == 0,
               "alignment");
@@ -111,7 +113,7 @@ struct FusedCta {
   int64_t n, nchunks;
   int hv, h;
   uint8_t* smem;
-  uint32_t s0, bar_full, bar_empty, bar_raw;
+  uint32_t s0, bar_full, bar_empty;
 };
 
 // ---- The producer: thread pt (0..255) of group gp = pt / 128 (local thread lt, warp lw 0..3),
@@ -124,14 +126,10 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   auto sync = [gp] { named_barrier_sync(kFGroupBarrier0 + gp, kFGroupThreads); };
   auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
-  // Loads of chunk j into its raw stage, by warps 1-3 of the group (96 threads: they run while
-  // warp 0 solves, prepare). 16-byte aligned rows (`vec`): thread il < 64 (warps 1 and 2) copies
-  // row il % 16 of q, k, v or g (il / 16) with one bulk copy, or stores zeros past the sequence
-  // (and the transition's v rows). Otherwise the threads load 16-byte runs element by element and
-  // store them (visible through the group barrier that follows), and warps 1 and 2 arrive
-  // expecting no bytes. Beta's bits go into `bbits` of threads 80-95
-  // (activated into the raw stage by put_beta, by the same threads). The element offsets of the
-  // sequence's first token are computed once.
+  // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
+  // group per call (empty past the end), by warps 1-3 of the group (96 threads: they run while
+  // warp 0 solves); beta's bits into `bbits` (activated into the raw stage by put_beta, by the
+  // same threads). The element offsets of the sequence's first token are computed once.
   const bool vec = p.q.vec && p.k.vec && p.v.vec && p.g.vec;
   const bool g32 = p.g.dtype == kF32;
   const int il = lt - 32;  // the loading thread, 0..95 (negative: warp 0)
@@ -140,96 +138,76 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   const uint16_t* const vs =
       static_cast<const uint16_t*>(p.v.data) + p.v.offset(sp.b, sp.bos, f.hv);
   const int gesz = g32 ? 4 : 2;
-  const int gpitch = g32 ? kFRawPitch32 : kFRawPitch16;
   const uint8_t* const gsq =
       static_cast<const uint8_t*>(p.g.data) + p.g.offset(sp.b, sp.bos, f.hv) * gesz;
-  const int ib = il - 80;  // beta's row (threads 80..95)
   uint32_t bbits = 0;
   auto put_beta = [&](int64_t j) {
-    if (j < f.nchunks && ib >= 0) {
-      const int64_t tl = j * kChunk16 + ib;
+    if (j < f.nchunks && il >= 0 && il < kChunk16) {
+      const int64_t tl = j * kChunk16 + il;
       float* bd = reinterpret_cast<float*>(smem + raw_at(j) + kFRawB);
-      bd[ib] = tl < sp.len
+      bd[il] = tl < sp.len
                    ? beta_fast(p.beta_logits, p.allow_neg_eigval, bits_to_f32(bbits, p.beta.dtype))
                    : 0.f;
     }
   };
   auto issue = [&](int64_t j) {
-    if (il < 0 || j >= f.nchunks) return;
-    uint8_t* const raw = smem + raw_at(j);
-    const uint32_t raw_s = f.s0 + raw_at(j);
-    const uint32_t bar = f.bar_raw + 8 * (2 * gp + static_cast<int>((j >> 1) & 1));
-    const int64_t tj = j * kChunk16;  // the chunk's first token, in the sequence
-    const int nv = static_cast<int>(sp.len - tj < kChunk16 ? sp.len - tj : kChunk16);  // rows
-    if (ib >= 0) {
-      bbits = ib < nv ? load_bits_any(p.beta.data, p.beta.dtype,
-                                      p.beta.offset(sp.b, sp.bos + tj + ib, f.hv))
-                      : 0u;
-    }
-    const bool trans = f.role.trans;  // the transition's rows: zero values
-    if (vec) {
-      if (il < 4 * kChunk16) {
-        // Lane 0 of each copying warp announces its warp's bytes before the copies are issued
-        // (the stage's mbarrier expects two arrivals).
-        if ((il & 31) == 0) {
-          const uint32_t row = il == 0 ? 4 * kHeadDim : (trans ? 0 : 2 * kHeadDim) + kHeadDim * gesz;
-          mbar_arrive_expect_tx(bar, static_cast<uint32_t>(nv) * row);
-        }
-        __syncwarp();
-        const int x = il >> 4, r = il & 15;
+    if (il >= 0 && j < f.nchunks) {
+      uint8_t* raw = smem + raw_at(j);
+      const uint32_t raw_s = f.s0 + raw_at(j);
+      const int64_t tj = j * kChunk16;  // the chunk's first token, in the sequence
+      if (il < kChunk16) {
+        const int64_t tl = tj + il;
+        bbits = tl < sp.len ? load_bits_any(p.beta.data, p.beta.dtype,
+                                            p.beta.offset(sp.b, sp.bos + tl, f.hv))
+                            : 0u;
+      }
+      // q, k, v: 16 rows x 16 runs of 16 bytes.
+#pragma unroll 1
+      for (int i = il; i < kChunk16 * 16; i += 96) {
+        const int r = i >> 4, ch = i & 15;
         const int64_t t = tj + r;
-        const void* src;
-        uint32_t off, bytes = 2 * kHeadDim;
-        if (x == 0) {
-          src = qs + t * p.q.s1, off = kFRawQ + r * kFRawPitch16;
-        } else if (x == 1) {
-          src = ks + t * p.k.s1, off = kFRawK + r * kFRawPitch16;
-        } else if (x == 2) {
-          src = vs + t * p.v.s1, off = kFRawV + r * kFRawPitch16;
+        const bool ok = t < sp.len, okv = ok && !f.role.trans;  // the transition's rows: zero v
+        const int64_t tc = ok ? t : 0;
+        const uint16_t* const qp = qs + tc * p.q.s1 + 8 * ch;
+        const uint16_t* const kp = ks + tc * p.k.s1 + 8 * ch;
+        const uint16_t* const vp = vs + tc * p.v.s1 + 8 * ch;
+        const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
+        if (vec) {
+          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kp, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + vt, vp, okv ? 16 : 0);
         } else {
-          src = gsq + t * p.g.s1 * gesz, off = kFRawG + r * gpitch, bytes = kHeadDim * gesz;
-        }
-        if (r < nv && !(x == 2 && trans)) {
-          bulk_copy_g2s(raw_s + off, src, bytes, bar);
-        } else {
-          for (uint32_t o = 0; o < bytes; o += 16)
-            *reinterpret_cast<uint4*>(raw + off + o) = make_uint4(0u, 0u, 0u, 0u);
-        }
-      }
-      return;
-    }
-    if (il == 0 || il == 32) mbar_arrive(bar);
-    // q, k, v: 16 rows x 16 runs of 16 bytes.
-#pragma unroll 1
-    for (int i = il; i < kChunk16 * 16; i += 96) {
-      const int r = i >> 4, ch = i & 15;
-      const bool ok = r < nv, okv = ok && !trans;
-      const int64_t tc = tj + (ok ? r : 0);
-      const uint16_t* const qp = qs + tc * p.q.s1 + 8 * ch;
-      const uint16_t* const kp = ks + tc * p.k.s1 + 8 * ch;
-      const uint16_t* const vp = vs + tc * p.v.s1 + 8 * ch;
-      uint16_t wq[8], wk[8], wv[8];
+          uint16_t wq[8], wk[8], wv[8];
 #pragma unroll
-      for (int e = 0; e < 8; ++e) {
-        wq[e] = ok ? qp[e] : uint16_t{0};
-        wk[e] = ok ? kp[e] : uint16_t{0};
-        wv[e] = okv ? vp[e] : uint16_t{0};
+          for (int e = 0; e < 8; ++e) {
+            wq[e] = ok ? qp[e] : uint16_t{0};
+            wk[e] = ok ? kp[e] : uint16_t{0};
+            wv[e] = okv ? vp[e] : uint16_t{0};
+          }
+          std::memcpy(raw + kFRawQ + raw_offset(r, ch, 256), wq, 16);
+          std::memcpy(raw + kFRawK + raw_offset(r, ch, 256), wk, 16);
+          std::memcpy(raw + vt, wv, 16);
+        }
       }
-      std::memcpy(raw + kFRawQ + r * kFRawPitch16 + 16 * ch, wq, 16);
-      std::memcpy(raw + kFRawK + r * kFRawPitch16 + 16 * ch, wk, 16);
-      std::memcpy(raw + kFRawV + r * kFRawPitch16 + 16 * ch, wv, 16);
-    }
-    // g: 16 rows of 16 (bf16 / fp16) or 32 (fp32) runs.
-    const int gsh = g32 ? 5 : 4;
+      // g: 16 rows of 16 (bf16 / fp16) or 32 (fp32) runs.
+      const int gsh = g32 ? 5 : 4;
 #pragma unroll 1
-    for (int i = il; i < (kChunk16 << gsh); i += 96) {
-      const int r = i >> gsh, ch = i & ((1 << gsh) - 1);
-      const bool ok = r < nv;
-      const uint8_t* const gp8 = gsq + ((tj + (ok ? r : 0)) * p.g.s1) * gesz + 16 * ch;
-      uint8_t w[16];
-      for (int e = 0; e < 16; ++e) w[e] = ok ? gp8[e] : uint8_t{0};
-      std::memcpy(raw + kFRawG + r * gpitch + 16 * ch, w, 16);
+      for (int i = il; i < (kChunk16 << gsh); i += 96) {
+        const int r = i >> gsh, ch = i & ((1 << gsh) - 1);
+        const int64_t t = tj + r;
+        const bool ok = t < sp.len;
+        const uint8_t* const gp8 = gsq + ((ok ? t : 0) * p.g.s1) * gesz + 16 * ch;
+        const uint32_t dst = kFRawG + raw_offset(r, ch, 128 * gesz);
+        if (vec) {
+          cp_async_16_zfill(raw_s + dst, gp8, ok ? 16 : 0);
+        } else {
+          uint8_t w[16];
+          for (int e = 0; e < 16; ++e) w[e] = ok ? gp8[e] : uint8_t{0};
+          std::memcpy(raw + dst, w, 16);
+        }
+      }
     }
+    cp_async_commit();
   };
 
   // Gate constants: ca, and cb [128] in shared memory (fused_kernel writes them before the roles
@@ -262,14 +240,11 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     uint8_t* rec = smv + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
-    // The raw stage's bulk copies (its (j / 4)-th fill).
-    mbar_wait(f.bar_raw + 8 * (2 * gp + static_cast<int>((j >> 1) & 1)),
-              static_cast<uint32_t>((j >> 2) & 1));
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
     // warp's 32 (lanes tok, tok + 16), then the group's four warps through shared memory. Then
     // the two halves one after the other (q and k read again: fewer live registers).
     auto raw16 = [&](int off, int h) {
-      return *reinterpret_cast<const uint4*>(raw + off + tok * kFRawPitch16 + 16 * (cgl + 8 * h));
+      return *reinterpret_cast<const uint4*>(raw + off + raw_offset(tok, cgl + 8 * h, 256));
     };
     float rq = p.scale, rk = 1.f;
     if (p.use_qk_l2norm) {
@@ -322,15 +297,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         float gr[8];
         if (g32) {
           const uint4 g0 =
-              *reinterpret_cast<const uint4*>(raw + kFRawG + tok * kFRawPitch32 + 32 * cg);
+              *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg, 512));
           const uint4 g1 =
-              *reinterpret_cast<const uint4*>(raw + kFRawG + tok * kFRawPitch32 + 32 * cg + 16);
+              *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, 2 * cg + 1, 512));
           const uint32_t gv[8] = {g0.x, g0.y, g0.z, g0.w, g1.x, g1.y, g1.z, g1.w};
 #pragma unroll
           for (int i = 0; i < 8; ++i) gr[i] = __uint_as_float(gv[i]);
         } else {
-          const uint4 gw =
-              *reinterpret_cast<const uint4*>(raw + kFRawG + tok * kFRawPitch16 + 16 * cg);
+          const uint4 gw = *reinterpret_cast<const uint4*>(raw + kFRawG + raw_offset(tok, cg, 256));
           const uint32_t gv[4] = {gw.x, gw.y, gw.z, gw.w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -392,12 +366,12 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         g4[1] = make_float4(eg[4], eg[5], eg[6], eg[7]);
       }
     }
-    // The v tile: raw stage -> stage (swizzle_vtile), 32 bytes a thread.
+    // The v tile: raw stage -> stage, 32 bytes a thread (the same layout).
 #pragma unroll
     for (int m = 0; m < 2; ++m) {
-      const int i = ltv + kFGroupThreads * m, r = i >> 4, ch = i & 15;
-      *reinterpret_cast<uint4*>(rec + kRecord16Bytes + swizzle_vtile(r, ch, kHeadDim)) =
-          *reinterpret_cast<const uint4*>(raw + kFRawV + r * kFRawPitch16 + 16 * ch);
+      const int o = 16 * (lt + kFGroupThreads * m);
+      *reinterpret_cast<uint4*>(rec + kRecord16Bytes + o) =
+          *reinterpret_cast<const uint4*>(raw + kFRawV + o);
     }
     sync();
     // -- Gram products: warp lw sums over key columns [32 lw, 32 lw + 32): Akk = ka kd^T,
@@ -519,13 +493,16 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   issue(gp);
   put_beta(gp);
   issue(gp + 2);
-  sync();  // the stores of element-wise loads and zero rows, chunk gp's beta
+  cp_async_wait<1>();  // chunk gp's raw inputs
+  sync();
   for (int64_t j = gp; j < f.nchunks; j += kFGroups) {
     prepare(j);
+    cp_async_wait<1>();   // chunk j + 2's raw inputs (j + 4's may be in flight)
     fence_proxy_async();  // the record's generic stores before the consumers' wgmma reads
     sync();
     if (lt == 0) mbar_arrive(f.bar_full + 8 * static_cast<int>(j % kFStages));
   }
+  cp_async_wait<0>();
 }
 
 // ---- The consumers: warp rg (0..7) holds S^T rows [16 rg, 16 rg + 16), all 128 key columns.
@@ -672,7 +649,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   f.nchunks = (f.sp.len + kChunk16 - 1) / kChunk16;
   f.bar_full = f.s0 + kFOffBar;
   f.bar_empty = f.bar_full + 8 * kFStages;
-  f.bar_raw = f.bar_empty + 8 * kFStages;
   const int tid = threadIdx.x;
   if (tid < kHeadDim) {  // the gate's per-key constants (exp(A_log) dt_bias in log2 units)
     const float ca = -(p.A_log ? expf(p.A_log[f.hv * p.A_log_s]) : 1.f) * kLog2e;
@@ -685,8 +661,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       mbar_init(f.bar_full + 8 * i, 1);
       mbar_init(f.bar_empty + 8 * i, kFConsumerThreads / 32);
     }
-#pragma unroll
-    for (int i = 0; i < kFGroups * kFRaws; ++i) mbar_init(f.bar_raw + 8 * i, 2);
     fence_mbar_init();
   }
   __syncthreads();
