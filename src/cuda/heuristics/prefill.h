@@ -187,22 +187,21 @@ inline PrefillPlan prefill_plan(bool varlen, int64_t T, int64_t N, int64_t HV, i
 }
 
 // The fused kernel (prefill/fused.cuh; docs/design.md sections 6.7-6.9): 16-token steps whose
-// Gram products are anchored at each chunk's middle token, exact while 8 tokens of decay stay
-// within e^45: the lower-bound gate (|lower_bound| <= 5 by validation, so at most e^40). One CTA
-// per SM; with segments its passes replace the two-kernel plan's (pass 1 over segments and
+// decay is anchored at each chunk's start: e^G and e^-G within 2^(16 x 5 log2 e) = 2^115.4, normal
+// fp32 numbers, while lower_bound >= -5 (the lower-bound gate; spec section 2 requires it). One
+// CTA per SM; with segments its passes replace the two-kernel plan's (pass 1 over segments and
 // transitions, the scan, pass 2). Forced (Tuning::prefill_fused = 1) it runs wherever it applies,
 // with the segment size of least predicted time (or the forced one); by default where the decay is
 // not weak (the 16-token steps' accuracy, weak_decay_gate), no value split or record length is
 // forced (knobs of the two-kernel plan) and its model predicts less than the two-kernel plan's. The
 // model: a 16-token chunk costs kFusedStepUs whatever the wave (one CTA per SM), plus kFusedPassUs
 // per pass; the scan and the segments' extra launches as in predicted_prefill_us.
-// The fused kernel anchors a chunk's decay at its start: e^G and e^-G within 2^(16 x 5 log2 e) =
-// 2^115.4, normal fp32 numbers (lower_bound >= -5, as spec section 2 requires).
 inline constexpr double kFusedMaxDecayBound = 5.0;
-// Measured on the H200 (bench_gpu_prefill, forced; docs/design.md 6.9): 5.8-6.0 us per chunk on
-// P1, P2, P4, P6, S8 and S10, whose producer is issue-bound; the pass overhead as the two-kernel
-// plan's. On targets.md's cases it predicts more than the two-kernel plan.
-inline constexpr double kFusedStepUs = 6.0, kFusedPassUs = 10;
+// Measured (bench_gpu_prefill, forced; docs/design.md 6.9): 2.5-2.6 us per chunk on P1, P4, P6
+// and S8 (the model within 5% of each), so that it predicts less than the two-kernel plan on
+// many-chain shapes such as P4 and P6, where it measured faster; the pass overhead as the
+// two-kernel plan's.
+inline constexpr double kFusedStepUs = 2.5, kFusedPassUs = 10;
 inline bool fused_applies(bool lower_bound_gate, double lower_bound) {
   return lower_bound_gate && lower_bound >= -kFusedMaxDecayBound;
 }
