@@ -127,12 +127,13 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
   // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
-  // group per call (empty past the end), by warps 1-3 of the group (96 threads: they run while
-  // warp 0 solves); beta's bits into `bbits` (activated into the raw stage by put_beta, by the
-  // same threads). The element offsets of the sequence's first token are computed once.
+  // group per call (empty past the end), by warps 1-3 of the group (kLoaders threads: they run
+  // while warp 0 solves); beta's bits into `bbits` (activated into the raw stage by put_beta, by
+  // the same threads). The element offsets of the sequence's first token are computed once.
   const bool vec = p.q.vec && p.k.vec && p.v.vec && p.g.vec;
   const bool g32 = p.g.dtype == kF32;
-  const int il = lt - 32;  // the loading thread, 0..95 (negative: warp 0)
+  constexpr int kLoaders = kFGroupThreads - 32;  // warps 1-3
+  const int il = lt - 32;                        // the loading thread (negative: warp 0)
   const uint16_t* const qs = static_cast<const uint16_t*>(p.q.data) + p.q.offset(sp.b, sp.bos, f.h);
   const uint16_t* const ks = static_cast<const uint16_t*>(p.k.data) + p.k.offset(sp.b, sp.bos, f.h);
   const uint16_t* const vs =
@@ -163,7 +164,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       }
       // q, k, v: 16 rows x 16 runs of 16 bytes.
 #pragma unroll 1
-      for (int i = il; i < kChunk16 * 16; i += 96) {
+      for (int i = il; i < kChunk16 * 16; i += kLoaders) {
         const int r = i >> 4, ch = i & 15;
         const int64_t t = tj + r;
         const bool ok = t < sp.len, okv = ok && !f.role.trans;  // the transition's rows: zero v
@@ -192,7 +193,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       // g: 16 rows of 16 (bf16 / fp16) or 32 (fp32) runs.
       const int gsh = g32 ? 5 : 4;
 #pragma unroll 1
-      for (int i = il; i < (kChunk16 << gsh); i += 96) {
+      for (int i = il; i < (kChunk16 << gsh); i += kLoaders) {
         const int r = i >> gsh, ch = i & ((1 << gsh) - 1);
         const int64_t t = tj + r;
         const bool ok = t < sp.len;
@@ -216,19 +217,20 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   const float ca = -exp_a * kLog2e;
   const float lb2 = p.lower_bound * kLog2e;
   const float eps = static_cast<float>(detail::kL2NormEps);
+  // Chunk j's record and v tile into stage j % 3 (free once its previous chunk's consumers have
+  // released it), from its raw stage (complete and visible to every thread of the group).
   auto prepare = [&](int64_t j) {
     // The thread's index, opaque to the compiler here: otherwise it hoists every chunk-invariant
     // shared-memory address and constant derived from it out of the loop and, short of
     // registers, spills them (a local load at each use instead of an integer add).
     int ltv = lt;
     asm volatile("" : "+r"(ltv));
-    uint8_t* const smv = smem;
     const int lane = ltv & 31, lw = ltv >> 5, g = lane >> 2, c = lane & 3;
     // Elementwise pass: token tok (the lane's low 4 bits) of channel groups cgl and cgl + 8 (the
     // key channels 8 cgl .. 8 cgl + 7 and 64 more).
     const int tok = lane & 15, cgl = 2 * lw + (lane >> 4);
-    const float* const cbv = reinterpret_cast<const float*>(smv + kFOffCb);
-    uint8_t* const gs = smv + kFOffGroup + gp * kFGroupBytes;
+    const float* const cbv = reinterpret_cast<const float*>(smem + kFOffCb);
+    uint8_t* const gs = smem + kFOffGroup + gp * kFGroupBytes;
     float* const qa = reinterpret_cast<float*>(gs + kFGQa);
     float* const ka = reinterpret_cast<float*>(gs + kFGKa);
     float* const kd = reinterpret_cast<float*>(gs + kFGKd);
@@ -236,8 +238,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     float* const mt = reinterpret_cast<float*>(gs + kFGM);
     float* const tms = reinterpret_cast<float*>(gs + kFGTm);
     const int st = static_cast<int>(j % kFStages);
-    const uint8_t* raw = smv + raw_at(j);
-    uint8_t* rec = smv + st * kFStageBytes;
+    const uint8_t* raw = smem + raw_at(j);
+    uint8_t* rec = smem + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
