@@ -32,6 +32,7 @@
 
 #include "cuda/common/warp_sums.cuh"
 #include "cuda/prefill/common.cuh"
+#include "cuda/prefill/phase_timing.cuh"
 #include "cuda/prefill/prepare_steps.cuh"
 #include "cuda/prefill/recurrence_steps.cuh"
 
@@ -90,7 +91,9 @@ inline constexpr int kFOffOrder = kFOffCb + 512;
 // Output tiles: per consumer warp [16 t][16 v] bf16 (512 B). Then the mbarriers: full[3], empty[3].
 inline constexpr int kFOffOut = kFOffOrder + 640;
 inline constexpr int kFOffBar = kFOffOut + 8 * 512;
-inline constexpr int kFusedSmemBytes = 1024 + kFOffBar + 16 * kFStages;
+// Then, in builds with KDA_FUSED_PHASE_TIMING, the warps' phase clocks (phase_timing.cuh).
+inline constexpr int kFOffPhase = kFOffBar + 16 * kFStages;
+inline constexpr int kFusedSmemBytes = 1024 + kFOffPhase + phase_timing_bytes(kFusedThreads / 32);
 static_assert(kFOffGroup % 16 == 0 && kFGroupBytes % 16 == 0 && kFOffOut % 128 == 0 &&
                   kFRawBytes % 16 == 0,
               "alignment");
@@ -124,6 +127,10 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   const SeqSpan& sp = f.sp;
   uint8_t* const smem = f.smem;
   auto sync = [gp] { named_barrier_sync(kFGroupBarrier0 + gp, kFGroupThreads); };
+  PhaseClock clk;  // phases: 0 stage wait, 1 norms, 2 elementwise, 3 its barrier, 4 Gram, 5 its
+                   // barrier, 6 partial sums, 7 their barrier, 8 solve or loads, 9 their barrier,
+                   // 10 W, 11 the chunk's end (raw wait, barrier, arrival)
+  clk.start(smem + kFOffPhase, (kFConsumerThreads + pt) / 32);
   auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
   // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
@@ -242,6 +249,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     uint8_t* rec = smem + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
+    clk.mark(0);
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
     // warp's 32 (lanes tok, tok + 16), then the group's four warps through shared memory. Then
     // the two halves one after the other (q and k read again: fewer live registers).
@@ -276,6 +284,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       rq = rsqrtf(((q4.x + q4.y) + (q4.z + q4.w)) + eps) * p.scale;
       rk = rsqrtf(((k4.x + k4.y) + (k4.z + k4.w)) + eps);
     }
+    clk.mark(1);
     // Rows past the sequence were loaded as zeros; their decay is 1 (a = 0).
     const bool valid = j * kChunk16 + tok < sp.len;
     uint16_t* kbt = reinterpret_cast<uint16_t*>(rec + kR16OffKbT);
@@ -375,7 +384,9 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       *reinterpret_cast<uint4*>(rec + kRecord16Bytes + o) =
           *reinterpret_cast<const uint4*>(raw + kFRawV + o);
     }
+    clk.mark(2);
     sync();
+    clk.mark(3);
     // -- Gram products: warp lw sums over key columns [32 lw, 32 lw + 32): Akk = ka kd^T,
     // Aqk = qa kd^T (tf32 m16n8k8; A (row g | g + 8, k c | c + 4), B (k c | c + 4, column g)).
     {
@@ -405,7 +416,9 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
           part[256 + t * 16 + s] = accq[nt][e];
         }
     }
+    clk.mark(4);
     sync();
+    clk.mark(5);
     // -- The four partials summed: M^T (b_t Akk[t][s], s < t, at [s][t]) and the record's Aqk
     // (s <= t, tf32; zero above the diagonal). Thread: elements (t, s) = (i / 16, i % 16) for
     // i = lt, lt + 128.
@@ -424,7 +437,9 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] = s <= t ? tf32_round(sq) : 0.f;
       }
     }
+    clk.mark(6);
     sync();
+    clk.mark(7);
     // -- X = (I + M)^-1 by forward substitution, lane s < 16 of the group's warp 0 holding column
     // s (updates of every later row as soon as x_r is known: a chain of 16 FMAs); Tm = X diag(b).
     // Row r of M^T is read in 16-byte runs from the first run holding a column t > r (36
@@ -463,7 +478,9 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       put_beta(j + 2);
       issue(j + 4);
     }
+    clk.mark(8);
     sync();
+    clk.mark(9);
     // -- W = Tm ka: warp lw, key columns [32 lw, 32 lw + 32) (4 n-tiles, 2 k-steps).
     {
       uint16_t* wr = reinterpret_cast<uint16_t*>(rec + kR16OffW);
@@ -488,6 +505,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
             pack_bf16(acc[nt][2], acc[nt][3]);
       }
     }
+    clk.mark(10);
   };
 
   // Chunks j = gp, gp + 2, ...: the raw inputs of j + 2 are in flight while j is prepared; those
@@ -503,8 +521,10 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     fence_proxy_async();  // the record's generic stores before the consumers' wgmma reads
     sync();
     if (lt == 0) mbar_arrive(f.bar_full + 8 * static_cast<int>(j % kFStages));
+    clk.mark(11);
   }
   cp_async_wait<0>();
+  clk.report("producer", (kFConsumerThreads + pt) / 32, (f.nchunks - gp + kFGroups - 1) / kFGroups);
 }
 
 // ---- The consumers: warp rg (0..7) holds S^T rows [16 rg, 16 rg + 16), all 128 key columns.
@@ -543,11 +563,14 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
   // This lane's output offset (token row lane / 2, 16-byte chunk lane & 1 of its warp's 16 value
   // columns) at chunk 0; per chunk + 16 token rows.
   const int64_t ooff0 = p.out.offset(sp.b, sp.bos + (lane >> 1), f.hv) + vw + 8 * (lane & 1);
+  PhaseClock clk;  // phases: 0 wait for the stage, 1 the step and outputs, 2 release, checkpoint
+  clk.start(f.smem + kFOffPhase, rg);
 
   for (int64_t j = 0; j < f.nchunks; ++j) {
     const int st = static_cast<int>(j % kFStages);
     const uint32_t sbase = f.s0 + st * kFStageBytes;
     mbar_wait(f.bar_full + 8 * st, static_cast<uint32_t>((j / kFStages) & 1));
+    clk.mark(0);
     const int L =
         static_cast<int>(sp.len - j * kChunk16 < kChunk16 ? sp.len - j * kChunk16 : kChunk16);
     float accO[8][4];
@@ -574,6 +597,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
       }
     }
     step16_done(accS);
+    clk.mark(1);
     __syncwarp();
     if (lane == 0) mbar_arrive(f.bar_empty + 8 * st);  // this warp is done with the stage
     // Checkpoint: the state after every checkpoint_every tokens (full chunks only).
@@ -585,7 +609,9 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
           store_state(accS, p.checkpoints, p.kfirst, row, f.hv, vw, 0, g, c);
       }
     }
+    clk.mark(2);
   }
+  clk.report("consumer", rg, f.nchunks);
   if (role.last) {
     if (!p.has_state_pool && p.final_state.data != nullptr)
       store_state(accS, p.final_state, p.kfirst, f.n, f.hv, vw, 0, g, c);
