@@ -130,7 +130,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   PhaseClock clk;  // phases: 0 stage wait, 1 norms, 2 elementwise, 3 its barrier, 4 Gram, 5 its
                    // barrier, 6 partial sums, 7 their barrier, 8 solve or loads, 9 their barrier,
                    // 10 W, 11 the chunk's end (raw wait, barrier, arrival)
-  clk.start(smem + kFOffPhase, (kFConsumerThreads + pt) / 32);
+  clk.start(smem + kFOffPhase);
   auto raw_at = [&](int64_t j) { return kFOffRaw + (2 * gp + ((j >> 1) & 1)) * kFRawBytes; };
 
   // Loads of chunk j into its raw stage (cp.async, 16 bytes; zeros past the sequence), one commit
@@ -524,7 +524,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     clk.mark(11);
   }
   cp_async_wait<0>();
-  clk.report("producer", (kFConsumerThreads + pt) / 32, (f.nchunks - gp + kFGroups - 1) / kFGroups);
+  clk.report("producer", (f.nchunks - gp + kFGroups - 1) / kFGroups);
 }
 
 // ---- The consumers: warp rg (0..7) holds S^T rows [16 rg, 16 rg + 16), all 128 key columns.
@@ -564,7 +564,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
   // columns) at chunk 0; per chunk + 16 token rows.
   const int64_t ooff0 = p.out.offset(sp.b, sp.bos + (lane >> 1), f.hv) + vw + 8 * (lane & 1);
   PhaseClock clk;  // phases: 0 wait for the stage, 1 the step and outputs, 2 release, checkpoint
-  clk.start(f.smem + kFOffPhase, rg);
+  clk.start(f.smem + kFOffPhase);
 
   for (int64_t j = 0; j < f.nchunks; ++j) {
     const int st = static_cast<int>(j % kFStages);
@@ -611,7 +611,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
     }
     clk.mark(2);
   }
-  clk.report("consumer", rg, f.nchunks);
+  clk.report("consumer", f.nchunks);
   if (role.last) {
     if (!p.has_state_pool && p.final_state.data != nullptr)
       store_state(accS, p.final_state, p.kfirst, f.n, f.hv, vw, 0, g, c);

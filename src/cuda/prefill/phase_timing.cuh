@@ -23,9 +23,10 @@ __host__ __device__ constexpr int phase_timing_bytes(int warps) {
 
 struct PhaseClock {
   unsigned long long* row;  // this warp's row in shared memory
-  __device__ __forceinline__ void start(uint8_t* base, int warp) {
+  // The rows of all the CTA's warps start at `base`; this warp's is row threadIdx.x / 32.
+  __device__ __forceinline__ void start(uint8_t* base) {
     if constexpr (kPhaseTiming) {
-      row = reinterpret_cast<unsigned long long*>(base) + warp * (kPhaseSlots + 1);
+      row = reinterpret_cast<unsigned long long*>(base) + (threadIdx.x >> 5) * (kPhaseSlots + 1);
       if ((threadIdx.x & 31) == 0) {
         for (int k = 0; k < kPhaseSlots; ++k) row[k] = 0;
         row[kPhaseSlots] = clock64();
@@ -42,7 +43,7 @@ struct PhaseClock {
     }
   }
   // CTA 0 only: the warp's slots divided by `chunks`.
-  __device__ __forceinline__ void report(const char* role, int warp, long long chunks) {
+  __device__ __forceinline__ void report(const char* role, long long chunks) {
     if constexpr (kPhaseTiming) {
       if (blockIdx.x == 0 && (threadIdx.x & 31) == 0 && chunks > 0) {
         double v[kPhaseSlots];
@@ -50,8 +51,8 @@ struct PhaseClock {
         printf(
             "phase %s warp %2d chunks %lld: %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f %.0f "
             "%.0f\n",
-            role, warp, chunks, v[0], v[1], v[2], v[3], v[4], v[5], v[6], v[7], v[8], v[9], v[10],
-            v[11]);
+            role, static_cast<int>(threadIdx.x >> 5), chunks, v[0], v[1], v[2], v[3], v[4], v[5],
+            v[6], v[7], v[8], v[9], v[10], v[11]);
       }
     }
   }
