@@ -676,6 +676,67 @@ TEST(GpuPrefillFused, Segments) {
   }
 }
 
+// The single launch (prefill/single.cuh; heuristics/prefill.h single_launch: prepare and
+// recurrence blocks in one cooperative launch where both fit one per SM) over the fused kernel's
+// feature matrix and the segment cases (one segment per sequence here), on the plan's own value
+// split and on 64- and 16-token records at vs = 64 and 128: each case takes the single launch,
+// matches the fp64 reference and equals the two launches (Tuning::prefill_single off) bit for bit.
+bool takes_single(const PrefillCase& c) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  int64_t T = 0;
+  for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+  const int64_t N = static_cast<int64_t>(c.seqlens.size());
+  const bool weak = cuda::pf::weak_decay_gate(c.gate == GateForm::kLowerBound, c.lower_bound);
+  const int sms = prop.multiProcessorCount;
+  const cuda::pf::PrefillPlan plan =
+      cuda::pf::prefill_plan(c.varlen, T, N, c.HV, sms, detail::tuning(), weak);
+  return cuda::pf::single_launch(plan, cuda::pf::prefill_chunk_slots(c.varlen, N, T, N) * c.HV,
+                                 N * c.HV * (128 / plan.rec.vs), sms, detail::tuning());
+}
+
+TEST(GpuPrefillSingle, MatchesReferenceAndTwoLaunches) {
+  KDA_SKIP_WITHOUT_SM90();
+  std::vector<PrefillCase> cases = fused_cases();
+  for (const PrefillCase& c : segment_cases()) cases.push_back(c);
+  struct Config {
+    int vs, chunk;
+  };
+  for (const Config cfg : {Config{0, 0}, Config{64, 64}, Config{128, 64}, Config{128, 16}}) {
+    SCOPED_TRACE("vs = " + std::to_string(cfg.vs) + ", chunk = " + std::to_string(cfg.chunk));
+    auto config = [cfg](bool single) {
+      return tuned([cfg, single](detail::Tuning& t) {
+        t.prefill_vs = cfg.vs;
+        t.prefill_chunk = cfg.chunk;
+        t.prefill_segment = -1;
+        t.prefill_fused = -1;
+        t.prefill_single = single;
+      });
+    };
+    for (const PrefillCase& c : cases) {
+      SCOPED_TRACE(c.name());
+      const PrefillData d = make_data(c);
+      GpuResult one, two;
+      {
+        const detail::ScopedTuning scope(config(true));
+        ASSERT_TRUE(takes_single(c));
+        check_against_reference(c);
+        one = run_cuda(d);
+      }
+      {
+        const detail::ScopedTuning scope(config(false));
+        ASSERT_FALSE(takes_single(c));
+        two = run_cuda(d);
+      }
+      ASSERT_TRUE(one.status.ok() && two.status.ok());
+      EXPECT_TRUE(bitwise_equal(one.out, two.out));
+      EXPECT_TRUE(bitwise_equal(one.ht, two.ht));
+      EXPECT_TRUE(bitwise_equal(one.pool, two.pool));
+      EXPECT_TRUE(bitwise_equal(one.ckpt, two.ckpt));
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<PrefillCase>& info) {
                            return test_name(info.param.name());

@@ -38,6 +38,7 @@
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
 #include "cuda/prefill/segments.cuh"
+#include "cuda/prefill/single.cuh"
 #include "fibers.h"
 
 namespace kda::cuda::pf {
@@ -89,6 +90,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     p.ksplit = rc.ksplit;
     p.wgmma = rc.wgmma;
     p.chunk16 = rc.chunk16;
+    p.single = p.single && rc.wgmma && !rc.ksplit && rb <= 132;
   }
   Launch plan[4];
   const int count = plan_launches(p, pb, rb, plan);
@@ -118,6 +120,19 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         break;
       case PrefillKernel::kFused:
         launch(fused_kernel<kFp16, false>, l.blocks, l.threads, l.smem, p);
+        break;
+      case PrefillKernel::kSingle:  // its two phases, the grid barrier as the launch boundary
+        if (p.chunk16) {
+          launch([](const Params& q) { single_prepare_phase<kFp16, true>(q, blockIdx.x); },
+                 l.blocks, l.threads, l.smem, p);
+          launch([](const Params& q) { single_recurrence_phase<kFp16, true>(q, blockIdx.x); },
+                 l.blocks, l.threads, l.smem, p);
+        } else {
+          launch([](const Params& q) { single_prepare_phase<kFp16, false>(q, blockIdx.x); },
+                 l.blocks, l.threads, l.smem, p);
+          launch([](const Params& q) { single_recurrence_phase<kFp16, false>(q, blockIdx.x); },
+                 l.blocks, l.threads, l.smem, p);
+        }
         break;
     }
   }

@@ -50,7 +50,7 @@ void block_sync() {
 static int named_arrived[16];
 static long named_gen[16];
 void named_sync(int id, int count) {  // bar.sync id, count: the first `count` arrivals release
-  if (id < 1 || id > 15 || count % 32 != 0) {
+  if (id < 0 || id > 15 || count % 32 != 0) {
     std::fprintf(stderr, "EMU: bad named barrier\n");
     std::abort();
   }

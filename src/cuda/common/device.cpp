@@ -48,6 +48,9 @@ Status device_attributes(int device, DeviceAttributes** out) {
       KDA_CUDA_CHECK(cudaDeviceGetAttribute(&d.smem_reserved,
                                             cudaDevAttrReservedSharedMemoryPerBlock, device));
       KDA_CUDA_CHECK(cudaDeviceGetAttribute(&d.sms, cudaDevAttrMultiProcessorCount, device));
+      int coop = 0;
+      KDA_CUDA_CHECK(cudaDeviceGetAttribute(&coop, cudaDevAttrCooperativeLaunch, device));
+      d.cooperative = coop != 0;
       ready[device].store(true, std::memory_order_release);
     }
   }

@@ -64,6 +64,10 @@ enum class KernelSlot : int {
   kFusedBf16,
   kFusedSegF16,  // the fused kernel's segmented passes
   kFusedSegBf16,
+  kSingleF16,  // the single-launch kernel (chunk 64 / 16)
+  kSingleBf16,
+  kSingle16F16,
+  kSingle16Bf16,
   // decode: staged (state dtype x latency), bulk (state dtype x slots x latency)
   kStaged,
   kBulk = kStaged + 4,
@@ -81,6 +85,7 @@ struct DeviceAttributes {
   int sms = 0;                          // multiprocessors
   int smem_per_sm = 0;                  // bytes of shared memory per SM
   int smem_reserved = 0;                // bytes the runtime reserves per resident block
+  bool cooperative = false;             // cooperative launches (a grid-wide barrier) supported
   std::atomic<uint64_t> configured{0};  // KernelSlot bits whose attributes are set
 };
 

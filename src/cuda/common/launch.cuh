@@ -18,12 +18,13 @@
 
 namespace kda::cuda {
 
-// A launch with the PDL attribute (unless disabled): through the driver when it is available,
-// else, or when the driver launch fails, cudaLaunchKernelEx (whose error is returned: a launch
-// the driver refuses is refused with the runtime's error code).
+// A launch with the PDL attribute (unless disabled), and the cooperative attribute when
+// `cooperative` (every block resident at once; the kernel may synchronize its grid): through the
+// driver when it is available, else, or when the driver launch fails, cudaLaunchKernelEx (whose
+// error is returned: a launch the driver refuses is refused with the runtime's error code).
 template <typename... KArgs, typename... Args>
-cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
-                          cudaStream_t stream, Args&&... args) {
+cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                               size_t smem, cudaStream_t stream, Args&&... args) {
   static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
   const detail::Tuning& tuning = detail::tuning();
   const bool pdl = tuning.pdl;
@@ -40,11 +41,18 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
       cfg.blockDimZ = block.z;
       cfg.sharedMemBytes = static_cast<unsigned>(smem);
       cfg.hStream = reinterpret_cast<CUstream>(stream);
-      CUlaunchAttribute attr[1];
-      attr[0].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-      attr[0].value.programmaticStreamSerializationAllowed = 1;
+      CUlaunchAttribute attr[2];
+      unsigned n = 0;
+      if (pdl) {
+        attr[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr[n++].value.programmaticStreamSerializationAllowed = 1;
+      }
+      if (cooperative) {
+        attr[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
+        attr[n++].value.cooperative = 1;
+      }
       cfg.attrs = attr;
-      cfg.numAttrs = pdl ? 1 : 0;
+      cfg.numAttrs = n;
       void* ptrs[sizeof...(KArgs) + 1] = {};
       std::apply(
           [&ptrs](auto&... v) {
@@ -61,12 +69,24 @@ cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_
   cfg.blockDim = block;
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attr[2];
+  unsigned n = 0;
+  if (pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cooperative) {
+    attr[n].id = cudaLaunchAttributeCooperative;
+    attr[n++].val.cooperative = 1;
+  }
   cfg.attrs = attr;
-  cfg.numAttrs = pdl ? 1 : 0;
+  cfg.numAttrs = n;
   return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
+}
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
+                          cudaStream_t stream, Args&&... args) {
+  return launch_kernel_with(false, kernel, grid, block, smem, stream, std::forward<Args>(args)...);
 }
 
 }  // namespace kda::cuda

@@ -86,7 +86,8 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
 struct PrefillPlan {
   int64_t segment_tokens = 0;  // tokens per segment; 0: one segment per sequence
   RecurrenceChoice rec;
-  bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
+  bool fused = false;   // the fused kernel (prefill/fused.cuh): one launch, no workspace
+  bool single = false;  // prepare and recurrence in one cooperative launch (single_launch)
   double predicted_us = 0;
 };
 
@@ -248,6 +249,23 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
   best.take = t.prefill_fused > 0 ||
               (!weak_decay && !two_kernel_forced && best.predicted_us < plan.predicted_us);
   return best;
+}
+
+// The single launch (prefill/single.cuh): the two-kernel plan's prepare and recurrence blocks in
+// one cooperative launch with a grid barrier between them, where both fit one block per SM at
+// once: one launch's host time instead of two (a launch costs ~2.5-3.5 us of host time, the bar
+// of a call from C++ is 5 us; docs/perf_notes.md, "Host cost") and no kernel boundary on the GPU.
+// Where the prepare blocks exceed the SMs the two-kernel plan runs them two per SM, which the
+// single kernel (one block per SM: the recurrence's shared memory) cannot. Taken for unsegmented
+// plans of the one-warpgroup-per-64-rows wgmma recurrence (chunk 64 or 16) unless
+// Tuning::prefill_single is off; `prep_blocks` = chunk slots x value heads, `rec_blocks` =
+// sequences x value heads x value slices.
+inline bool single_launch(const PrefillPlan& plan, int64_t prep_blocks, int64_t rec_blocks, int sms,
+                          const detail::Tuning& t) {
+  if (!t.prefill_single || plan.fused || plan.segment_tokens > 0 || !plan.rec.wgmma ||
+      plan.rec.ksplit)
+    return false;
+  return prep_blocks > 0 && rec_blocks > 0 && prep_blocks <= sms && rec_blocks <= sms;
 }
 
 // Segment slots (like chunk slots): dense, sequence n owns [n s, (n + 1) s), s = ceil(T / tokens);

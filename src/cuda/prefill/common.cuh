@@ -207,6 +207,7 @@ struct Params {
   bool wgmma = false;         // recurrence: warpgroup products (vs >= 64; recurrence.cuh)
   bool chunk16 = false;       // both kernels on 16-token records (wgmma only; heuristics.h)
   bool fused = false;         // the fused kernel alone (fused.cuh): no prepare kernel, no workspace
+  bool single = false;        // prepare and recurrence in one cooperative launch (single.cuh)
   int prefetch_blocks = 0;    // prepare: opt-in L2 prefetch for block index + this (0: off)
 
   // Segments (heuristics/prefill.h prefill_plan; segments.cuh): seg_tokens = 0 runs one

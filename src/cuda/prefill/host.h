@@ -12,6 +12,7 @@
 #include "cuda/prefill/fused.cuh"
 #include "cuda/prefill/prepare_smem.cuh"
 #include "cuda/prefill/recurrence_steps.cuh"
+#include "cuda/prefill/single.cuh"
 
 namespace kda::cuda::pf {
 
@@ -75,6 +76,9 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
     plan.segment_tokens = f.segment_tokens;
     plan.predicted_us = f.predicted_us;
   }
+  plan.single =
+      single_launch(plan, prefill_chunk_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N) * pr.d.HV,
+                    pr.d.N * pr.d.HV * (kHeadDim / plan.rec.vs), num_sms, tuning);
   return plan;
 }
 // One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
@@ -209,6 +213,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.wgmma = rc.wgmma;
   p.chunk16 = rc.chunk16;
   p.fused = lp.fused;
+  p.single = lp.single;
   if (p.fused) {  // one CTA per (sequence, value head), the whole state
     p.vs = kHeadDim;
     p.nslices = 1;
@@ -230,7 +235,8 @@ enum class PrefillKernel {
   kSegmentPass1,
   kSegmentScan,
   kSegmentPass2,
-  kFused
+  kFused,
+  kSingle
 };
 struct Launch {
   PrefillKernel kernel;
@@ -251,6 +257,11 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
     out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads,
                 kScanSmemBytes};
     out[n++] = {PrefillKernel::kSegmentPass2, seg_blocks, kFusedThreads, kFusedSmemBytes};
+    return n;
+  }
+  if (p.single && prep_blocks > 0 && rec_blocks > 0) {
+    out[n++] = {PrefillKernel::kSingle, prep_blocks > rec_blocks ? prep_blocks : rec_blocks,
+                kSingleThreads, single_smem_bytes(p.chunk16, p.vs)};
     return n;
   }
   if (prep_blocks > 0)

@@ -1,5 +1,5 @@
-// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call (four with segments), all
-// on exec.stream, no allocation, no synchronization (CUDA-graph capturable):
+// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call (four with segments, one
+// for small calls), all on exec.stream, no allocation, no synchronization (CUDA-graph capturable):
 //   A. prepare_kernel   (prefill/prepare.cuh): one block per (64-token chunk, value head); builds
 //      the chunk's state-independent operands into a workspace record.
 //   B. recurrence_kernel (prefill/recurrence.cuh): one block per (sequence, value head, value
@@ -8,7 +8,8 @@
 //   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
-//   likewise with segments).
+//   likewise with segments); small unsegmented calls run A and B in one cooperative launch
+//   (prefill/single.cuh).
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -27,6 +28,7 @@
 #include "cuda/prefill/prepare.cuh"
 #include "cuda/prefill/recurrence.cuh"
 #include "cuda/prefill/segments.cuh"
+#include "cuda/prefill/single.cuh"
 
 namespace kda::cuda {
 namespace {
@@ -115,8 +117,25 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
         KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedF16, S::kFusedBf16, kFp16), kernel,
                                        pf::kFusedSmemBytes));
         break;
+      case pf::PrefillKernel::kSingle:  // the largest configuration of its path: vs = 128
+        kernel = p.chunk16 ? pf::single_kernel<kFp16, true> : pf::single_kernel<kFp16, false>;
+        KDA_RETURN_IF_ERROR(allow_smem(d,
+                                       p.chunk16 ? slot_of(S::kSingle16F16, S::kSingle16Bf16, kFp16)
+                                                 : slot_of(S::kSingleF16, S::kSingleBf16, kFp16),
+                                       kernel, pf::single_smem_bytes(p.chunk16, pf::kHeadDim)));
+        break;
     }
-    KDA_CUDA_CHECK(launch_kernel(kernel, grid, block, static_cast<size_t>(l.smem), stream, pass));
+    const bool single = l.kernel == pf::PrefillKernel::kSingle;
+    const cudaError_t e =
+        launch_kernel_with(single, kernel, grid, block, static_cast<size_t>(l.smem), stream, pass);
+    if (single && e == cudaErrorCooperativeLaunchTooLarge) {
+      // Fewer SMs at hand than the device has (MPS, a partition): nothing ran, two launches.
+      (void)cudaGetLastError();
+      Params two = p;
+      two.single = false;
+      return launch<kFp16>(two, prep_blocks, rec_blocks, d, stream);
+    }
+    KDA_CUDA_CHECK(e);
   }
   return Status::Ok();
 }
@@ -165,6 +184,7 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
                 " bytes of device memory (kda::prefill_workspace_size), got " +
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
+  if (!d->cooperative) p.single = false;  // the two launches (same workspace)
   cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
   return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, *d, stream)
                                        : launch<false>(p, prep_blocks, rec_blocks, *d, stream);

@@ -32,10 +32,10 @@ namespace kda::cuda::pf {
 // common.cuh). The cumulative sum restarts every 16 tokens, only the diagonal 16 x 16
 // blocks of Akk / Aqk and of the inverse are computed, W uses the diagonal blocks of Tm, and kbT /
 // gL decay to each sub-chunk's last token.
-template <bool kFp16, bool kC16 = false>
-__global__ void __launch_bounds__(kPrepareThreads, 2)
-    prepare_kernel(const __grid_constant__ Params p) {
-  pdl_prologue();
+// One block's work: chunk slot block / HV, value head block % HV (prepare_kernel's block, or a
+// block of the single-launch kernel, single.cuh). kPrepareThreads threads.
+template <bool kFp16, bool kC16>
+__device__ __forceinline__ void prepare_block(const Params& p, unsigned block) {
   extern __shared__ __align__(128) uint8_t smem[];
   uint16_t* qr = reinterpret_cast<uint16_t*>(smem + kSmQr);
   uint16_t* kr = reinterpret_cast<uint16_t*>(smem + kSmKr);
@@ -48,9 +48,9 @@ __global__ void __launch_bounds__(kPrepareThreads, 2)
   float* P = reinterpret_cast<float*>(smem + kSmP);
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
-  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
-  if (p.order != nullptr && blockIdx.x == 0)
+  const int hv = static_cast<int>(block % static_cast<unsigned>(p.HV));
+  const int64_t slot = block / static_cast<unsigned>(p.HV);
+  if (p.order != nullptr && block == 0)
     order_sequences(p, reinterpret_cast<int*>(M), tid);  // M: unused yet
 
   // ---- Locate the chunk: slot -> (sequence n, chunk j) -> tokens [t0, t0 + L) of batch row b.
@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kPrepareThreads, 2)
                                         : static_cast<int>(clamp64(sp.len - j * kChunk, 0, kChunk));
   }
   if (L <= 0) return;  // an unused slot of a varlen batch
-  prefetch_next_chunk(p, slot, t0, tid);
+  prefetch_next_chunk(p, block, slot, t0, tid);
   uint8_t* rec = p.ws + (slot * p.HV + hv) * static_cast<int64_t>(kRecordBytes);
   float* rec_aqk = reinterpret_cast<float*>(rec + kOffAqk);
 
@@ -504,6 +504,13 @@ __global__ void __launch_bounds__(kPrepareThreads, 2)
                                                   pack_bf16(v1[4], v1[5]), pack_bf16(v1[6], v1[7]));
     }
   }
+}
+
+template <bool kFp16, bool kC16 = false>
+__global__ void __launch_bounds__(kPrepareThreads, 2)
+    prepare_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
+  prepare_block<kFp16, kC16>(p, blockIdx.x);
 }
 
 }  // namespace kda::cuda::pf

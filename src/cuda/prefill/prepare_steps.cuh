@@ -292,15 +292,15 @@ __device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_
 }
 
 // Opt-in (heuristics/prefill.h: measured slower at the natural distance) L2 prefetch (a hint) of
-// the q, k, g rows of the chunk that block blockIdx.x + p.prefetch_blocks will load; threads
+// the q, k, g rows of the chunk that prepare block `block` + p.prefetch_blocks will load; threads
 // 0..191: one 256- or 512-byte row each. Dense: that block's rows exactly; varlen: this block's
 // sequence continued (exact while it lasts, a harmless guess past its end). Only for 16-byte
 // aligned rows.
-__device__ __forceinline__ void prefetch_next_chunk(const Params& p, int64_t slot, int64_t t0,
-                                                    int tid) {
+__device__ __forceinline__ void prefetch_next_chunk(const Params& p, unsigned block, int64_t slot,
+                                                    int64_t t0, int tid) {
   if (p.prefetch_blocks <= 0 || tid >= 3 * kChunk || !(p.q.vec && p.k.vec && p.g.vec)) return;
-  const uint32_t nb = blockIdx.x + static_cast<uint32_t>(p.prefetch_blocks);
-  if (nb >= gridDim.x) return;
+  const uint32_t nb = block + static_cast<uint32_t>(p.prefetch_blocks);
+  if (nb >= p.num_slots * p.HV) return;  // the prepare blocks: chunk slots x value heads
   const int hv2 = static_cast<int>(nb % static_cast<unsigned>(p.HV));
   const int64_t slot2 = nb / static_cast<unsigned>(p.HV);
   int64_t b2 = 0, t2;

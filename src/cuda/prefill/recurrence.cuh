@@ -42,8 +42,11 @@ namespace kda::cuda::pf {
 // kC16: the chunk-16 path: 16-token steps over 16-token records (wgmma only). kSeg: a pass of the
 // segmented prefill (Params::seg_pass; segments.cuh), one block per (segment slot, value head,
 // value slice), pass 1 with twice the value slices (the second half: the transition's rows).
-template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false, bool kSeg = false>
-__global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+// One block's work (recurrence_kernel's block `block`, or a block of the single-launch kernel,
+// single.cuh): threads [0, nthreads) of the block, nthreads = 32 recurrence_warps(vs); the block's
+// other threads (single.cuh) take no part, its barriers count nthreads.
+template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16, bool kSeg>
+__device__ __forceinline__ void recurrence_block(const Params& p, unsigned block, int nthreads) {
   static_assert(!(kKSplit && kWgmma), "the K split is an mma.sync variant");
   static_assert(!kC16 || kWgmma, "16-token steps run on wgmma");
   constexpr int kLc = kC16 ? kChunk16 : kChunk;                // tokens per step
@@ -52,21 +55,19 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
   constexpr int kSLog = kC16 ? 2 : 1;                          // log2(kS)
   static_assert((1 << kSLog) == kS, "stages");
   constexpr int kCnt = kC16 ? 8 * kStages16 : 16;  // the counters' offset from bar0
-  pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   // The stages start at the first 1024-byte aligned address (the record's swizzle period).
   uint8_t* smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, c = lane & 3;
-  const int nthreads = blockDim.x;  // 2 vs (4 vs with the K split)
   const int vs = p.vs;
   constexpr int kNJ = kKSplit ? 8 : 16;       // 8-column key tiles of S^T held by this warp
   const int rg = kKSplit ? warp >> 1 : warp;  // 16-row group of S^T
   const int kh = kKSplit ? warp & 1 : 0;      // key half (K split)
   const int k0 = kh * (kNJ * 8);              // first key column held
   const unsigned nsl = static_cast<unsigned>(kSeg && p.seg_pass == 1 ? 2 * p.nslices : p.nslices);
-  const int vslice = static_cast<int>(blockIdx.x % nsl);
+  const int vslice = static_cast<int>(block % nsl);
   const int slice = vslice % p.nslices;
-  const int64_t pair = blockIdx.x / nsl;
+  const int64_t pair = block / nsl;
   const int hv = static_cast<int>(pair % p.HV);
   SegRole role;  // one segment per sequence unless kSeg
   int64_t n;
@@ -154,7 +155,7 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     }
     fence_mbar_init();
   }
-  __syncthreads();
+  named_barrier_sync(0, nthreads);
 
   // ---- Loads of chunk ci into stage ci & 1: the record (bulk copy, one thread) and the v tile.
   // The wgmma path has no block barrier: each warpgroup loads its own 64 v columns and syncs on
@@ -265,8 +266,8 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
     } else {
       mbar_wait(bar0 + 8 * st, static_cast<uint32_t>((ci >> kSLog) & 1));
-      __syncthreads();  // stage st complete for every thread; stage st^1 no longer read (chunk
-                        // ci-1)
+      // Stage st complete for every thread; stage st^1 no longer read (chunk ci - 1).
+      named_barrier_sync(0, nthreads);
       if (ci + 1 < nchunks) issue(ci + 1);
     }
     const int L = static_cast<int>(sp.len - ci * kLc < kLc ? sp.len - ci * kLc : kLc);
@@ -490,6 +491,12 @@ __global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constan
     store_state(accS, role.trans ? p.seg_trans : (role.first ? p.seg_start : p.seg_local), false,
                 role.end_row, hv, vw, k0, g, c);
   }
+}
+
+template <bool kFp16, bool kKSplit, bool kWgmma, bool kC16 = false, bool kSeg = false>
+__global__ void __launch_bounds__(256, 1) recurrence_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
+  recurrence_block<kFp16, kKSplit, kWgmma, kC16, kSeg>(p, blockIdx.x, blockDim.x);
 }
 
 // The recurrence path of a call and its kernel instantiation, for the CUDA launcher (prefill.cu,

@@ -162,6 +162,7 @@ template <int kPending>
 inline void cp_async_wait() {}
 inline void fence_mbar_init() {}
 inline void fence_proxy_async() {}
+inline void fence_proxy_async_global() {}
 inline void named_barrier_sync(int id, int count) { emu::named_sync(id, count); }
 template <int kRegs>
 inline void setmaxnreg_inc() {}  // registers are not modelled
