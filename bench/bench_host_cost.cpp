@@ -12,10 +12,10 @@
 // The breakdown, one row each: kda::validate alone; on CUDA, a bare launch of an empty kernel
 // with <<<>>>, with cudaLaunchKernelEx, with the PDL attribute (as the library launches), with
 // an 848-byte parameter block (the size of the prefill's Params), and with the driver's
-// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (two launches, four when the
-// sequence is split into segments) and kda::decode (one). The launches and calls run on a stream of
-// the benchmark's own (non-blocking) and on the legacy default stream, which is torch's default
-// current stream. The table comes last, after its JSON.
+// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (one cooperative launch on S1 and
+// smaller calls, two or four launches on larger ones) and kda::decode (one). The launches and calls
+// run on a stream of the benchmark's own (non-blocking) and on the legacy default stream, which is
+// torch's default current stream. The table comes last, after its JSON.
 //
 // Usage: bench_host_cost [--cpu] [--T n] [--H n] [--K n] [--decode-B n] [--decode-H n]
 //                        [--calls n] [--repeats n] [--threads n] [--json path]
@@ -303,7 +303,7 @@ int main(int argc, char** argv) {
   }
   std::printf(
       "host cost per call (%s, %s, %d calls, median of %d); prefill 1 x %lld, H = %lld, "
-      "K = V = %lld (2-4 launches on CUDA); decode B = %lld, H = %lld, K = V = %lld\n",
+      "K = V = %lld (1-4 launches on CUDA); decode B = %lld, H = %lld, K = V = %lld\n",
       cuda ? "cuda" : "cpu", dtype_name(dt), o.calls, o.repeats, (long long)o.T, (long long)o.H,
       (long long)K, (long long)B, (long long)HD, (long long)K);
   std::printf("%-34s %-7s %10s\n", "call", "stream", "us/call");
