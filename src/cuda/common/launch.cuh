@@ -8,6 +8,7 @@
 
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <tuple>
 #include <type_traits>
 #include <utility>
@@ -18,6 +19,14 @@
 
 namespace kda::cuda {
 
+// Set once a driver refused a cooperative launch with the PDL attribute that it then ran without
+// it: later cooperative launches go without PDL (their blocks then wait for the previous kernel
+// to end before they start, as without the attribute).
+inline std::atomic<bool>& cooperative_pdl_refused() {
+  static std::atomic<bool> refused{false};
+  return refused;
+}
+
 // A launch with the PDL attribute (unless disabled), and the cooperative attribute when
 // `cooperative` (every block resident at once; the kernel may synchronize its grid): through the
 // driver when it is available, else, or when the driver launch fails, cudaLaunchKernelEx (whose
@@ -27,7 +36,8 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
                                size_t smem, cudaStream_t stream, Args&&... args) {
   static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
   const detail::Tuning& tuning = detail::tuning();
-  const bool pdl = tuning.pdl;
+  const bool with_pdl =
+      tuning.pdl && !(cooperative && cooperative_pdl_refused().load(std::memory_order_relaxed));
   // The arguments as the kernel's parameter types.
   std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
   if (const DriverLaunch launch = tuning.driver_launch ? driver_launch() : nullptr) {
@@ -41,15 +51,15 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
       cfg.blockDimZ = block.z;
       cfg.sharedMemBytes = static_cast<unsigned>(smem);
       cfg.hStream = reinterpret_cast<CUstream>(stream);
-      CUlaunchAttribute attr[2];
+      CUlaunchAttribute attr[2];  // the cooperative attribute first: PDL can be dropped alone
       unsigned n = 0;
-      if (pdl) {
-        attr[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-        attr[n++].value.programmaticStreamSerializationAllowed = 1;
-      }
       if (cooperative) {
         attr[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr[n++].value.cooperative = 1;
+      }
+      if (with_pdl) {
+        attr[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr[n++].value.programmaticStreamSerializationAllowed = 1;
       }
       cfg.attrs = attr;
       cfg.numAttrs = n;
@@ -61,6 +71,13 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
           },
           values);
       if (launch(&cfg, f, ptrs, nullptr) == CUDA_SUCCESS) return cudaSuccess;
+      if (cooperative && with_pdl) {
+        cfg.numAttrs = n - 1;
+        if (launch(&cfg, f, ptrs, nullptr) == CUDA_SUCCESS) {
+          cooperative_pdl_refused().store(true, std::memory_order_relaxed);
+          return cudaSuccess;
+        }
+      }
       forget_driver_functions();
     }
   }
@@ -71,17 +88,26 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
   cfg.stream = stream;
   cudaLaunchAttribute attr[2];
   unsigned n = 0;
-  if (pdl) {
-    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
   if (cooperative) {
     attr[n].id = cudaLaunchAttributeCooperative;
     attr[n++].val.cooperative = 1;
   }
+  if (with_pdl) {
+    attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
+  auto run = [&] {
+    return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
+  };
+  const cudaError_t e = run();
+  if (e == cudaSuccess || !(cooperative && with_pdl)) return e;
+  cfg.numAttrs = n - 1;
+  if (run() != cudaSuccess) return e;
+  (void)cudaGetLastError();  // the refused combination's error: the launch without PDL ran
+  cooperative_pdl_refused().store(true, std::memory_order_relaxed);
+  return cudaSuccess;
 }
 template <typename... KArgs, typename... Args>
 cudaError_t launch_kernel(void (*kernel)(KArgs...), dim3 grid, dim3 block, size_t smem,
