@@ -12,10 +12,10 @@
 // The breakdown, one row each: kda::validate alone; on CUDA, a bare launch of an empty kernel
 // with <<<>>>, with cudaLaunchKernelEx, with the PDL attribute (as the library launches), with
 // an 848-byte parameter block (the size of the prefill's Params), and with the driver's
-// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (one cooperative launch on S1 and
-// smaller calls, two or four launches on larger ones) and kda::decode (one). The launches and calls
-// run on a stream of the benchmark's own (non-blocking) and on the legacy default stream, which is
-// torch's default current stream. The table comes last, after its JSON.
+// cuLaunchKernelEx and the PDL attribute; the whole kda::prefill (two launches on S1, four when
+// segmented; one with KDA_CUDA_PREFILL_SINGLE=1 on S1 and smaller calls) and kda::decode (one). The
+// launches and calls run on a stream of the benchmark's own (non-blocking) and on the legacy
+// default stream, which is torch's default current stream. The table comes last, after its JSON.
 //
 // Usage: bench_host_cost [--cpu] [--T n] [--H n] [--K n] [--decode-B n] [--decode-H n]
 //                        [--calls n] [--repeats n] [--threads n] [--json path]

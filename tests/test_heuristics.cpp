@@ -384,38 +384,39 @@ TEST(PrefillHeuristics, Fused) {
 // prepare and recurrence blocks both fit one per SM).
 TEST(PrefillHeuristics, SingleLaunch) {
   using cuda::pf::single_launch;
-  EXPECT_TRUE(detail::Tuning{}.prefill_single);
+  EXPECT_FALSE(detail::Tuning{}.prefill_single);  // off by default (slower on the GPU)
   EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_SINGLE", "0"}}).prefill_single);
-  EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_SINGLE", "1"}}).prefill_single);
-  const detail::Tuning def{};
+  EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_SINGLE", "yes"}}).prefill_single);
+  const detail::Tuning on = tuning({{"KDA_CUDA_PREFILL_SINGLE", "1"}});
+  ASSERT_TRUE(on.prefill_single);
   // S1: 1 x 1024 tokens, 4 heads: 16 chunk slots x 4 = 64 prepare blocks, vs = 64 (8 recurrence
   // blocks), no segments.
-  const cuda::pf::PrefillPlan s1 = cuda::pf::prefill_plan(false, 1024, 1, 4, 132, def);
+  const cuda::pf::PrefillPlan s1 = cuda::pf::prefill_plan(false, 1024, 1, 4, 132, on);
   ASSERT_EQ(s1.segment_tokens, 0);
   ASSERT_TRUE(s1.rec.wgmma);
-  EXPECT_TRUE(single_launch(s1, 64, 4 * (128 / s1.rec.vs), 132, def));
-  EXPECT_TRUE(single_launch(s1, 132, 132, 132, def));
-  EXPECT_FALSE(single_launch(s1, 133, 8, 132, def));  // prepare blocks beyond one per SM
-  EXPECT_FALSE(single_launch(s1, 64, 133, 132, def));
-  EXPECT_FALSE(single_launch(s1, 0, 8, 132, def));  // nothing to prepare (no sequence)
-  EXPECT_FALSE(single_launch(s1, 64, 8, 132, tuning({{"KDA_CUDA_PREFILL_SINGLE", "0"}})));
+  EXPECT_TRUE(single_launch(s1, 64, 4 * (128 / s1.rec.vs), 132, on));
+  EXPECT_TRUE(single_launch(s1, 132, 132, 132, on));
+  EXPECT_FALSE(single_launch(s1, 133, 8, 132, on));  // prepare blocks beyond one per SM
+  EXPECT_FALSE(single_launch(s1, 64, 133, 132, on));
+  EXPECT_FALSE(single_launch(s1, 0, 8, 132, on));  // nothing to prepare (no sequence)
+  EXPECT_FALSE(single_launch(s1, 64, 8, 132, detail::Tuning{}));  // the default
   cuda::pf::PrefillPlan p = s1;
   p.segment_tokens = 256;
-  EXPECT_FALSE(single_launch(p, 64, 8, 132, def));
+  EXPECT_FALSE(single_launch(p, 64, 8, 132, on));
   p = s1;
   p.fused = true;
-  EXPECT_FALSE(single_launch(p, 64, 8, 132, def));
+  EXPECT_FALSE(single_launch(p, 64, 8, 132, on));
   p = s1;
-  p.rec = cuda::pf::recurrence_choice_for_split(32, def);  // the K split on mma.sync
-  EXPECT_FALSE(single_launch(p, 64, 16, 132, def));
-  p.rec = cuda::pf::recurrence_choice_for_split(128, def);  // 16-token records at vs = 128
+  p.rec = cuda::pf::recurrence_choice_for_split(32, on);  // the K split on mma.sync
+  EXPECT_FALSE(single_launch(p, 64, 16, 132, on));
+  p.rec = cuda::pf::recurrence_choice_for_split(128, on);  // 16-token records at vs = 128
   EXPECT_TRUE(p.rec.chunk16);
-  EXPECT_TRUE(single_launch(p, 64, 4, 132, def));
+  EXPECT_TRUE(single_launch(p, 64, 4, 132, on));
   p.rec = cuda::pf::recurrence_choice_for_split(64, tuning({{"KDA_CUDA_PREFILL_WGMMA", "0"}}));
-  EXPECT_FALSE(single_launch(p, 64, 8, 132, def));
+  EXPECT_FALSE(single_launch(p, 64, 8, 132, on));
   // P1 (1 x 8192, 96 heads): 12,288 prepare blocks, two launches.
-  const cuda::pf::PrefillPlan p1 = cuda::pf::prefill_plan(false, 8192, 1, 96, 132, def);
-  EXPECT_FALSE(single_launch(p1, 128 * 96, 96, 132, def));
+  const cuda::pf::PrefillPlan p1 = cuda::pf::prefill_plan(false, 8192, 1, 96, 132, on);
+  EXPECT_FALSE(single_launch(p1, 128 * 96, 96, 132, on));
 }
 
 TEST(PrefillHeuristics, SegmentSlots) {

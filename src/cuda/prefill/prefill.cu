@@ -1,5 +1,6 @@
-// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call (four with segments, one
-// for small calls), all on exec.stream, no allocation, no synchronization (CUDA-graph capturable):
+// prefill.cu — CUDA prefill (sm_90a): host side. Two kernels per call (four with segments; one for
+// small calls with Tuning::prefill_single), all on exec.stream, no allocation, no synchronization
+// (CUDA-graph capturable):
 //   A. prepare_kernel   (prefill/prepare.cuh): one block per (64-token chunk, value head); builds
 //      the chunk's state-independent operands into a workspace record.
 //   B. recurrence_kernel (prefill/recurrence.cuh): one block per (sequence, value head, value
@@ -8,8 +9,8 @@
 //   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
-//   likewise with segments); small unsegmented calls run A and B in one cooperative launch
-//   (prefill/single.cuh).
+//   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
+//   one cooperative launch (prefill/single.cuh).
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
