@@ -337,17 +337,31 @@ std::vector<PrefillCase> sweep_cases() {
 
 class GpuPrefillSweep : public ::testing::TestWithParam<PrefillCase> {};
 
-// Whether a call on case c takes the chunk-16 path: the host's choices (host.h make_params) for
-// its sequences x value heads on this device, under the same tuning.
-bool takes_chunk16(const PrefillCase& c) {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+// T of case c's call (varlen: the total; dense: the longest sequence).
+int64_t case_tokens(const PrefillCase& c) {
   int64_t T = 0;
   for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+  return T;
+}
+
+// The two-kernel plan of a call on case c: the host's choice (host.h make_params) for its
+// sequences x value heads on this device (its SM count in *sms; false without one), under the
+// same tuning.
+bool host_plan(const PrefillCase& c, cuda::pf::PrefillPlan* plan, int* sms) {
+  cudaDeviceProp prop{};
+  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
+  *sms = prop.multiProcessorCount;
   const bool weak = cuda::pf::weak_decay_gate(c.gate == GateForm::kLowerBound, c.lower_bound);
-  return cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV,
-                                prop.multiProcessorCount, detail::tuning(), weak)
-      .rec.chunk16;
+  *plan = cuda::pf::prefill_plan(c.varlen, case_tokens(c), static_cast<int64_t>(c.seqlens.size()),
+                                 c.HV, *sms, detail::tuning(), weak);
+  return true;
+}
+
+// Whether a call on case c takes the chunk-16 path.
+bool takes_chunk16(const PrefillCase& c) {
+  cuda::pf::PrefillPlan plan;
+  int sms = 0;
+  return host_plan(c, &plan, &sms) && plan.rec.chunk16;
 }
 
 // The full check of one case against the fp64 reference.
@@ -570,8 +584,7 @@ TEST(GpuPrefillFused, MatchesReference) {
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.prefill_fused = 1; }));
   for (const PrefillCase& c : fused_cases()) {
     SCOPED_TRACE(c.name());
-    int64_t T = 0;
-    for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+    const int64_t T = case_tokens(c);
     const bool lb = c.gate == GateForm::kLowerBound;
     const cuda::pf::PrefillPlan plan =
         cuda::pf::prefill_plan(c.varlen, T, static_cast<int64_t>(c.seqlens.size()), c.HV, 132,
@@ -682,17 +695,13 @@ TEST(GpuPrefillFused, Segments) {
 // split and on 64- and 16-token records at vs = 64 and 128: each case takes the single launch,
 // matches the fp64 reference and equals the two launches (Tuning::prefill_single off) bit for bit.
 bool takes_single(const PrefillCase& c) {
-  cudaDeviceProp prop{};
-  if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess) return false;
-  int64_t T = 0;
-  for (int64_t len : c.seqlens) T = c.varlen ? T + len : std::max(T, len);
+  cuda::pf::PrefillPlan plan;
+  int sms = 0;
+  if (!host_plan(c, &plan, &sms)) return false;
   const int64_t N = static_cast<int64_t>(c.seqlens.size());
-  const bool weak = cuda::pf::weak_decay_gate(c.gate == GateForm::kLowerBound, c.lower_bound);
-  const int sms = prop.multiProcessorCount;
-  const cuda::pf::PrefillPlan plan =
-      cuda::pf::prefill_plan(c.varlen, T, N, c.HV, sms, detail::tuning(), weak);
-  return cuda::pf::single_launch(plan, cuda::pf::prefill_chunk_slots(c.varlen, N, T, N) * c.HV,
-                                 N * c.HV * (128 / plan.rec.vs), sms, detail::tuning());
+  return cuda::pf::single_launch(
+      plan, cuda::pf::prefill_chunk_slots(c.varlen, N, case_tokens(c), N) * c.HV,
+      N * c.HV * (128 / plan.rec.vs), sms, detail::tuning());
 }
 
 TEST(GpuPrefillSingle, MatchesReferenceAndTwoLaunches) {

@@ -77,6 +77,15 @@ static void launch(K kernel, int64_t blocks, int threads, int smem_bytes, const 
   }
 }
 
+// The single kernel's two phases as two launches, the grid barrier as the launch boundary.
+template <bool kFp16, bool kC16>
+static void launch_single(const Launch& l, const Params& p) {
+  launch([](const Params& q) { single_prepare_phase<kFp16, kC16>(q, blockIdx.x); }, l.blocks,
+         l.threads, l.smem, p);
+  launch([](const Params& q) { single_recurrence_phase<kFp16, kC16>(q, blockIdx.x); }, l.blocks,
+         l.threads, l.smem, p);
+}
+
 // The value split forced to vs_override (0: the heuristic's), then the kernels as the host
 // launches them (plan_launches).
 template <bool kFp16>
@@ -90,7 +99,9 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     p.ksplit = rc.ksplit;
     p.wgmma = rc.wgmma;
     p.chunk16 = rc.chunk16;
-    p.single = p.single && rc.wgmma && !rc.ksplit && rb <= 132;
+    PrefillPlan forced;
+    forced.rec = rc;
+    p.single = p.single && single_launch(forced, pb, rb, 132, detail::tuning());
   }
   Launch plan[4];
   const int count = plan_launches(p, pb, rb, plan);
@@ -121,18 +132,11 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
       case PrefillKernel::kFused:
         launch(fused_kernel<kFp16, false>, l.blocks, l.threads, l.smem, p);
         break;
-      case PrefillKernel::kSingle:  // its two phases, the grid barrier as the launch boundary
-        if (p.chunk16) {
-          launch([](const Params& q) { single_prepare_phase<kFp16, true>(q, blockIdx.x); },
-                 l.blocks, l.threads, l.smem, p);
-          launch([](const Params& q) { single_recurrence_phase<kFp16, true>(q, blockIdx.x); },
-                 l.blocks, l.threads, l.smem, p);
-        } else {
-          launch([](const Params& q) { single_prepare_phase<kFp16, false>(q, blockIdx.x); },
-                 l.blocks, l.threads, l.smem, p);
-          launch([](const Params& q) { single_recurrence_phase<kFp16, false>(q, blockIdx.x); },
-                 l.blocks, l.threads, l.smem, p);
-        }
+      case PrefillKernel::kSingle:
+        if (p.chunk16)
+          launch_single<kFp16, true>(l, p);
+        else
+          launch_single<kFp16, false>(l, p);
         break;
     }
   }

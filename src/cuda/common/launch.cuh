@@ -27,20 +27,14 @@ inline std::atomic<bool>& cooperative_pdl_refused() {
   return refused;
 }
 
-// A launch with the PDL attribute (unless disabled), and the cooperative attribute when
-// `cooperative` (every block resident at once; the kernel may synchronize its grid): through the
-// driver when it is available, else, or when the driver launch fails, cudaLaunchKernelEx (whose
-// error is returned: a launch the driver refuses is refused with the runtime's error code).
-template <typename... KArgs, typename... Args>
-cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 grid, dim3 block,
-                               size_t smem, cudaStream_t stream, Args&&... args) {
-  static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
-  const detail::Tuning& tuning = detail::tuning();
-  const bool with_pdl =
-      tuning.pdl && !(cooperative && cooperative_pdl_refused().load(std::memory_order_relaxed));
-  // The arguments as the kernel's parameter types.
-  std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
-  if (const DriverLaunch launch = tuning.driver_launch ? driver_launch() : nullptr) {
+// One launch with the given attributes: through the driver when it is available, else, or when
+// the driver launch fails, cudaLaunchKernelEx (whose error is returned: a launch the driver
+// refuses is refused with the runtime's error code). `values`: the kernel's arguments.
+template <typename... KArgs>
+cudaError_t launch_once(bool cooperative, bool pdl, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                        size_t smem, cudaStream_t stream,
+                        std::tuple<std::decay_t<KArgs>...>& values) {
+  if (const DriverLaunch launch = detail::tuning().driver_launch ? driver_launch() : nullptr) {
     if (const CUfunction f = driver_function(reinterpret_cast<const void*>(kernel))) {
       CUlaunchConfig cfg = {};
       cfg.gridDimX = grid.x;
@@ -51,13 +45,13 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
       cfg.blockDimZ = block.z;
       cfg.sharedMemBytes = static_cast<unsigned>(smem);
       cfg.hStream = reinterpret_cast<CUstream>(stream);
-      CUlaunchAttribute attr[2];  // the cooperative attribute first: PDL can be dropped alone
+      CUlaunchAttribute attr[2];
       unsigned n = 0;
       if (cooperative) {
         attr[n].id = CU_LAUNCH_ATTRIBUTE_COOPERATIVE;
         attr[n++].value.cooperative = 1;
       }
-      if (with_pdl) {
+      if (pdl) {
         attr[n].id = CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
         attr[n++].value.programmaticStreamSerializationAllowed = 1;
       }
@@ -71,13 +65,6 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
           },
           values);
       if (launch(&cfg, f, ptrs, nullptr) == CUDA_SUCCESS) return cudaSuccess;
-      if (cooperative && with_pdl) {
-        cfg.numAttrs = n - 1;
-        if (launch(&cfg, f, ptrs, nullptr) == CUDA_SUCCESS) {
-          cooperative_pdl_refused().store(true, std::memory_order_relaxed);
-          return cudaSuccess;
-        }
-      }
       forget_driver_functions();
     }
   }
@@ -92,19 +79,30 @@ cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 
     attr[n].id = cudaLaunchAttributeCooperative;
     attr[n++].val.cooperative = 1;
   }
-  if (with_pdl) {
+  if (pdl) {
     attr[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
     attr[n++].val.programmaticStreamSerializationAllowed = 1;
   }
   cfg.attrs = attr;
   cfg.numAttrs = n;
-  auto run = [&] {
-    return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
-  };
-  const cudaError_t e = run();
-  if (e == cudaSuccess || !(cooperative && with_pdl)) return e;
-  cfg.numAttrs = n - 1;
-  if (run() != cudaSuccess) return e;
+  return std::apply([&](auto&... v) { return cudaLaunchKernelEx(&cfg, kernel, v...); }, values);
+}
+
+// A launch with the PDL attribute (unless disabled), and the cooperative attribute when
+// `cooperative` (every block resident at once; the kernel may synchronize its grid). A cooperative
+// launch that fails with PDL and runs without it is the driver refusing the combination: later
+// cooperative launches go without PDL.
+template <typename... KArgs, typename... Args>
+cudaError_t launch_kernel_with(bool cooperative, void (*kernel)(KArgs...), dim3 grid, dim3 block,
+                               size_t smem, cudaStream_t stream, Args&&... args) {
+  static_assert(sizeof...(KArgs) == sizeof...(Args), "one argument per kernel parameter");
+  const bool pdl = detail::tuning().pdl &&
+                   !(cooperative && cooperative_pdl_refused().load(std::memory_order_relaxed));
+  // The arguments as the kernel's parameter types.
+  std::tuple<std::decay_t<KArgs>...> values(std::forward<Args>(args)...);
+  const cudaError_t e = launch_once(cooperative, pdl, kernel, grid, block, smem, stream, values);
+  if (e == cudaSuccess || !(cooperative && pdl)) return e;
+  if (launch_once(true, false, kernel, grid, block, smem, stream, values) != cudaSuccess) return e;
   (void)cudaGetLastError();  // the refused combination's error: the launch without PDL ran
   cooperative_pdl_refused().store(true, std::memory_order_relaxed);
   return cudaSuccess;

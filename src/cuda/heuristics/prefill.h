@@ -86,8 +86,7 @@ inline int prepare_prefetch_blocks(int num_sms, const detail::Tuning& t) {
 struct PrefillPlan {
   int64_t segment_tokens = 0;  // tokens per segment; 0: one segment per sequence
   RecurrenceChoice rec;
-  bool fused = false;   // the fused kernel (prefill/fused.cuh): one launch, no workspace
-  bool single = false;  // prepare and recurrence in one cooperative launch (single_launch)
+  bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
   double predicted_us = 0;
 };
 

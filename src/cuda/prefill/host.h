@@ -76,9 +76,6 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
     plan.segment_tokens = f.segment_tokens;
     plan.predicted_us = f.predicted_us;
   }
-  plan.single =
-      single_launch(plan, prefill_chunk_slots(pr.d.varlen, pr.d.B, pr.d.T, pr.d.N) * pr.d.HV,
-                    pr.d.N * pr.d.HV * (kHeadDim / plan.rec.vs), num_sms, tuning);
   return plan;
 }
 // One segment state (fp32 S^T, 128 x 128) and the three per (segment slot, value head).
@@ -213,12 +210,12 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
   p.wgmma = rc.wgmma;
   p.chunk16 = rc.chunk16;
   p.fused = lp.fused;
-  p.single = lp.single;
   if (p.fused) {  // one CTA per (sequence, value head), the whole state
     p.vs = kHeadDim;
     p.nslices = 1;
   }
   p.prefetch_blocks = prepare_prefetch_blocks(num_sms, tuning);
+  p.single = single_launch(lp, prep_blocks, pairs * p.nslices, num_sms, tuning);
 
   *prep_blocks_out = prep_blocks;
   *rec_blocks_out = pairs * p.nslices;
@@ -259,7 +256,7 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
     out[n++] = {PrefillKernel::kSegmentPass2, seg_blocks, kFusedThreads, kFusedSmemBytes};
     return n;
   }
-  if (p.single && prep_blocks > 0 && rec_blocks > 0) {
+  if (p.single) {
     out[n++] = {PrefillKernel::kSingle, prep_blocks > rec_blocks ? prep_blocks : rec_blocks,
                 kSingleThreads, single_smem_bytes(p.chunk16, p.vs)};
     return n;
