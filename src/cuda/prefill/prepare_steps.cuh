@@ -305,9 +305,14 @@ __device__ __forceinline__ void prefetch_next_chunk(const Params& p, unsigned bl
   const int64_t slot2 = nb / static_cast<unsigned>(p.HV);
   int64_t b2 = 0, t2;
   if (!p.varlen) {
-    int64_t j2;
-    dense_slot(p, slot2, b2, j2);
-    t2 = j2 * kChunk;
+    // A 32-bit division only (a hint: beyond that range, no prefetch). A second call site of
+    // dense_slot's 64-bit division makes it a subroutine, and in the single-launch kernel that
+    // kept the recurrence phase's descriptor arithmetic off the uniform datapath.
+    if (p.chunks_per_seq > INT32_MAX) return;
+    const uint32_t c32 = static_cast<uint32_t>(p.chunks_per_seq);
+    const uint32_t n32 = static_cast<uint32_t>(slot2) / c32;  // slot2 < 2^32: nb is 32-bit
+    b2 = n32;
+    t2 = static_cast<int64_t>(static_cast<uint32_t>(slot2) - n32 * c32) * kChunk;
   } else {
     t2 = t0 + (slot2 - slot) * kChunk;
   }

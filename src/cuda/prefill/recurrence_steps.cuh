@@ -196,8 +196,9 @@ __device__ __forceinline__ uint32_t rec_f32_block_offset(int t0, int s0, int lan
 }
 // Descriptor of a K step of the record matrix at `off` (`rows` rows) in the stage at sbase
 // (1024-byte aligned): the step's first byte within the rows, kbyte (a multiple of 32).
-__device__ __forceinline__ uint64_t rec_desc(uint32_t sbase, int off, int rows, int kbyte) {
-  return wgmma_desc_sw128(sbase + off + (kbyte >> 7) * rows * 128 + (kbyte & 127));
+// dlo: wgmma_desc_lo of sbase, so that each descriptor is one add to it.
+__device__ __forceinline__ uint64_t rec_desc(uint32_t dlo, int off, int rows, int kbyte) {
+  return wgmma_desc_at(dlo, off + (kbyte >> 7) * rows * 128 + (kbyte & 127), kDescHiSw128);
 }
 
 // One chunk of a warpgroup (4 warps = 64 value rows; vs >= 64) on wgmma: the products of the
@@ -238,6 +239,7 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
       a[2] = __float_as_uint(hi_f32<kFp16>(vr[hh][2 * half]));
       a[3] = __float_as_uint(hi_f32<kFp16>(vr[hh][2 * half + 1]));
     }
+  const uint32_t dlo = wgmma_desc_lo(sbase);
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accO);
   wgmma_fence_acc(sa);
@@ -245,12 +247,12 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    wgmma_bf16<8, -1>(accU, sa[ks], rec_desc(sbase, kOffW, kChunk, 32 * ks), 1);
-    wgmma_bf16<8>(accO, sa[ks], rec_desc(sbase, kOffQg, kChunk, 32 * ks), 1);
+    wgmma_bf16<8, -1>(accU, sa[ks], rec_desc(dlo, kOffW, kChunk, 32 * ks), 1);
+    wgmma_bf16<8>(accO, sa[ks], rec_desc(dlo, kOffQg, kChunk, 32 * ks), 1);
   }
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)  // all 64 rows of Tm (zero above the diagonal blocks)
-    wgmma_tf32<8>(accU, va[sj], rec_desc(sbase, kOffTm, kChunk, 32 * sj), 1);
+    wgmma_tf32<8>(accU, va[sj], rec_desc(dlo, kOffTm, kChunk, 32 * sj), 1);
   // U^T as A operands: tf32 in k-slot order (slot c <-> token 2c, c + 4 <-> 2c + 1), and bf16 hi +
   // lo per 16-token step (registers: rows g / g + 8 x tokens 2c.. / 2c + 8..).
   uint32_t ua[8][4], uh[4][4], ul[4][4];
@@ -258,10 +260,10 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
                        ul);
 #pragma unroll
   for (int sj = 0; sj < 8; ++sj)
-    wgmma_tf32<8>(accO, ua[sj], rec_desc(sbase, kOffAqk, kChunk, 32 * sj), 1);
+    wgmma_tf32<8>(accO, ua[sj], rec_desc(dlo, kOffAqk, kChunk, 32 * sj), 1);
 #pragma unroll
   for (int q = 0; q < 4; ++q) {
-    const uint64_t d = rec_desc(sbase, kOffKbT, kHeadDim, 32 * q);
+    const uint64_t d = rec_desc(dlo, kOffKbT, kHeadDim, 32 * q);
     wgmma_bf16<16>(accS, uh[q], d, 1);
     wgmma_bf16<16>(accS, ul[q], d, 1);
   }

@@ -53,6 +53,10 @@ __global__ void __launch_bounds__(kSingleThreads, 1)
   fence_proxy_async_global();  // this block's record stores, before the barrier
   cooperative_groups::this_grid().sync();
   fence_proxy_async_global();  // every block's record stores, before this block's bulk copies
+  // An aligned block barrier after the grid barrier (whose block barriers are not aligned): without
+  // it ptxas keeps the recurrence's descriptor arithmetic off the uniform datapath (a register
+  // move per wgmma descriptor, a slower step).
+  __syncthreads();
   single_recurrence_phase<kFp16, kC16>(p, blockIdx.x);
 }
 
