@@ -6,8 +6,8 @@
 // 32 recurrence_warps(vs) threads. One launch's host time instead of two, and no kernel boundary:
 // the records still pass through the workspace (L2 at these sizes). Off by default
 // (Tuning::prefill_single, KDA_CUDA_PREFILL_SINGLE=1): compiled into one kernel with the prepare
-// phase, the recurrence step loses the uniform datapath for its descriptor arithmetic and runs
-// slower than in recurrence_kernel (docs/design.md, "Launches").
+// phase, the recurrence step is scheduled differently by ptxas and runs slower than in
+// recurrence_kernel (docs/design.md, "Launches").
 //
 // The records are written with generic stores and read by the recurrence's bulk copies (async
 // proxy) in other blocks: each side fences between the proxies around the grid barrier, which
