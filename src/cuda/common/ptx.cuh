@@ -268,22 +268,17 @@ __device__ __forceinline__ void wgmma_fence_acc(uint32_t (&d)[NJ][4]) {
     for (int e = 0; e < 4; ++e) asm volatile("" : "+r"(d[j][e])::"memory");
 }
 
-// Descriptor of a B operand stored K-major in the 128-byte swizzle layout (common.cuh,
+// Descriptors of B operands stored K-major in a swizzle layout, e.g. the 128-byte one (common.cuh,
 // sw128_offset): start address / 16, leading byte offset unused (1), stride byte offset 1024 (the
-// next 8 rows), layout type 1 (128-byte swizzle). The swizzle acts on address bits [4, 7) ^
-// [7, 10), so a tile starts 1024-byte aligned; the K step k inside a 128-byte row is start + k
-// bytes (32 per bf16 k16 or tf32 k8 step).
-__device__ __forceinline__ uint64_t wgmma_desc_sw128(uint32_t addr) {
-  return static_cast<uint64_t>((addr & 0x3ffffu) >> 4) | (1ull << 16) | (64ull << 32) |
-         (1ull << 62);
-}
-// Descriptors from two 32-bit halves: the low word (start address / 16, leading byte offset 1) of a
-// base address plus a byte offset, so that the descriptors of one stage cost one integer add each
-// (shared addresses are below 2^18: the start field never carries into bit 16), and the high word
-// (stride byte offset = 8 rows, layout type) of the swizzle mode: 128-byte; 64-byte (rows of 64
-// bytes, atom 8 x 64 B: stride 512, type 2; chunk bits [4, 6) ^ [7, 9)); 32-byte (rows of 32 bytes,
-// atom 8 x 32 B: stride 256, type 3; bit 4 ^ bit 7). The 16-token records use all three
-// (common.cuh).
+// next 8 rows), layout type 1. The 128-byte swizzle acts on address bits [4, 7) ^ [7, 10), so a
+// tile starts 1024-byte aligned; the K step k inside a 128-byte row is start + k bytes (32 per
+// bf16 k16 or tf32 k8 step). Built from two 32-bit halves: the low word (start address / 16,
+// leading byte offset 1) of a base address plus a byte offset, so that the descriptors of one stage
+// cost one integer add each (shared addresses are below 2^18: the start field never carries into
+// bit 16), and the high word (stride byte offset = 8 rows, layout type) of the swizzle mode:
+// 128-byte; 64-byte (rows of 64 bytes, atom 8 x 64 B: stride 512, type 2; chunk bits [4, 6) ^ [7,
+// 9)); 32-byte (rows of 32 bytes, atom 8 x 32 B: stride 256, type 3; bit 4 ^ bit 7). The 16-token
+// records use all three (common.cuh).
 __device__ __forceinline__ uint32_t wgmma_desc_lo(uint32_t addr) {
   return ((addr & 0x3ffffu) >> 4) | (1u << 16);
 }

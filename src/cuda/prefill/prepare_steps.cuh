@@ -278,14 +278,20 @@ __device__ __forceinline__ void akk_aqk_diag_pairwise(const uint16_t* qh, const 
   }
 }
 
-// Dense chunk slot -> (sequence n, chunk j), by a 32-bit division where the values allow (a
-// 64-bit one is a ~100-instruction call).
+// Dense chunk slot -> (sequence n, chunk j) by a 32-bit division; false (n, j unset) where the
+// values do not fit 32 bits.
+__device__ __forceinline__ bool dense_slot32(const Params& p, int64_t slot, int64_t& n,
+                                             int64_t& j) {
+  if (slot > INT32_MAX || p.chunks_per_seq > INT32_MAX) return false;
+  const uint32_t s32 = static_cast<uint32_t>(slot), c32 = static_cast<uint32_t>(p.chunks_per_seq);
+  n = s32 / c32;
+  j = s32 - static_cast<uint32_t>(n) * c32;
+  return true;
+}
+// The same for any slot: the 64-bit division (a ~100-instruction call) only where 32 bits do not
+// suffice.
 __device__ __forceinline__ void dense_slot(const Params& p, int64_t slot, int64_t& n, int64_t& j) {
-  if (slot <= INT32_MAX && p.chunks_per_seq <= INT32_MAX) {
-    const uint32_t s32 = static_cast<uint32_t>(slot), c32 = static_cast<uint32_t>(p.chunks_per_seq);
-    n = s32 / c32;
-    j = s32 - static_cast<uint32_t>(n) * c32;
-  } else {
+  if (!dense_slot32(p, slot, n, j)) {
     n = slot / p.chunks_per_seq;
     j = slot % p.chunks_per_seq;
   }
@@ -305,14 +311,12 @@ __device__ __forceinline__ void prefetch_next_chunk(const Params& p, unsigned bl
   const int64_t slot2 = nb / static_cast<unsigned>(p.HV);
   int64_t b2 = 0, t2;
   if (!p.varlen) {
-    // A 32-bit division only (a hint: beyond that range, no prefetch). A second call site of
+    // The 32-bit division only (a hint: beyond that range, no prefetch). A second call site of
     // dense_slot's 64-bit division makes it a subroutine, and in the single-launch kernel that
     // kept the recurrence phase's descriptor arithmetic off the uniform datapath.
-    if (p.chunks_per_seq > INT32_MAX) return;
-    const uint32_t c32 = static_cast<uint32_t>(p.chunks_per_seq);
-    const uint32_t n32 = static_cast<uint32_t>(slot2) / c32;  // slot2 < 2^32: nb is 32-bit
-    b2 = n32;
-    t2 = static_cast<int64_t>(static_cast<uint32_t>(slot2) - n32 * c32) * kChunk;
+    int64_t j2;
+    if (!dense_slot32(p, slot2, b2, j2)) return;
+    t2 = j2 * kChunk;
   } else {
     t2 = t0 + (slot2 - slot) * kChunk;
   }

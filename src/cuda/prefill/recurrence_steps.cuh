@@ -312,9 +312,6 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
     va[half][3] = __float_as_uint(hi_f32<kFp16>(vr[2 * half + 1]));
   }
   const uint32_t dlo = wgmma_desc_lo(sbase);  // the stage's descriptors: dlo + offset / 16
-  auto desc16 = [&](int off, int kbyte) {     // W, qg: [16][128] bf16 in the 128-byte swizzle
-    return wgmma_desc_at(dlo, off + (kbyte >> 7) * kChunk16 * 128 + (kbyte & 127), kDescHiSw128);
-  };
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accO2);
   wgmma_fence_acc(sa);
@@ -322,8 +319,8 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   wgmma_fence();
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
-    wgmma_bf16<2, -1>(accU, sa[ks], desc16(kR16OffW, 32 * ks), 1);
-    wgmma_bf16<2>(accO2, sa[ks], desc16(kR16OffQg, 32 * ks), 1);
+    wgmma_bf16<2, -1>(accU, sa[ks], rec_desc(dlo, kR16OffW, kChunk16, 32 * ks), 1);
+    wgmma_bf16<2>(accO2, sa[ks], rec_desc(dlo, kR16OffQg, kChunk16, 32 * ks), 1);
   }
 #pragma unroll
   for (int q = 0; q < 2; ++q)

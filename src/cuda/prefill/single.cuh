@@ -51,7 +51,7 @@ __global__ void __launch_bounds__(kSingleThreads, 1)
   pdl_prologue();
   single_prepare_phase<kFp16, kC16>(p, blockIdx.x);
   fence_proxy_async_global();  // this block's record stores, before the barrier
-  fence_proxy_async();  // the prepare phase's shared-memory accesses, before the stages' bulk copies
+  fence_proxy_async();  // the prepare phase's shared-memory accesses, before the stages' copies
   cooperative_groups::this_grid().sync();
   fence_proxy_async_global();  // every block's record stores, before this block's bulk copies
   // An aligned block barrier after the grid barrier (whose block barriers are not aligned): without
