@@ -259,8 +259,8 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
 // plans of the one-warpgroup-per-64-rows wgmma recurrence (chunk 64 or 16) when
 // Tuning::prefill_single is on (off by default: on the H100 the single kernel's recurrence steps
 // run slower than the recurrence kernel's, S1 0.099 against 0.089-0.090 ms, which outweighs the
-// 1.5-3.5 us of host time it saves; docs/design.md, "Launches"); `prep_blocks` = chunk slots x value heads,
-// `rec_blocks` = sequences x value heads x value slices.
+// 1.5-3.5 us of host time it saves; docs/design.md, "Launches"); `prep_blocks` = chunk slots x
+// value heads, `rec_blocks` = sequences x value heads x value slices.
 inline bool single_launch(const PrefillPlan& plan, int64_t prep_blocks, int64_t rec_blocks, int sms,
                           const detail::Tuning& t) {
   if (!t.prefill_single || plan.fused || plan.segment_tokens > 0 || !plan.rec.wgmma ||
