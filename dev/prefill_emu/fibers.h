@@ -1,6 +1,8 @@
 // fibers.h — the thread engine of the CPU emulation (engine.h, wgmma_selftest.cpp): every CUDA
 // thread of a block is a ucontext fiber, scheduled round-robin on one OS thread; barriers and
 // warp collectives yield until all participants arrive. Include after the shim's cuda_runtime.h.
+// In the ThreadSanitizer mode (tsan.h) each fiber is also a TSan fiber and the barriers are its
+// synchronizations.
 #pragma once
 #include <ucontext.h>
 
@@ -8,6 +10,8 @@
 #include <cstdlib>
 #include <functional>
 #include <vector>
+
+#include "tsan.h"
 
 namespace emu {
 dim3 threadIdx_, blockIdx_, blockDim_, gridDim_;
@@ -19,33 +23,52 @@ struct Fiber {
   ucontext_t ctx;
   std::vector<char> stack;
   bool done = false;
+  void* tsan = nullptr;  // its TSan fiber (tsan.h)
 };
+constexpr int kMaxThreads = 1024;
 static ucontext_t sched_ctx;
-static std::vector<Fiber>* fibers;
+static void* sched_tsan;               // the scheduler's TSan fiber
+static Fiber fiber_pool[kMaxThreads];  // the block's threads (stacks kept between blocks)
 static int cur = -1;
 static int block_arrived = 0;
 static long block_gen = 0;
 static int nthreads = 0;
-static void yield() { swapcontext(&(*fibers)[cur].ctx, &sched_ctx); }
+static tsan::BarrierTokens block_tokens, named_tokens[16], warp_tokens[32];
+static char block_end;  // every fiber releases here at its end; the scheduler acquires
+static WarpCtx warp_ctxs[kMaxThreads / 32];
+static void yield() {
+  Fiber& me = fiber_pool[cur];
+  tsan::switch_to(sched_tsan);
+  swapcontext(&me.ctx, &sched_ctx);
+}
 void yield_fiber() { yield(); }
-void warp_sync() {
+// The warp's rendezvous; `order`: also a memory barrier among its lanes (__syncwarp), not a bare
+// collective.
+static void warp_rendezvous(bool order) {
   WarpCtx* w = warp_ctx;
+  const tsan::BarrierTokens& tok = warp_tokens[w - warp_ctxs];
   const long g = w->gen;
+  if (order) tok.arrive(g);
   if (++w->arrived == 32) {
     w->arrived = 0;
     ++w->gen;
-    return;
+  } else {
+    while (w->gen == g) yield();
   }
-  while (w->gen == g) yield();
+  if (order) tok.leave(g);
 }
+void warp_sync() { warp_rendezvous(true); }
+void warp_collective() { warp_rendezvous(false); }
 void block_sync() {
   const long g = block_gen;
+  block_tokens.arrive(g);
   if (++block_arrived == nthreads) {
     block_arrived = 0;
     ++block_gen;
-    return;
+  } else {
+    while (block_gen == g) yield();
   }
-  while (block_gen == g) yield();
+  block_tokens.leave(g);
 }
 static int named_arrived[16];
 static long named_gen[16];
@@ -55,34 +78,67 @@ void named_sync(int id, int count) {  // bar.sync id, count: the first `count` a
     std::abort();
   }
   const long g = named_gen[id];
+  named_tokens[id].arrive(g);
   if (++named_arrived[id] == count) {
     named_arrived[id] = 0;
     ++named_gen[id];
-    return;
+  } else {
+    while (named_gen[id] == g) yield();
   }
-  while (named_gen[id] == g) yield();
+  named_tokens[id].leave(g);
 }
 static std::function<void()> body;
 static void trampoline() {
   body();
-  (*fibers)[cur].done = true;
-  swapcontext(&(*fibers)[cur].ctx, &sched_ctx);
+  Fiber& me = fiber_pool[cur];
+  me.done = true;
+  tsan::release(&block_end);  // after the fiber's last access
+  tsan::switch_to(sched_tsan);
+  swapcontext(&me.ctx, &sched_ctx);
+}
+// The engine's own memory, read and written by every fiber without order (TSan: not checked).
+static void mark_engine_memory() {
+  static bool marked = false;
+  if (marked) return;
+  marked = true;
+  tsan::benign(&threadIdx_, sizeof(dim3));
+  tsan::benign(&blockIdx_, sizeof(dim3));
+  tsan::benign(&blockDim_, sizeof(dim3));
+  tsan::benign(&gridDim_, sizeof(dim3));
+  tsan::benign(&warp_ctx, sizeof(warp_ctx));
+  tsan::benign(&lane_id, sizeof(lane_id));
+  tsan::benign(&cur, sizeof(cur));
+  tsan::benign(&sched_tsan, sizeof(sched_tsan));
+  tsan::benign(fiber_pool, sizeof(fiber_pool));
+  tsan::benign(&block_arrived, sizeof(block_arrived));
+  tsan::benign(&block_gen, sizeof(block_gen));
+  tsan::benign(named_arrived, sizeof(named_arrived));
+  tsan::benign(named_gen, sizeof(named_gen));
+  tsan::benign(warp_ctxs, sizeof(warp_ctxs));
 }
 // Runs `fn` as block `block` of `grid` with `threads` threads (threadIdx etc. set per fiber).
 static void run_block(int threads, unsigned block, unsigned grid, std::function<void()> fn) {
+  if (threads < 1 || threads > kMaxThreads) {
+    std::fprintf(stderr, "EMU: block of %d threads\n", threads);
+    std::abort();
+  }
+  mark_engine_memory();
   body = std::move(fn);
-  std::vector<Fiber> fib(threads);
-  std::vector<WarpCtx> wc((threads + 31) / 32);
-  fibers = &fib;
+  Fiber* fib = fiber_pool;
+  for (WarpCtx& w : warp_ctxs) w = WarpCtx{};
   nthreads = threads;
   block_arrived = 0;
+  tsan::block().reset(threads);
+  sched_tsan = tsan::current();
   for (int t = 0; t < threads; ++t) {
-    fib[t].stack.resize(1 << 18);
+    fib[t].done = false;
+    if (fib[t].stack.empty()) fib[t].stack.resize(1 << 18);
     getcontext(&fib[t].ctx);
     fib[t].ctx.uc_stack.ss_sp = fib[t].stack.data();
     fib[t].ctx.uc_stack.ss_size = fib[t].stack.size();
     fib[t].ctx.uc_link = nullptr;
     makecontext(&fib[t].ctx, trampoline, 0);
+    fib[t].tsan = tsan::create();  // after everything the block reads from the host
   }
   for (bool any = true; any;) {
     any = false;
@@ -94,10 +150,16 @@ static void run_block(int threads, unsigned block, unsigned grid, std::function<
       blockIdx_.x = block;
       blockDim_.x = threads;
       gridDim_.x = grid;
-      warp_ctx = &wc[t / 32];
+      warp_ctx = &warp_ctxs[t / 32];
       lane_id = t % 32;
+      tsan::switch_to(fib[t].tsan);
       swapcontext(&sched_ctx, &fib[t].ctx);
     }
   }
+  tsan::acquire(&block_end);  // the block's end, before the next block or the host reads
+  for (int t = 0; t < threads; ++t) tsan::destroy(fib[t].tsan);
 }
 }  // namespace emu
+namespace emu::tsan {
+int current_thread() { return emu::cur; }
+}  // namespace emu::tsan

@@ -59,7 +59,8 @@ struct WarpCtx {
 };
 extern WarpCtx* warp_ctx;
 extern int lane_id;
-void warp_sync();
+void warp_sync();        // __syncwarp: a rendezvous that orders the lanes' memory accesses
+void warp_collective();  // a collective's rendezvous (shuffles, mma.sync...): orders nothing
 void block_sync();
 void named_sync(int id, int count);
 void yield_fiber();  // let the other fibers of the block run (spin-waits)
@@ -70,26 +71,30 @@ void yield_fiber();  // let the other fibers of the block run (spin-waits)
 #define gridDim emu::gridDim_
 inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
-inline void __threadfence_block() {}  // fibers run one at a time: shared memory is always coherent
-inline unsigned atomicAdd(unsigned* p, unsigned v) {
-  const unsigned old = *p;
-  *p = old + v;
+namespace emu::tsan {  // tsan.h
+void fence();
+void atomic_access(const void* p, bool writes_value);
+}  // namespace emu::tsan
+// Fibers run one at a time, so shared memory is always coherent; the ThreadSanitizer mode models
+// the fences' and atomics' ordering (tsan.h).
+inline void __threadfence_block() { emu::tsan::fence(); }
+template <typename T>
+inline T emu_atomic_add(T* p, T v) {
+  const T old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  emu::tsan::atomic_access(p, true);
   return old;
 }
-inline int atomicAdd(int* p, int v) {
-  const int old = *p;
-  *p = old + v;
-  return old;
-}
+inline unsigned atomicAdd(unsigned* p, unsigned v) { return emu_atomic_add(p, v); }
+inline int atomicAdd(int* p, int v) { return emu_atomic_add(p, v); }
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) {
   static_assert(sizeof(T) <= 8);
   uint64_t u = 0;
   std::memcpy(&u, &v, sizeof(T));
   emu::warp_ctx->slot[emu::lane_id][0] = u;
-  emu::warp_sync();
+  emu::warp_collective();
   uint64_t r = emu::warp_ctx->slot[src & 31][0];
-  emu::warp_sync();
+  emu::warp_collective();
   T out;
   std::memcpy(&out, &r, sizeof(T));
   return out;
@@ -113,11 +118,11 @@ inline T __shfl_up_sync(unsigned m, T v, int d, int width = 32) {
 }
 inline unsigned __ballot_sync(unsigned, bool pred) {
   emu::warp_ctx->slot[emu::lane_id][0] = pred;
-  emu::warp_sync();
+  emu::warp_collective();
   unsigned r = 0;
   for (int i = 0; i < 32; ++i)
     if (emu::warp_ctx->slot[i][0]) r |= 1u << i;
-  emu::warp_sync();
+  emu::warp_collective();
   return r;
 }
 inline size_t __cvta_generic_to_shared(const void* p) {

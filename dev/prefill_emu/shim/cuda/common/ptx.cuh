@@ -7,6 +7,7 @@
 
 #include "core/kda_math.h"
 #include "cuda_runtime.h"
+#include "tsan.h"
 namespace kda::cuda::pf {
 #define EMU_CHECK(cond, msg)                                              \
   do {                                                                    \
@@ -46,7 +47,7 @@ inline auto* share_mma_operands(const uint32_t (&a)[4], uint32_t b0, uint32_t b1
   for (int i = 0; i < 4; ++i) s[l][i] = a[i];
   s[l][4] = b0;
   s[l][5] = b1;
-  emu::warp_sync();
+  emu::warp_collective();
   return s;
 }
 template <typename Elem>
@@ -64,7 +65,7 @@ inline void mma_k16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t
     }
     out[e] = (float)acc;
   }
-  emu::warp_sync();
+  emu::warp_collective();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 inline void mma_bf16(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
@@ -99,7 +100,7 @@ inline void mma_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_
     }
     out[e] = (float)acc;
   }
-  emu::warp_sync();
+  emu::warp_collective();
   for (int e = 0; e < 4; ++e) d[e] = out[e];
 }
 inline uint16_t ld16(uint32_t a) {
@@ -112,7 +113,7 @@ inline void ldmatrix_impl(uint32_t* r, uint32_t addr, bool trans, int count = 4)
   const int l = emu::lane_id;
   if (l < 8 * count) EMU_CHECK(addr % 16 == 0, "ldmatrix row address not 16-byte aligned");
   s[l][0] = addr;
-  emu::warp_sync();
+  emu::warp_collective();
   for (int i = 0; i < count; ++i) {
     uint32_t lo, hi;
     if (!trans) {
@@ -125,7 +126,7 @@ inline void ldmatrix_impl(uint32_t* r, uint32_t addr, bool trans, int count = 4)
     }
     r[i] = lo | (hi << 16);
   }
-  emu::warp_sync();
+  emu::warp_collective();
 }
 inline void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) { ldmatrix_impl(r, addr, false); }
 inline void ldmatrix_x2(uint32_t (&r)[2], uint32_t addr) { ldmatrix_impl(r, addr, false, 2); }
@@ -135,31 +136,35 @@ inline void stmatrix_x4_trans(uint32_t addr, uint32_t r0, uint32_t r1, uint32_t 
   const int l = emu::lane_id;
   EMU_CHECK(addr % 16 == 0, "stmatrix row address not 16-byte aligned");
   s[l][0] = addr;
-  emu::warp_sync();
+  emu::warp_collective();
   const uint32_t rr[4] = {r0, r1, r2, r3};
   for (int i = 0; i < 4; ++i) {
     const uint16_t lo = rr[i] & 0xffff, hi = rr[i] >> 16;
     std::memcpy(sptr((uint32_t)s[8 * i + 2 * (l % 4)][0] + 2 * (l / 4), 2), &lo, 2);
     std::memcpy(sptr((uint32_t)s[8 * i + 2 * (l % 4) + 1][0] + 2 * (l / 4), 2), &hi, 2);
   }
-  emu::warp_sync();
+  emu::warp_collective();
 }
 inline void cp_async_16_zfill(uint32_t dst, const void* src, int src_bytes) {
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0, "cp.async misaligned");
   uint8_t* d = sptr(dst, 16);
   std::memset(d, 0, 16);
   if (src_bytes) std::memcpy(d, src, src_bytes);
+  emu::tsan::cp_async_issued(d);
 }
 inline void cp_async_16(uint32_t dst, const void* src) { cp_async_16_zfill(dst, src, 16); }
-inline void cp_async_commit() {}
-inline void cp_async_wait_all() {}  // copies complete at issue
+// Copies complete at issue; the ThreadSanitizer mode writes them again at their wait (tsan.h).
+inline void cp_async_commit() { emu::tsan::cp_async_committed(); }
+inline void cp_async_wait_all() { emu::tsan::cp_async_waited(0); }
 }  // namespace kda::cuda::pf
 namespace kda::cuda {
 inline void pdl_prologue() {}  // no dependent grids on the CPU
 }  // namespace kda::cuda
 namespace kda::cuda::pf {
 template <int kPending>
-inline void cp_async_wait() {}
+inline void cp_async_wait() {
+  emu::tsan::cp_async_waited(kPending);
+}
 inline void fence_mbar_init() {}
 inline void fence_proxy_async() {}
 inline void fence_proxy_async_global() {}
@@ -173,7 +178,9 @@ inline void setmaxnreg_dec() {}
 // and bytes are all in; mbar_wait(parity) returns once the phase of that parity has completed
 // (the current phase bit differs), yielding to the other fibers meanwhile, and aborts on a
 // deadlock. Bulk copies land at once, so the protocol (counts, parities, who waits for whom) is
-// what this checks, not the timing.
+// what this checks, not the timing. The ThreadSanitizer mode (tsan.h) keeps the bookkeeping out of
+// its checks, releases each arrival and each copy's bytes into a synchronization object of the
+// barrier's phase parity and acquires it when a wait returns.
 struct EmuMbar {
   uint32_t count : 12, pending : 12, phase : 1, init : 7;
   int32_t tx;
@@ -183,6 +190,19 @@ inline EmuMbar* mbar_at(uint32_t bar) {
   EMU_CHECK(bar % 8 == 0, "mbarrier not 8-byte aligned");
   return reinterpret_cast<EmuMbar*>(sptr(bar, 8));
 }
+inline const char* mbar_token(uint32_t bar, uint32_t parity) {
+  static char tokens[2 * 240000 / 8];
+  return &tokens[2 * (bar / 8) + (parity & 1)];
+}
+// An arrival (or a copy's bytes) in the current phase of the barrier: a release into its parity.
+inline void mbar_release(uint32_t bar) {
+  uint32_t phase;
+  {
+    const emu::tsan::Ignore ig;
+    phase = mbar_at(bar)->phase;
+  }
+  emu::tsan::release(mbar_token(bar, phase));
+}
 inline void mbar_complete_if_done(EmuMbar* m) {
   if (m->pending == 0 && m->tx == 0) {
     m->phase ^= 1;
@@ -191,6 +211,7 @@ inline void mbar_complete_if_done(EmuMbar* m) {
 }
 inline void mbar_init(uint32_t bar, uint32_t count) {
   EMU_CHECK(count >= 1 && count < 4096, "mbarrier count");
+  const emu::tsan::Ignore ig;
   EmuMbar* m = mbar_at(bar);
   m->count = count;
   m->pending = count;
@@ -199,30 +220,45 @@ inline void mbar_init(uint32_t bar, uint32_t count) {
   m->tx = 0;
 }
 inline EmuMbar* mbar_live(uint32_t bar) {
+  const emu::tsan::Ignore ig;
   EmuMbar* m = mbar_at(bar);
   EMU_CHECK(m->init == 0x5a, "mbarrier used before init");
   return m;
 }
 inline void mbar_arrive(uint32_t bar) {
+  mbar_live(bar);
+  mbar_release(bar);
+  const emu::tsan::Ignore ig;
   EmuMbar* m = mbar_live(bar);
   EMU_CHECK(m->pending > 0, "mbarrier: more arrivals than expected");
   --m->pending;
   mbar_complete_if_done(m);
 }
 inline void mbar_arrive_expect_tx(uint32_t bar, uint32_t bytes) {
-  mbar_live(bar)->tx += static_cast<int32_t>(bytes);
+  {
+    const emu::tsan::Ignore ig;
+    mbar_live(bar)->tx += static_cast<int32_t>(bytes);
+  }
   mbar_arrive(bar);
 }
+inline bool mbar_phase_is(uint32_t bar, uint32_t parity) {
+  const emu::tsan::Ignore ig;
+  return mbar_live(bar)->phase == (parity & 1);
+}
 inline void mbar_wait(uint32_t bar, uint32_t parity) {
-  for (long spins = 0; mbar_live(bar)->phase == (parity & 1); ++spins) {
+  for (long spins = 0; mbar_phase_is(bar, parity); ++spins) {
     EMU_CHECK(spins < 1000000, "mbarrier wait: deadlock (the phase never completes)");
     emu::yield_fiber();
   }
+  emu::tsan::acquire(mbar_token(bar, parity));
 }
 inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0,
             "bulk copy misaligned");
   std::memcpy(sptr(dst, bytes), src, bytes);
+  mbar_live(bar);
+  mbar_release(bar);  // the bytes' completion
+  const emu::tsan::Ignore ig;
   EmuMbar* m = mbar_live(bar);
   m->tx -= static_cast<int32_t>(bytes);
   EMU_CHECK(m->tx >= 0, "bulk copy: more bytes than the barrier expects");
@@ -237,13 +273,16 @@ inline void bulk_prefetch_l2(const void* src, uint32_t bytes) {
   (void)b[0];
   (void)b[bytes - 1];
 }
-// wgmma (sm_90a), emulated: products complete at issue, so fence/commit/wait are no-ops. Each warp
+// wgmma (sm_90a), emulated: products complete at issue, so fence/commit/wait are no-ops (the
+// ThreadSanitizer mode reads a group's shared-memory operands again at its wait, tsan.h). Each warp
 // of the warpgroup computes its own 16 rows (16w..16w+15) from its own A fragment, so a warp-level
 // rendezvous is enough (the 4 warps are not checked to be present).
 inline void wgmma_fence() {}
-inline void wgmma_commit() {}
+inline void wgmma_commit() { emu::tsan::wgmma_committed(); }
 template <int kPending>
-inline void wgmma_wait() {}
+inline void wgmma_wait() {
+  emu::tsan::wgmma_waited(kPending);
+}
 template <int NJ>
 inline void wgmma_fence_acc(float (&)[NJ][4]) {}
 template <int NJ>
@@ -264,6 +303,7 @@ inline uint64_t wgmma_desc_at(uint32_t lo, uint32_t bytes, uint32_t hi) {
 inline float wgmma_b(uint32_t start, uint32_t sbo, int rb, int n, int k, int esize) {
   uint32_t a = start + (n / 8) * sbo + (n % 8) * rb + k * esize;
   a ^= ((a >> 7) & (rb / 16 - 1)) << 4;
+  emu::tsan::wgmma_read(sptr(a, esize), esize);
   if (esize == 2) {
     uint16_t v;
     std::memcpy(&v, sptr(a, 2), 2);
@@ -295,7 +335,7 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
   auto* s = emu::warp_ctx->slot;
   const int l = emu::lane_id;
   for (int i = 0; i < 4; ++i) s[l][i] = a[i];
-  emu::warp_sync();
+  emu::warp_collective();
   // This lane's A rows g and g + 8, decoded from the warp's fragments.
   double ar[2][K];
   for (int rr = 0; rr < 2; ++rr)
@@ -320,7 +360,7 @@ inline void wgmma_impl(float (&d)[NJ][4], const uint32_t (&a)[4], uint64_t desc,
         out[j][e] = (float)acc;
       }
     }
-  emu::warp_sync();
+  emu::warp_collective();
   for (int j = 0; j < NJ; ++j)
     for (int e = 0; e < 4; ++e) d[j][e] = out[j][e];
 }
