@@ -255,8 +255,8 @@ __device__ __forceinline__ void recurrence_block(const Params& p, unsigned block
           cp_async_commit();
         if (last) {  // refill the previous step's stage (its counter's atomic has long returned)
           const int64_t cp = ci - 1;
-          __threadfence_block();  // acquire: the other warps' reads, before the reset and refill
           done0[cp & (kS - 1)] = 0u;
+          __threadfence_block();
           if (cp + kS < nchunks) issue_record(cp + kS);
           last = false;
         }
@@ -462,8 +462,8 @@ __device__ __forceinline__ void recurrence_block(const Params& p, unsigned block
         unsigned* done = done0 + st;
         __threadfence_block();
         if (atomicAdd(done, 1u) == static_cast<unsigned>(nwarps - 1)) {
-          __threadfence_block();  // acquire: the other warps' reads, before the reset and refill
           *done = 0u;
+          __threadfence_block();
           if (ci + kS < nchunks) issue_record(ci + kS);
         }
       }
