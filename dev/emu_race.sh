@@ -5,7 +5,8 @@
 # synchronizations of the CUDA memory model) and runs the emulated GPU prefill tests under it, with
 # the value split and step length forced so that every recurrence variant runs: the 64- and
 # 16-token wgmma steps with one and two warpgroups (vs = 64, 128; the stage refill by the last warp
-# done), the K split, the fused kernel, the single launch and the segmented passes.
+# done), the K split, the fused kernel, the single launch and the segmented passes. The model's
+# own cases (tsan_selftest.cpp: races it must report, orderings it must accept) run first.
 #   dev/emu_race.sh [build dir]          (default build-emu-tsan; ~15 minutes on two cores)
 # Prints one line per run (TSan warnings, tests passed) and exits non-zero on any warning or
 # failure; the logs are in $EMU_RACE_LOGS (default build dir/race_logs).
@@ -15,8 +16,14 @@ build=${1:-build-emu-tsan}
 logs=${EMU_RACE_LOGS:-$build/race_logs}
 cmake -S . -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DKDA_ENABLE_CUDA=OFF \
   -DKDA_BUILD_EMULATOR=ON -DKDA_EMU_TSAN=ON >/dev/null || exit 1
-cmake --build "$build" --target kda_emu_tests >/dev/null || exit 1
+cmake --build "$build" --target kda_emu_tests kda_emu_tsan_selftest >/dev/null || exit 1
 mkdir -p "$logs"
+# The model first: cases with a known verdict (tsan_selftest.cpp).
+"$build/dev/prefill_emu/kda_emu_tsan_selftest" >"$logs/selftest.log" 2>&1 || {
+  cat "$logs/selftest.log"
+  exit 1
+}
+echo "model: $(tail -1 "$logs/selftest.log") in $(grep -c expect "$logs/selftest.log") cases"
 export TSAN_OPTIONS="halt_on_error=0 history_size=3 report_signal_unsafe=0 ${TSAN_OPTIONS:-}"
 t=$build/dev/prefill_emu/kda_emu_tests
 failed=0

@@ -10,7 +10,11 @@
 //     it belongs to; a wait that returns acquires the phase of its parity.
 //   * atomics on the same address (relaxed) with fences (__threadfence_block): a fence followed by
 //     an atomic write releases what came before the fence; an atomic read followed by a fence
-//     acquires what the writes it read from (and their release sequence) released.
+//     acquires what the writes it read from (and their release sequence) released. The atomic
+//     accesses themselves are not checked against plain accesses of their address: PTX orders an
+//     atomic write before whatever follows, in program order, a read that observed it
+//     (observation order), which C++ and so TSan have no counterpart for (a counter reset by the
+//     last of its atomic increments is race-free in PTX, a race in C++).
 //   * copies and products that run asynchronously are checked over their whole window: a cp.async
 //     writes at issue and again when its group is waited for, a wgmma reads its shared-memory
 //     operand at issue and again when its group is waited for, a bulk copy writes at issue (its
@@ -54,11 +58,17 @@ inline void* current() { return __tsan_get_current_fiber(); }
 inline void* create() { return __tsan_create_fiber(0); }
 inline void destroy(void* f) { __tsan_destroy_fiber(f); }
 inline void switch_to(void* f) { __tsan_switch_to_fiber(f, 1u /* no synchronization */); }
-inline void reads(const void* p, size_t n) { __tsan_read_range(const_cast<void*>(p), static_cast<long>(n)); }
-inline void writes(const void* p, size_t n) { __tsan_write_range(const_cast<void*>(p), static_cast<long>(n)); }
+inline void reads(const void* p, size_t n) {
+  __tsan_read_range(const_cast<void*>(p), static_cast<long>(n));
+}
+inline void writes(const void* p, size_t n) {
+  __tsan_write_range(const_cast<void*>(p), static_cast<long>(n));
+}
 // Memory of the engine itself (the scheduler's per-thread globals, barrier counters, a warp's
 // exchange slots): its unordered accesses are the emulation's, not the kernel's.
-inline void benign(const void* p, size_t n) { AnnotateBenignRaceSized(__FILE__, __LINE__, p, n, "emu"); }
+inline void benign(const void* p, size_t n) {
+  AnnotateBenignRaceSized(__FILE__, __LINE__, p, n, "emu");
+}
 // Within an Ignore scope this fiber's accesses are not checked (an mbarrier's bookkeeping).
 struct Ignore {
   Ignore() {

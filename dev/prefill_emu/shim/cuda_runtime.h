@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+
+#include "tsan.h"  // the ThreadSanitizer mode's model (no-ops without it)
 #define __global__
 #define __device__
 #define __host__
@@ -71,16 +73,16 @@ void yield_fiber();  // let the other fibers of the block run (spin-waits)
 #define gridDim emu::gridDim_
 inline void __syncthreads() { emu::block_sync(); }
 inline void __syncwarp() { emu::warp_sync(); }
-namespace emu::tsan {  // tsan.h
-void fence();
-void atomic_access(const void* p, bool writes_value);
-}  // namespace emu::tsan
 // Fibers run one at a time, so shared memory is always coherent; the ThreadSanitizer mode models
 // the fences' and atomics' ordering (tsan.h).
 inline void __threadfence_block() { emu::tsan::fence(); }
 template <typename T>
 inline T emu_atomic_add(T* p, T v) {
-  const T old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  T old;
+  {
+    const emu::tsan::Ignore ig;  // the access itself is not checked (tsan.h)
+    old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
+  }
   emu::tsan::atomic_access(p, true);
   return old;
 }
