@@ -23,6 +23,8 @@
 //   build-emu/dev/prefill_emu/kda_emu_tests --gtest_filter='*CaseA*'   # the accuracy cases (~10
 //   min)
 // EMU_VS (16, 32, 64, 128) forces the value split of the emulated backend (kda_emu_tests).
+// -DKDA_EMU_TSAN=ON builds the ThreadSanitizer mode (tsan.h: the kernels' accesses checked against
+// the CUDA synchronizations they use); dev/emu_race.sh builds it and runs the race check.
 #pragma once
 #include <ucontext.h>
 

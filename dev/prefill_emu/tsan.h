@@ -20,7 +20,8 @@
 //     operand at issue and again when its group is waited for, a bulk copy writes at issue (its
 //     completion, the earliest point any waiter may read, follows at once).
 // Blocks run one after another, each started after the previous one ended (so races between
-// blocks of one grid are not modelled) and launches are ordered as kernel boundaries are.
+// blocks of one grid are not modelled) and launches are ordered as kernel boundaries are. The
+// generic and async proxies are one memory here: proxy fences are not checked.
 #pragma once
 #include <cstddef>
 #include <cstdint>
@@ -102,11 +103,29 @@ struct BarrierTokens {
   void leave(long g) const { acquire(&gen[g & 3]); }
 };
 
-// What one fiber (CUDA thread) carries for the model: its asynchronous groups (cp.async writes,
-// wgmma reads) not yet waited for, the atomics it read since its last fence, its last fence.
+// One fiber's asynchronous operations of one kind (cp.async writes, wgmma operand reads): the
+// ranges touched since the last commit, and the committed groups not yet waited for.
+struct AsyncGroups {
+  std::vector<std::pair<const void*, uint32_t>> open;
+  std::deque<std::vector<std::pair<const void*, uint32_t>>> groups;
+  void commit() {
+    groups.push_back(std::move(open));
+    open.clear();
+  }
+  // The groups older than the newest `pending` are complete: `touch` each of their ranges.
+  template <typename Touch>
+  void wait(int pending, Touch touch) {
+    while (static_cast<int>(groups.size()) > pending) {
+      for (const auto& r : groups.front()) touch(r.first, r.second);
+      groups.pop_front();
+    }
+  }
+};
+
+// What one fiber (CUDA thread) carries for the model: its asynchronous groups, the atomics it read
+// since its last fence, its last fence.
 struct FiberModel {
-  std::vector<std::pair<const void*, uint32_t>> cp_open, wg_open;  // since the last commit
-  std::deque<std::vector<std::pair<const void*, uint32_t>>> cp_groups, wg_groups;
+  AsyncGroups cp, wg;
   std::vector<std::pair<const void*, size_t>> atomics_read;  // (address, its releases then)
   const char* fence = nullptr;                               // the token of the last fence
 };
@@ -130,45 +149,30 @@ inline BlockModel& block() {
 int current_thread();  // the running fiber's thread index (fibers.h)
 inline FiberModel& me() { return block().fibers[current_thread()]; }
 
-// cp.async: a 16-byte write into shared memory (at issue, by the caller's memcpy), its group's
-// window closed by cp_async_wait.
+// cp.async: a 16-byte write into shared memory (at issue, by the caller's memcpy) that lands again
+// when its group is waited for (cp.async.wait_all: the uncommitted copies too).
 inline void cp_async_issued(const void* dst) {
-  if (kOn) me().cp_open.emplace_back(dst, 16u);
+  if (kOn) me().cp.open.emplace_back(dst, 16u);
 }
 inline void cp_async_committed() {
-  if (!kOn) return;
-  FiberModel& f = me();
-  f.cp_groups.push_back(std::move(f.cp_open));
-  f.cp_open.clear();
+  if (kOn) me().cp.commit();
 }
-// Groups older than the newest `pending` are complete: their writes land (again) here.
 inline void cp_async_waited(int pending) {
   if (!kOn) return;
-  FiberModel& f = me();
-  if (pending == 0 && !f.cp_open.empty()) cp_async_committed();  // wait_all: uncommitted too
-  while (static_cast<int>(f.cp_groups.size()) > pending) {
-    for (const auto& w : f.cp_groups.front()) writes(w.first, w.second);
-    f.cp_groups.pop_front();
-  }
+  AsyncGroups& g = me().cp;
+  if (pending == 0 && !g.open.empty()) g.commit();
+  g.wait(pending, writes);
 }
 // wgmma: each shared-memory operand element read at issue is read again when its group is
 // waited for.
 inline void wgmma_read(const void* p, uint32_t n) {
-  if (kOn) me().wg_open.emplace_back(p, n);
+  if (kOn) me().wg.open.emplace_back(p, n);
 }
 inline void wgmma_committed() {
-  if (!kOn) return;
-  FiberModel& f = me();
-  f.wg_groups.push_back(std::move(f.wg_open));
-  f.wg_open.clear();
+  if (kOn) me().wg.commit();
 }
 inline void wgmma_waited(int pending) {
-  if (!kOn) return;
-  FiberModel& f = me();
-  while (static_cast<int>(f.wg_groups.size()) > pending) {
-    for (const auto& r : f.wg_groups.front()) reads(r.first, r.second);
-    f.wg_groups.pop_front();
-  }
+  if (kOn) me().wg.wait(pending, reads);
 }
 // Atomics and fences (see the header comment).
 inline void atomic_access(const void* p, bool writes_value) {
