@@ -42,34 +42,25 @@ static void yield() {
   swapcontext(&me.ctx, &sched_ctx);
 }
 void yield_fiber() { yield(); }
-// The warp's rendezvous; `order`: also a memory barrier among its lanes (__syncwarp), not a bare
-// collective.
-static void warp_rendezvous(bool order) {
-  WarpCtx* w = warp_ctx;
-  const tsan::BarrierTokens& tok = warp_tokens[w - warp_ctxs];
-  const long g = w->gen;
-  if (order) tok.arrive(g);
-  if (++w->arrived == 32) {
-    w->arrived = 0;
-    ++w->gen;
+// Waits until `count` participants have arrived (the last one starts the next generation); with
+// `tok`, also a memory barrier among them (block, named and warp barriers; a warp collective's
+// rendezvous passes none).
+static void rendezvous(int& arrived, long& gen, int count, const tsan::BarrierTokens* tok) {
+  const long g = gen;
+  if (tok) tok->arrive(g);
+  if (++arrived == count) {
+    arrived = 0;
+    ++gen;
   } else {
-    while (w->gen == g) yield();
+    while (gen == g) yield();
   }
-  if (order) tok.leave(g);
+  if (tok) tok->leave(g);
 }
-void warp_sync() { warp_rendezvous(true); }
-void warp_collective() { warp_rendezvous(false); }
-void block_sync() {
-  const long g = block_gen;
-  block_tokens.arrive(g);
-  if (++block_arrived == nthreads) {
-    block_arrived = 0;
-    ++block_gen;
-  } else {
-    while (block_gen == g) yield();
-  }
-  block_tokens.leave(g);
+void warp_sync() {
+  rendezvous(warp_ctx->arrived, warp_ctx->gen, 32, &warp_tokens[warp_ctx - warp_ctxs]);
 }
+void warp_collective() { rendezvous(warp_ctx->arrived, warp_ctx->gen, 32, nullptr); }
+void block_sync() { rendezvous(block_arrived, block_gen, nthreads, &block_tokens); }
 static int named_arrived[16];
 static long named_gen[16];
 void named_sync(int id, int count) {  // bar.sync id, count: the first `count` arrivals release
@@ -77,15 +68,7 @@ void named_sync(int id, int count) {  // bar.sync id, count: the first `count` a
     std::fprintf(stderr, "EMU: bad named barrier\n");
     std::abort();
   }
-  const long g = named_gen[id];
-  named_tokens[id].arrive(g);
-  if (++named_arrived[id] == count) {
-    named_arrived[id] = 0;
-    ++named_gen[id];
-  } else {
-    while (named_gen[id] == g) yield();
-  }
-  named_tokens[id].leave(g);
+  rendezvous(named_arrived[id], named_gen[id], count, &named_tokens[id]);
 }
 static std::function<void()> body;
 static void trampoline() {
@@ -125,10 +108,10 @@ static void run_block(int threads, unsigned block, unsigned grid, std::function<
   mark_engine_memory();
   body = std::move(fn);
   Fiber* fib = fiber_pool;
-  for (WarpCtx& w : warp_ctxs) w = WarpCtx{};
+  for (int w = 0; w < (threads + 31) / 32; ++w) warp_ctxs[w] = WarpCtx{};
   nthreads = threads;
   block_arrived = 0;
-  tsan::block().reset(threads);
+  if (tsan::kOn) tsan::block().reset(threads);
   sched_tsan = tsan::current();
   for (int t = 0; t < threads; ++t) {
     fib[t].done = false;

@@ -175,13 +175,14 @@ inline void wgmma_waited(int pending) {
   if (kOn) me().wg.wait(pending, reads);
 }
 // Atomics and fences (see the header comment).
-inline void atomic_access(const void* p, bool writes_value) {
+// An atomic read-modify-write of `p` (every atomic the kernels use is one).
+inline void atomic_rmw(const void* p) {
   if (!kOn) return;
   const Ignore ig;
   FiberModel& f = me();
   auto& rel = block().released[p];
   f.atomics_read.emplace_back(p, rel.size());
-  if (writes_value && f.fence != nullptr) rel.push_back(f.fence);
+  if (f.fence != nullptr) rel.push_back(f.fence);
 }
 inline void fence() {
   if (!kOn) return;

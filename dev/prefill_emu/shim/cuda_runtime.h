@@ -83,7 +83,7 @@ inline T emu_atomic_add(T* p, T v) {
     const emu::tsan::Ignore ig;  // the access itself is not checked (tsan.h)
     old = __atomic_fetch_add(p, v, __ATOMIC_RELAXED);
   }
-  emu::tsan::atomic_access(p, true);
+  emu::tsan::atomic_rmw(p);
   return old;
 }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return emu_atomic_add(p, v); }

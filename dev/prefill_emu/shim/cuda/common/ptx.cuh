@@ -194,15 +194,6 @@ inline const char* mbar_token(uint32_t bar, uint32_t parity) {
   static char tokens[2 * 240000 / 8];
   return &tokens[2 * (bar / 8) + (parity & 1)];
 }
-// An arrival (or a copy's bytes) in the current phase of the barrier: a release into its parity.
-inline void mbar_release(uint32_t bar) {
-  uint32_t phase;
-  {
-    const emu::tsan::Ignore ig;
-    phase = mbar_at(bar)->phase;
-  }
-  emu::tsan::release(mbar_token(bar, phase));
-}
 inline void mbar_complete_if_done(EmuMbar* m) {
   if (m->pending == 0 && m->tx == 0) {
     m->phase ^= 1;
@@ -225,11 +216,20 @@ inline EmuMbar* mbar_live(uint32_t bar) {
   EMU_CHECK(m->init == 0x5a, "mbarrier used before init");
   return m;
 }
-inline void mbar_arrive(uint32_t bar) {
-  mbar_live(bar);
-  mbar_release(bar);
-  const emu::tsan::Ignore ig;
+// An arrival (or a copy's bytes) in the current phase of the barrier: a release into its parity.
+inline EmuMbar* mbar_release(uint32_t bar) {
   EmuMbar* m = mbar_live(bar);
+  uint32_t phase;
+  {
+    const emu::tsan::Ignore ig;
+    phase = m->phase;
+  }
+  emu::tsan::release(mbar_token(bar, phase));
+  return m;
+}
+inline void mbar_arrive(uint32_t bar) {
+  EmuMbar* m = mbar_release(bar);
+  const emu::tsan::Ignore ig;
   EMU_CHECK(m->pending > 0, "mbarrier: more arrivals than expected");
   --m->pending;
   mbar_complete_if_done(m);
@@ -256,10 +256,8 @@ inline void bulk_copy_g2s(uint32_t dst, const void* src, uint32_t bytes, uint32_
   EMU_CHECK(dst % 16 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0 && bytes % 16 == 0,
             "bulk copy misaligned");
   std::memcpy(sptr(dst, bytes), src, bytes);
-  mbar_live(bar);
-  mbar_release(bar);  // the bytes' completion
+  EmuMbar* m = mbar_release(bar);  // the bytes' completion
   const emu::tsan::Ignore ig;
-  EmuMbar* m = mbar_live(bar);
   m->tx -= static_cast<int32_t>(bytes);
   EMU_CHECK(m->tx >= 0, "bulk copy: more bytes than the barrier expects");
   mbar_complete_if_done(m);
