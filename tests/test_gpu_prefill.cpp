@@ -746,6 +746,53 @@ TEST(GpuPrefillSingle, MatchesReferenceAndTwoLaunches) {
   }
 }
 
+// The graph launch of a call's kernels (common/graph_launch.h; Tuning::prefill_graph): the fused
+// kernel's feature matrix on two launches and the segment cases on four (forced 64-token
+// segments), one after another on the legacy stream and on a stream of the test's own, so that
+// each stream's cached graph is updated with other kernels, grids and parameters on every call;
+// each run matches the fp64 reference and equals one launch per kernel bit for bit.
+TEST(GpuPrefillGraph, MatchesReferenceAndDirectLaunches) {
+  KDA_SKIP_WITHOUT_SM90();
+  cudaStream_t own;
+  KDA_TEST_CUDA(cudaStreamCreateWithFlags(&own, cudaStreamNonBlocking));
+  struct Run {
+    PrefillCase c;
+    int segment;
+  };
+  std::vector<Run> runs;
+  for (const PrefillCase& c : fused_cases()) runs.push_back({c, -1});
+  for (const PrefillCase& c : segment_cases()) runs.push_back({c, 64});
+  int i = 0;
+  for (const Run& run : runs) {
+    SCOPED_TRACE(run.c.name() + ", segment " + std::to_string(run.segment));
+    cudaStream_t stream = (i++ % 2 == 0) ? nullptr : own;
+    auto config = [&run](bool graph) {
+      return tuned([&run, graph](detail::Tuning& t) {
+        t.prefill_segment = run.segment;
+        t.prefill_fused = -1;
+        t.prefill_graph = graph;
+      });
+    };
+    const PrefillData d = make_data(run.c);
+    GpuResult graph, direct;
+    {
+      const detail::ScopedTuning scope(config(true));
+      check_against_reference(run.c);
+      graph = run_cuda(d, stream);
+    }
+    {
+      const detail::ScopedTuning scope(config(false));
+      direct = run_cuda(d, stream);
+    }
+    ASSERT_TRUE(graph.status.ok() && direct.status.ok());
+    EXPECT_TRUE(bitwise_equal(graph.out, direct.out));
+    EXPECT_TRUE(bitwise_equal(graph.ht, direct.ht));
+    EXPECT_TRUE(bitwise_equal(graph.pool, direct.pool));
+    EXPECT_TRUE(bitwise_equal(graph.ckpt, direct.ckpt));
+  }
+  cudaStreamDestroy(own);
+}
+
 INSTANTIATE_TEST_SUITE_P(Cases, GpuPrefillSweep, ::testing::ValuesIn(sweep_cases()),
                          [](const ::testing::TestParamInfo<PrefillCase>& info) {
                            return test_name(info.param.name());

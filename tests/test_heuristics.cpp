@@ -380,6 +380,14 @@ TEST(PrefillHeuristics, Fused) {
             0);
 }
 
+// The graph launch of a call's kernels: on by default, "0" turns it off, anything else keeps it.
+TEST(PrefillHeuristics, GraphLaunchKnob) {
+  EXPECT_TRUE(detail::Tuning{}.prefill_graph);
+  EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "0"}}).prefill_graph);
+  EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "1"}}).prefill_graph);
+  EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "off"}}).prefill_graph);
+}
+
 // The single launch: its knob, and where it is taken (unsegmented, unfused wgmma plans whose
 // prepare and recurrence blocks both fit one per SM).
 TEST(PrefillHeuristics, SingleLaunch) {

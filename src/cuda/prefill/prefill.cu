@@ -11,6 +11,8 @@
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
 //   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
 //   one cooperative launch (prefill/single.cuh).
+// Outside stream capture, a call's two or four kernels go as one graph launch (common/
+// graph_launch.h; Tuning::prefill_graph): one launch's host time instead of two or four.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -22,6 +24,7 @@
 #include "core/tuning.h"
 #include "cuda/common/check.h"
 #include "cuda/common/device.h"
+#include "cuda/common/graph_launch.h"
 #include "cuda/common/launch.cuh"
 #include "cuda/cuda_backend.h"
 #include "cuda/prefill/common.cuh"
@@ -77,15 +80,16 @@ Status recurrence_for(const Params& p, DeviceAttributes& d, void (**kernel)(Para
 
 template <bool kFp16>
 Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAttributes& d,
-              cudaStream_t stream) {
+              int device, cudaStream_t stream) {
   using S = KernelSlot;
   pf::Launch plan[4];
   const int count = pf::plan_launches(p, prep_blocks, rec_blocks, plan);
+  void (*kernels[4])(Params) = {};
+  Params pass[4];
   for (int i = 0; i < count; ++i) {
     const pf::Launch& l = plan[i];
-    const dim3 grid(static_cast<unsigned>(l.blocks)), block(static_cast<unsigned>(l.threads));
-    void (*kernel)(Params) = nullptr;
-    Params pass = p;
+    void (*&kernel)(Params) = kernels[i];
+    pass[i] = p;
     switch (l.kernel) {
       case pf::PrefillKernel::kPrepare:
         kernel = p.chunk16 ? pf::prepare_kernel<kFp16, true> : pf::prepare_kernel<kFp16, false>;
@@ -100,7 +104,7 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
         break;
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
-        pass.seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1 ? 1 : 2;
+        pass[i].seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1 ? 1 : 2;
         if (p.fused) {
           kernel = pf::fused_kernel<kFp16, true>;
           KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSegF16, S::kFusedSegBf16, kFp16),
@@ -126,15 +130,30 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
                                        kernel, pf::single_smem_bytes(p.chunk16, pf::kHeadDim)));
         break;
     }
+  }
+  // Two or four kernels: one graph launch of the chain where Tuning::prefill_graph allows (not
+  // while the stream is captured: then, or when the graph cannot be used, one launch each).
+  if (count >= 2 && detail::tuning().prefill_graph) {
+    ChainStep steps[4];
+    for (int i = 0; i < count; ++i)
+      steps[i] = {reinterpret_cast<const void*>(kernels[i]),
+                  dim3(static_cast<unsigned>(plan[i].blocks)),
+                  dim3(static_cast<unsigned>(plan[i].threads)), static_cast<unsigned>(plan[i].smem),
+                  &pass[i]};
+    if (launch_chain(steps, count, detail::tuning().pdl, device, stream)) return Status::Ok();
+  }
+  for (int i = 0; i < count; ++i) {
+    const pf::Launch& l = plan[i];
     const bool single = l.kernel == pf::PrefillKernel::kSingle;
-    const cudaError_t e =
-        launch_kernel_with(single, kernel, grid, block, static_cast<size_t>(l.smem), stream, pass);
+    const cudaError_t e = launch_kernel_with(single, kernels[i], dim3(static_cast<unsigned>(l.blocks)),
+                                             dim3(static_cast<unsigned>(l.threads)),
+                                             static_cast<size_t>(l.smem), stream, pass[i]);
     if (single && e == cudaErrorCooperativeLaunchTooLarge) {
       // Fewer SMs at hand than the device has (MPS, a partition): nothing ran, two launches.
       (void)cudaGetLastError();
       Params two = p;
       two.single = false;
-      return launch<kFp16>(two, prep_blocks, rec_blocks, d, stream);
+      return launch<kFp16>(two, prep_blocks, rec_blocks, d, device, stream);
     }
     KDA_CUDA_CHECK(e);
   }
@@ -187,8 +206,9 @@ Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
   if (!d->cooperative) p.single = false;  // the two launches (same workspace)
   cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
-  return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, *d, stream)
-                                       : launch<false>(p, prep_blocks, rec_blocks, *d, stream);
+  const int dev = pr.q.device_index;
+  return pr.q.dtype == DType::kFloat16 ? launch<true>(p, prep_blocks, rec_blocks, *d, dev, stream)
+                                       : launch<false>(p, prep_blocks, rec_blocks, *d, dev, stream);
 }
 
 }  // namespace kda::cuda
