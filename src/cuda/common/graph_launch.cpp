@@ -110,7 +110,13 @@ Chain* find_or_build(const ChainStep* steps, int n, bool pdl, int device, cudaSt
   c.stream = stream;
   c.n = n;
   c.pdl = pdl;
-  if (!build(steps, n, pdl, &c)) {
+  // Relaxed capture interaction while building: instantiating a graph may allocate, which a
+  // global-mode capture of another stream (this thread's or any) could count as unsafe.
+  cudaStreamCaptureMode mode = cudaStreamCaptureModeRelaxed;
+  const bool exchanged = cudaThreadExchangeStreamCaptureMode(&mode) == cudaSuccess;
+  const bool built = build(steps, n, pdl, &c);
+  if (exchanged) (void)cudaThreadExchangeStreamCaptureMode(&mode);
+  if (!built) {
     destroy(c);
     return nullptr;
   }
