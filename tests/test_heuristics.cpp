@@ -380,12 +380,13 @@ TEST(PrefillHeuristics, Fused) {
             0);
 }
 
-// The graph launch of a call's kernels: on by default, "0" turns it off, anything else keeps it.
+// The graph launch of a call's kernels: off by default, "1" turns it on, anything else keeps it
+// off.
 TEST(PrefillHeuristics, GraphLaunchKnob) {
-  EXPECT_TRUE(detail::Tuning{}.prefill_graph);
+  EXPECT_FALSE(detail::Tuning{}.prefill_graph);
   EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "0"}}).prefill_graph);
+  EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "yes"}}).prefill_graph);
   EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "1"}}).prefill_graph);
-  EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "off"}}).prefill_graph);
 }
 
 // The single launch: its knob, and where it is taken (unsegmented, unfused wgmma plans whose

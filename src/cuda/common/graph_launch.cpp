@@ -29,8 +29,8 @@ const DriverGraph& driver_graph() {
     cudaDriverEntryPointQueryResult a = cudaDriverEntryPointSymbolNotFound, b = a;
     if (cudaGetDriverEntryPointByVersion("cuGraphExecKernelNodeSetParams", &set, 12000,
                                          cudaEnableDefault, &a) != cudaSuccess ||
-        cudaGetDriverEntryPointByVersion("cuGraphLaunch", &launch, 12000, cudaEnableDefault,
-                                         &b) != cudaSuccess ||
+        cudaGetDriverEntryPointByVersion("cuGraphLaunch", &launch, 12000, cudaEnableDefault, &b) !=
+            cudaSuccess ||
         a != cudaDriverEntryPointSuccess || b != cudaDriverEntryPointSuccess) {
       (void)cudaGetLastError();
       return g;
@@ -94,8 +94,7 @@ bool build(const ChainStep* steps, int n, bool pdl, Chain* c) {
       edge.from_port = cudaGraphKernelNodePortProgrammatic;
       edge.type = cudaGraphDependencyTypeProgrammatic;
     }
-    if (cudaGraphAddDependencies(c->graph, &c->nodes[i - 1], &c->nodes[i], &edge, 1) !=
-        cudaSuccess)
+    if (cudaGraphAddDependencies(c->graph, &c->nodes[i - 1], &c->nodes[i], &edge, 1) != cudaSuccess)
       return false;
   }
   return cudaGraphInstantiate(&c->exec, c->graph, 0) == cudaSuccess;
@@ -165,18 +164,17 @@ bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStrea
       kp.blockDimZ = steps[i].block.z;
       kp.sharedMemBytes = steps[i].smem;
       kp.kernelParams = args;
-      ok = drv.set(reinterpret_cast<CUgraphExec>(c->exec), reinterpret_cast<CUgraphNode>(c->nodes[i]),
-                   &kp) == CUDA_SUCCESS;
+      ok = drv.set(reinterpret_cast<CUgraphExec>(c->exec),
+                   reinterpret_cast<CUgraphNode>(c->nodes[i]), &kp) == CUDA_SUCCESS;
     } else {
       const cudaKernelNodeParams kp = node_params(steps[i], args);
       ok = cudaGraphExecKernelNodeSetParams(c->exec, c->nodes[i], &kp) == cudaSuccess;
     }
   }
   if (ok)
-    ok = drv.launch != nullptr
-             ? drv.launch(reinterpret_cast<CUgraphExec>(c->exec),
-                          reinterpret_cast<CUstream>(stream)) == CUDA_SUCCESS
-             : cudaGraphLaunch(c->exec, stream) == cudaSuccess;
+    ok = drv.launch != nullptr ? drv.launch(reinterpret_cast<CUgraphExec>(c->exec),
+                                            reinterpret_cast<CUstream>(stream)) == CUDA_SUCCESS
+                               : cudaGraphLaunch(c->exec, stream) == cudaSuccess;
   if (ok) return true;
   // Nothing ran: the graph is dropped (a reset device, a kernel the graph cannot take) and the
   // caller launches the steps itself.

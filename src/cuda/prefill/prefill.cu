@@ -11,8 +11,8 @@
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
 //   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
 //   one cooperative launch (prefill/single.cuh).
-// Outside stream capture, a call's two or four kernels go as one graph launch (common/
-// graph_launch.h; Tuning::prefill_graph): one launch's host time instead of two or four.
+// With Tuning::prefill_graph (opt-in) and outside stream capture, a call's two or four kernels go
+// as one graph launch (common/graph_launch.h): one launch's host time instead of two or four.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -145,9 +145,9 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
   for (int i = 0; i < count; ++i) {
     const pf::Launch& l = plan[i];
     const bool single = l.kernel == pf::PrefillKernel::kSingle;
-    const cudaError_t e = launch_kernel_with(single, kernels[i], dim3(static_cast<unsigned>(l.blocks)),
-                                             dim3(static_cast<unsigned>(l.threads)),
-                                             static_cast<size_t>(l.smem), stream, pass[i]);
+    const cudaError_t e = launch_kernel_with(
+        single, kernels[i], dim3(static_cast<unsigned>(l.blocks)),
+        dim3(static_cast<unsigned>(l.threads)), static_cast<size_t>(l.smem), stream, pass[i]);
     if (single && e == cudaErrorCooperativeLaunchTooLarge) {
       // Fewer SMs at hand than the device has (MPS, a partition): nothing ran, two launches.
       (void)cudaGetLastError();
