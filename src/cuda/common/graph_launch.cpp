@@ -183,9 +183,4 @@ bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStrea
   return false;
 }
 
-void forget_chain_graphs() {
-  for (Chain& c : t_chains.list) destroy(c);
-  t_chains.list.clear();
-}
-
 }  // namespace kda::cuda

@@ -29,7 +29,4 @@ struct ChainStep {
 inline constexpr int kMaxChainSteps = 4;
 bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStream_t stream);
 
-// Destroys the calling thread's graphs (they are rebuilt on next use).
-void forget_chain_graphs();
-
 }  // namespace kda::cuda
