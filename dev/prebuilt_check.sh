@@ -8,8 +8,11 @@
 # Runs NEW's GPU tests (CHECK_FILTER) and compute-sanitizer memcheck / racecheck / synccheck
 # (SANITIZE_FILTER), then ROUNDS interleaved rounds of both trees' host cost (bench_host_cost)
 # and prefill benchmark (CHECK_CASES), NEW's also under each AB_VARIANTS setting (VAR=value, or
-# several joined by commas), and NEW's decode benchmark (DECODE_FILTER). Logs in $OUT; the
-# medians over the rounds last.
+# several joined by commas), and NEW's decode benchmark (DECODE_FILTER). HOST_ARGS: extra
+# bench_host_cost arguments (e.g. `--T 2048 --H 12` for a segmented call). PY_KDA: a directory
+# holding a `kda` package built for the GPU machine's Python (e.g. .deps/py312/python, packed
+# too): then bench/host_cost.py also runs for NEW under each setting (rows `py kda.*`). Logs in
+# $OUT, one per tree, round and setting; the medians over the rounds last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -33,14 +36,21 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
     n=$(basename "$tree")
     settings=(""); [ "$tree" = "$new" ] && settings+=("${variants[@]}")
     for var in "${settings[@]}"; do
-      env ${var//,/ } "$tree/build-gpu/bench/bench_host_cost" >"$OUT/host_${n}_$r.log" 2>&1
+      tag=${n}_$r${var:+_${var//[^A-Za-z0-9]/_}}
+      env ${var//,/ } "$tree/build-gpu/bench/bench_host_cost" ${HOST_ARGS:-} >"$OUT/host_$tag.log" 2>&1
       awk -v c="$n${var:+ $var}" '$1 ~ /^kda::(prefill|decode)$/ {print c "\t" $1 " " $2 "\t" $3}' \
-        "$OUT/host_${n}_$r.log" >>"$OUT/medians.tsv"
+        "$OUT/host_$tag.log" >>"$OUT/medians.tsv"
+      if [ -n "${PY_KDA:-}" ] && [ "$tree" = "$new" ]; then
+        env ${var//,/ } PYTHONPATH="$PY_KDA" timeout 120 python3 bench/host_cost.py \
+          >"$OUT/py_$tag.log" 2>&1
+        awk -v c="$n${var:+ $var}" '$1 ~ /^kda\.(prefill|fwd|decode)$/ && $NF ~ /^[0-9.]+$/ {print c "\tpy " $1 "\t" $NF}' \
+          "$OUT/py_$tag.log" >>"$OUT/medians.tsv"
+      fi
       env ${var//,/ } "$tree/build-gpu/bench/bench_gpu_prefill" --case "${CHECK_CASES:-S1,S2,S10,P7}" \
-        --iters 50 $([ "$r" -gt 1 ] && echo --no-check) >"$OUT/bench_${n}_$r.log" 2>&1
-      [ "$r" = 1 ] && grep -E "^[PS][0-9]" "$OUT/bench_${n}_$r.log" | sed "s|^|$n ${var} |"
+        --iters 50 $([ "$r" -gt 1 ] && echo --no-check) >"$OUT/bench_$tag.log" 2>&1
+      [ "$r" = 1 ] && grep -E "^[PS][0-9]" "$OUT/bench_$tag.log" | sed "s|^|$n ${var} |"
       awk -v c="$n${var:+ $var}" '/^[PS][0-9]/ {for (i = 2; i <= NF; ++i) if ($i ~ /^[0-9]+\.[0-9]+$/ && $(i+1) ~ /^[0-9]+\.[0-9]+$/) {print c "\t" $1 "\t" $i; break}}' \
-        "$OUT/bench_${n}_$r.log" >>"$OUT/medians.tsv"
+        "$OUT/bench_$tag.log" >>"$OUT/medians.tsv"
     done
   done
 done
