@@ -76,18 +76,21 @@ TensorView host_view(const TensorView& t, std::vector<uint8_t>& host) {
   return h;
 }
 
+void* driver_entry_point(const char* symbol) {
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion(symbol, &fn, 12000, cudaEnableDefault, &found) !=
+          cudaSuccess ||
+      found != cudaDriverEntryPointSuccess) {
+    (void)cudaGetLastError();
+    return nullptr;
+  }
+  return fn;
+}
+
 DriverLaunch driver_launch() {
-  static const DriverLaunch launch = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
-    if (cudaGetDriverEntryPointByVersion("cuLaunchKernelEx", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<DriverLaunch>(nullptr);
-    }
-    return reinterpret_cast<DriverLaunch>(fn);
-  }();
+  static const DriverLaunch launch =
+      reinterpret_cast<DriverLaunch>(driver_entry_point("cuLaunchKernelEx"));
   return launch;
 }
 

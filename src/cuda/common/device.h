@@ -103,6 +103,10 @@ Status configure_once(DeviceAttributes& d, KernelSlot slot, int slot_offset, Set
   return Status::Ok();
 }
 
+// A driver function by name, at the CUDA 12.0 ABI (nullptr when unavailable;
+// the runtime's error state is left clear).
+void* driver_entry_point(const char* symbol);
+
 // The driver's launch (cuLaunchKernelEx, through the runtime's entry-point query: no libcuda link)
 // and the CUfunction of `kernel` on the current device, both looked up once (the function per
 // host thread and device: no lock). A launch through them skips the runtime's per-launch work:

@@ -24,17 +24,9 @@ struct DriverGraph {
 const DriverGraph& driver_graph() {
   static const DriverGraph fns = [] {
     DriverGraph g;
-    void* set = nullptr;
-    void* launch = nullptr;
-    cudaDriverEntryPointQueryResult a = cudaDriverEntryPointSymbolNotFound, b = a;
-    if (cudaGetDriverEntryPointByVersion("cuGraphExecKernelNodeSetParams", &set, 12000,
-                                         cudaEnableDefault, &a) != cudaSuccess ||
-        cudaGetDriverEntryPointByVersion("cuGraphLaunch", &launch, 12000, cudaEnableDefault, &b) !=
-            cudaSuccess ||
-        a != cudaDriverEntryPointSuccess || b != cudaDriverEntryPointSuccess) {
-      (void)cudaGetLastError();
-      return g;
-    }
+    void* set = driver_entry_point("cuGraphExecKernelNodeSetParams");
+    void* launch = driver_entry_point("cuGraphLaunch");
+    if (set == nullptr || launch == nullptr) return g;
     g.set = reinterpret_cast<SetParamsFn>(set);
     g.launch = reinterpret_cast<GraphLaunchFn>(launch);
     return g;
