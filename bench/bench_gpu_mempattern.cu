@@ -80,8 +80,9 @@ __global__ void __launch_bounds__(128)
     st_cs(dst + base + i * 128 + threadIdx.x, bump(sh[i * 128 + threadIdx.x]));
 }
 
-// One bulk copy in, one bulk copy out (TMA, 1-D), kBytes per block.
-template <int kBytes>
+// One bulk copy in, one bulk copy out (TMA, 1-D), kBytes per block. kHint: L2 evict-first cache
+// policy on the load (bit 0) and on the store (bit 1).
+template <int kBytes, int kHint = 0>
 __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src, const int* idx) {
   extern __shared__ __align__(128) unsigned char smem[];
   __shared__ __align__(8) unsigned long long bar;
@@ -94,11 +95,21 @@ __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src,
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar_s), "r"(kBytes)
                  : "memory");
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-            "r"(sm_s),
-        "l"(src + base), "r"(kBytes), "r"(bar_s)
-        : "memory");
+    if constexpr (kHint & 1) {
+      uint64_t pol;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], "
+          "[%1], %2, [%3], %4;" ::"r"(sm_s),
+          "l"(src + base), "r"(kBytes), "r"(bar_s), "l"(pol)
+          : "memory");
+    } else {
+      asm volatile(
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
+              "r"(sm_s),
+          "l"(src + base), "r"(kBytes), "r"(bar_s)
+          : "memory");
+    }
   }
   __syncthreads();
   unsigned done = 0;
@@ -115,9 +126,19 @@ __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src,
   asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
   __syncthreads();
   if (threadIdx.x == 0) {
-    asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + base),
-                 "r"(sm_s), "r"(kBytes)
-                 : "memory");
+    if constexpr (kHint & 2) {
+      uint64_t pol;
+      asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
+      asm volatile(
+          "cp.async.bulk.global.shared::cta.bulk_group.L2::cache_hint [%0], [%1], %2, %3;" ::"l"(
+              dst + base),
+          "r"(sm_s), "r"(kBytes), "l"(pol)
+          : "memory");
+    } else {
+      asm volatile("cp.async.bulk.global.shared::cta.bulk_group [%0], [%1], %2;" ::"l"(dst + base),
+                   "r"(sm_s), "r"(kBytes)
+                   : "memory");
+    }
     asm volatile("cp.async.bulk.commit_group;" ::: "memory");
     asm volatile("cp.async.bulk.wait_group.read 0;" ::: "memory");
   }
@@ -274,6 +295,20 @@ int main() {
          time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
   report("bulk 32 KB in, bulk out, in place",
          time_it([&] { bulk_kernel<32768><<<tiles / 2, 128, 32768, s>>>(a, a, nullptr); }, s));
+  report("bulk 16 KB in, bulk out, out of place",
+         time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(b, a, nullptr); }, s));
+  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 1>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 2>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 3>,
+                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
+  report("bulk 16 KB, in place, load evict-first",
+         time_it([&] { bulk_kernel<16384, 1><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
+  report("bulk 16 KB, in place, store evict-first",
+         time_it([&] { bulk_kernel<16384, 2><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
+  report("bulk 16 KB, in place, both evict-first",
+         time_it([&] { bulk_kernel<16384, 3><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
   for (int per_sm : {4, 8, 12}) {
     char name[64];
     std::snprintf(name, sizeof name, "persistent reg x 8, %d blocks/SM, in place", per_sm);

@@ -27,6 +27,7 @@
 
 #include "core/kda_math.h"
 #include "core/tuning.h"
+#include "cuda/common/graph_launch.h"
 #include "cuda/heuristics/prefill.h"
 #include "gpu_support.h"
 #include "support.h"
@@ -778,11 +779,15 @@ TEST(GpuPrefillGraph, MatchesReferenceAndDirectLaunches) {
     {
       const detail::ScopedTuning scope(config(true));
       check_against_reference(run.c);
+      const unsigned long long before = cuda::chain_launch_count();
       graph = run_cuda(d, stream);
+      EXPECT_EQ(cuda::chain_launch_count(), before + 1) << "the call did not take the graph launch";
     }
     {
       const detail::ScopedTuning scope(config(false));
+      const unsigned long long before = cuda::chain_launch_count();
       direct = run_cuda(d, stream);
+      EXPECT_EQ(cuda::chain_launch_count(), before);
     }
     ASSERT_TRUE(graph.status.ok() && direct.status.ok());
     EXPECT_TRUE(bitwise_equal(graph.out, direct.out));

@@ -60,6 +60,7 @@ struct Chains {
   }
 };
 thread_local Chains t_chains;
+thread_local unsigned long long t_launched = 0;
 
 cudaKernelNodeParams node_params(const ChainStep& s, void** args) {
   cudaKernelNodeParams kp = {};
@@ -167,12 +168,17 @@ bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStrea
     ok = drv.launch != nullptr ? drv.launch(reinterpret_cast<CUgraphExec>(c->exec),
                                             reinterpret_cast<CUstream>(stream)) == CUDA_SUCCESS
                                : cudaGraphLaunch(c->exec, stream) == cudaSuccess;
-  if (ok) return true;
+  if (ok) {
+    ++t_launched;
+    return true;
+  }
   // Nothing ran: the graph is dropped (a reset device, a kernel the graph cannot take) and the
   // caller launches the steps itself.
   (void)cudaGetLastError();
   drop(c);
   return false;
 }
+
+unsigned long long chain_launch_count() { return t_launched; }
 
 }  // namespace kda::cuda

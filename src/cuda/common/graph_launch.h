@@ -29,4 +29,8 @@ struct ChainStep {
 inline constexpr int kMaxChainSteps = 4;
 bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStream_t stream);
 
+// Testing hook: how many chains the calling thread has launched as graphs (launch_chain returned
+// true), so that a test can tell the graph launch from the direct launches it falls back to.
+unsigned long long chain_launch_count();
+
 }  // namespace kda::cuda
