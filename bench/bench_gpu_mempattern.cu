@@ -105,8 +105,8 @@ __global__ void __launch_bounds__(128) bulk_kernel(uint4* dst, const uint4* src,
           : "memory");
     } else {
       asm volatile(
-          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::
-              "r"(sm_s),
+          "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, "
+          "[%3];" ::"r"(sm_s),
           "l"(src + base), "r"(kBytes), "r"(bar_s)
           : "memory");
     }
