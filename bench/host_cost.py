@@ -16,6 +16,7 @@ of tiny shapes (the kernels' own time is then part of the figure).
 
     python bench/host_cost.py                 # defaults for the device found
     python bench/host_cost.py --T 16 --H 1    # other prefill shapes
+    python bench/host_cost.py --only kda.prefill,kda.decode --repeats 15   # some calls only
 """
 
 import argparse
@@ -236,6 +237,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--threads", type=int, default=1, help="CPU backend threads (CPU tensors)")
     ap.add_argument("--json", default=None, help="also write the JSON to this file")
+    ap.add_argument("--only", default=None,
+                    help="comma-separated call names: time only these (e.g. kda.prefill,kda.fwd)")
     a = ap.parse_args()
 
     dev = "cuda" if cuda else "cpu"
@@ -248,6 +251,9 @@ def main() -> None:
     if cuda:
         calls.update(side_stream_calls(kda_fns))
     calls.update(peer_calls(p, d))
+    if a.only:
+        wanted = set(a.only.split(","))
+        calls = {name: fn for name, fn in calls.items() if name in wanted}
 
     rows: List[Dict[str, Any]] = []
     for name, fn in calls.items():

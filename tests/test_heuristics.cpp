@@ -383,9 +383,10 @@ TEST(PrefillHeuristics, Fused) {
 // The graph launch of a call's kernels: off by default, "1" turns it on, anything else keeps it
 // off.
 TEST(PrefillHeuristics, GraphLaunchKnob) {
-  EXPECT_FALSE(detail::Tuning{}.prefill_graph);
+  EXPECT_TRUE(detail::Tuning{}.prefill_graph);  // on by default
+  EXPECT_TRUE(tuning({}).prefill_graph);
   EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "0"}}).prefill_graph);
-  EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "yes"}}).prefill_graph);
+  EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "yes"}}).prefill_graph);  // not "0": the default
   EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_GRAPH", "1"}}).prefill_graph);
 }
 

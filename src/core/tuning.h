@@ -52,7 +52,7 @@ struct Tuning {
   int prefill_fused = 0;        // KDA_CUDA_PREFILL_FUSED: 1 forces the fused kernel where it
                                 // applies, 0 in the environment turns it off (stored as -1)
   bool prefill_single = false;  // KDA_CUDA_PREFILL_SINGLE=1: one cooperative launch, small calls
-  bool prefill_graph = false;   // KDA_CUDA_PREFILL_GRAPH=1: a call's kernels as one graph launch
+  bool prefill_graph = true;    // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
   bool backward_split = true;   // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
   int num_threads = 0;          // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
@@ -117,7 +117,7 @@ Tuning parse_tuning(Get&& get) {
   if (is(s, "0")) t.prefill_fused = -1;
   if (is(s, "1")) t.prefill_fused = 1;
   t.prefill_single = is(get("KDA_CUDA_PREFILL_SINGLE"), "1");
-  t.prefill_graph = is(get("KDA_CUDA_PREFILL_GRAPH"), "1");
+  t.prefill_graph = !is(get("KDA_CUDA_PREFILL_GRAPH"), "0");
   t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");
   if ((s = get("KDA_NUM_THREADS")) != nullptr) {
     const int n = std::atoi(s);

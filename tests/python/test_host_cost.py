@@ -389,7 +389,10 @@ def test_fwd_names_its_arguments_inside_another_callers_names():
 def test_cuda_graph_capture_neither_takes_nor_keeps_a_workspace():
     """A warm-up on a side stream keeps its workspace; the capture allocates its own from the
     graph's pool and keeps none; replays match eager calls."""
-    d = to_torch(make_prefill(seed=52, B=1, T=130, H=2, HV=4, K=128, V=128, gate="lower_bound"),
+    # 1024 tokens: the two-kernel plan, which needs a workspace (small calls such as 130 tokens
+    # take the fused kernel, which needs none); eager calls launch its kernels as one graph, the
+    # capture launches them directly.
+    d = to_torch(make_prefill(seed=52, B=1, T=1024, H=2, HV=4, K=128, V=128, gate="lower_bound"),
                  "cuda", torch.bfloat16)
     args, kw = split(d)
     out = torch.empty_like(args[2])

@@ -305,7 +305,9 @@ def test_cuda_workspace_comes_from_the_allocator_once(monkeypatch):
     call on the same stream: a failing allocator is a RuntimeError naming 'workspace' that writes
     nothing; an invalid call never allocates."""
     import kda._torch_ops as ops
-    dc = to_torch(cuda_prefill_case(seed=33, T=100), "cuda", torch.bfloat16)
+    # 1024 tokens: the two-kernel plan, which needs a workspace (small calls such as 100 tokens
+    # take the fused kernel, which needs none).
+    dc = to_torch(cuda_prefill_case(seed=33, T=1024), "cuda", torch.bfloat16)
     args, kw = args_kw(dc)
     run_or_skip(kda.prefill, *args, **kw)
     sizes = []

@@ -11,8 +11,9 @@
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
 //   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
 //   one cooperative launch (prefill/single.cuh).
-// With Tuning::prefill_graph (opt-in) and outside stream capture, a call's two or four kernels go
-// as one graph launch (common/graph_launch.h): one launch's host time instead of two or four.
+// With Tuning::prefill_graph (the default) and outside stream capture, a call's two or four
+// kernels go as one graph launch (common/graph_launch.h): one launch's host time instead of two or
+// four.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
