@@ -287,28 +287,18 @@ int main() {
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, nullptr); }, s));
   report("cp.async 16 KB -> smem -> st, in place, index",
          time_it([&] { cpasync_kernel<<<tiles, 128, 0, s>>>(a, a, idx); }, s));
-  BENCH_CUDA(
-      cudaFuncSetAttribute(bulk_kernel<16384>, cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  BENCH_CUDA(
-      cudaFuncSetAttribute(bulk_kernel<32768>, cudaFuncAttributeMaxDynamicSharedMemorySize, 32768));
-  report("bulk 16 KB in, bulk out, in place",
-         time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
-  report("bulk 32 KB in, bulk out, in place",
-         time_it([&] { bulk_kernel<32768><<<tiles / 2, 128, 32768, s>>>(a, a, nullptr); }, s));
-  report("bulk 16 KB in, bulk out, out of place",
-         time_it([&] { bulk_kernel<16384><<<tiles, 128, 16384, s>>>(b, a, nullptr); }, s));
-  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 1>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 2>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  BENCH_CUDA(cudaFuncSetAttribute(bulk_kernel<16384, 3>,
-                                  cudaFuncAttributeMaxDynamicSharedMemorySize, 16384));
-  report("bulk 16 KB, in place, load evict-first",
-         time_it([&] { bulk_kernel<16384, 1><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
-  report("bulk 16 KB, in place, store evict-first",
-         time_it([&] { bulk_kernel<16384, 2><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
-  report("bulk 16 KB, in place, both evict-first",
-         time_it([&] { bulk_kernel<16384, 3><<<tiles, 128, 16384, s>>>(a, a, nullptr); }, s));
+  // A bulk kernel over the pool, one tile of `tile` bytes per block (its dynamic shared memory).
+  auto bulk = [&](auto kernel, int tile, uint4* dst) {
+    BENCH_CUDA(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, tile));
+    const auto blocks = static_cast<unsigned>(bytes / tile);
+    return time_it([&] { kernel<<<blocks, 128, tile, s>>>(dst, a, nullptr); }, s);
+  };
+  report("bulk 16 KB in, bulk out, in place", bulk(bulk_kernel<16384>, 16384, a));
+  report("bulk 32 KB in, bulk out, in place", bulk(bulk_kernel<32768>, 32768, a));
+  report("bulk 16 KB in, bulk out, out of place", bulk(bulk_kernel<16384>, 16384, b));
+  report("bulk 16 KB, in place, load evict-first", bulk(bulk_kernel<16384, 1>, 16384, a));
+  report("bulk 16 KB, in place, store evict-first", bulk(bulk_kernel<16384, 2>, 16384, a));
+  report("bulk 16 KB, in place, both evict-first", bulk(bulk_kernel<16384, 3>, 16384, a));
   for (int per_sm : {4, 8, 12}) {
     char name[64];
     std::snprintf(name, sizeof name, "persistent reg x 8, %d blocks/SM, in place", per_sm);
