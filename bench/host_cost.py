@@ -252,8 +252,11 @@ def main() -> None:
         calls.update(side_stream_calls(kda_fns))
     calls.update(peer_calls(p, d))
     if a.only:
-        wanted = set(a.only.split(","))
-        calls = {name: fn for name, fn in calls.items() if name in wanted}
+        wanted = a.only.split(",")
+        missing = [name for name in wanted if name not in calls]
+        if missing:
+            ap.error(f"--only: no call named {', '.join(missing)} here (calls: {', '.join(calls)})")
+        calls = {name: calls[name] for name in wanted}
 
     rows: List[Dict[str, Any]] = []
     for name, fn in calls.items():
