@@ -11,8 +11,9 @@
 # several joined by commas), and NEW's decode benchmark (DECODE_FILTER). HOST_ARGS: extra
 # bench_host_cost arguments (e.g. `--T 2048 --H 12` for a segmented call). PY_KDA: a directory
 # holding a `kda` package built for the GPU machine's Python (e.g. .deps/py312/python, packed
-# too): then bench/host_cost.py also runs for NEW under each setting (rows `py kda.*`). Logs in
-# $OUT, one per tree, round and setting; the medians over the rounds last.
+# too): then bench/host_cost.py also runs for NEW under each setting (rows `py kda.prefill`,
+# `py kda.fwd`, `py kda.decode`: those calls alone, not their variants with outputs given or on
+# a side stream). Logs in $OUT, one per tree, round and setting; the medians over the rounds last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_out}; mkdir -p "$OUT"
@@ -43,7 +44,7 @@ for r in $(seq 1 "${ROUNDS:-2}"); do
       if [ -n "${PY_KDA:-}" ] && [ "$tree" = "$new" ]; then
         env ${var//,/ } PYTHONPATH="$PY_KDA" timeout 120 python3 bench/host_cost.py \
           >"$OUT/py_$tag.log" 2>&1
-        awk -v c="$n${var:+ $var}" '$1 ~ /^kda\.(prefill|fwd|decode)$/ && $NF ~ /^[0-9.]+$/ {print c "\tpy " $1 "\t" $NF}' \
+        awk -v c="$n${var:+ $var}" 'NF == 2 && $1 ~ /^kda\.(prefill|fwd|decode)$/ && $2 ~ /^[0-9.]+$/ {print c "\tpy " $1 "\t" $NF}' \
           "$OUT/py_$tag.log" >>"$OUT/medians.tsv"
       fi
       env ${var//,/ } "$tree/build-gpu/bench/bench_gpu_prefill" --case "${CHECK_CASES:-S1,S2,S10,P7}" \

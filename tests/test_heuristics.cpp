@@ -380,8 +380,8 @@ TEST(PrefillHeuristics, Fused) {
             0);
 }
 
-// The graph launch of a call's kernels: off by default, "1" turns it on, anything else keeps it
-// off.
+// The graph launch of a call's kernels: on by default, "0" turns it off, anything else keeps it
+// on.
 TEST(PrefillHeuristics, GraphLaunchKnob) {
   EXPECT_TRUE(detail::Tuning{}.prefill_graph);  // on by default
   EXPECT_TRUE(tuning({}).prefill_graph);

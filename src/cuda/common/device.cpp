@@ -110,6 +110,10 @@ CUfunction driver_function(const void* kernel) {
     cudaGetLastError();
     return nullptr;
   }
+  return driver_function(kernel, device);
+}
+
+CUfunction driver_function(const void* kernel, int device) {
   for (const DriverFunction& f : t_functions)
     if (f.kernel == kernel && f.device == device) return f.function;
   cudaFunction_t f = nullptr;

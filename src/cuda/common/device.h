@@ -116,6 +116,7 @@ void* driver_entry_point(const char* symbol);
 using DriverLaunch = CUresult (*)(const CUlaunchConfig*, CUfunction, void**, void**);
 DriverLaunch driver_launch();
 CUfunction driver_function(const void* kernel);
+CUfunction driver_function(const void* kernel, int device);  // `device`: the current device
 void forget_driver_functions();
 
 // check_indices: starts copying the memory of index tensor `t` (its strided extent; nothing for

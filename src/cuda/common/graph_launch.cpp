@@ -145,7 +145,7 @@ bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStrea
   bool ok = true;
   for (int i = 0; i < n && ok; ++i) {
     void* args[1] = {steps[i].param};
-    const CUfunction f = drv.set != nullptr ? driver_function(steps[i].kernel) : nullptr;
+    const CUfunction f = drv.set != nullptr ? driver_function(steps[i].kernel, device) : nullptr;
     if (f != nullptr) {
       CUDA_KERNEL_NODE_PARAMS_v2 kp = {};
       kp.func = f;

@@ -87,6 +87,7 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
   const int count = pf::plan_launches(p, prep_blocks, rec_blocks, plan);
   void (*kernels[4])(Params) = {};
   Params pass[4];
+  ChainStep steps[4];  // each launch's kernel, grid, block, shared memory and parameters
   for (int i = 0; i < count; ++i) {
     const pf::Launch& l = plan[i];
     void (*&kernel)(Params) = kernels[i];
@@ -131,24 +132,18 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
                                        kernel, pf::single_smem_bytes(p.chunk16, pf::kHeadDim)));
         break;
     }
+    steps[i] = {reinterpret_cast<const void*>(kernel), dim3(static_cast<unsigned>(l.blocks)),
+                dim3(static_cast<unsigned>(l.threads)), static_cast<unsigned>(l.smem), &pass[i]};
   }
   // Two or four kernels: one graph launch of the chain where Tuning::prefill_graph allows (not
   // while the stream is captured: then, or when the graph cannot be used, one launch each).
-  if (count >= 2 && detail::tuning().prefill_graph) {
-    ChainStep steps[4];
-    for (int i = 0; i < count; ++i)
-      steps[i] = {reinterpret_cast<const void*>(kernels[i]),
-                  dim3(static_cast<unsigned>(plan[i].blocks)),
-                  dim3(static_cast<unsigned>(plan[i].threads)), static_cast<unsigned>(plan[i].smem),
-                  &pass[i]};
-    if (launch_chain(steps, count, detail::tuning().pdl, device, stream)) return Status::Ok();
-  }
+  if (count >= 2 && detail::tuning().prefill_graph &&
+      launch_chain(steps, count, detail::tuning().pdl, device, stream))
+    return Status::Ok();
   for (int i = 0; i < count; ++i) {
-    const pf::Launch& l = plan[i];
-    const bool single = l.kernel == pf::PrefillKernel::kSingle;
-    const cudaError_t e = launch_kernel_with(
-        single, kernels[i], dim3(static_cast<unsigned>(l.blocks)),
-        dim3(static_cast<unsigned>(l.threads)), static_cast<size_t>(l.smem), stream, pass[i]);
+    const bool single = plan[i].kernel == pf::PrefillKernel::kSingle;
+    const cudaError_t e = launch_kernel_with(single, kernels[i], steps[i].grid, steps[i].block,
+                                             steps[i].smem, stream, pass[i]);
     if (single && e == cudaErrorCooperativeLaunchTooLarge) {
       // Fewer SMs at hand than the device has (MPS, a partition): nothing ran, two launches.
       (void)cudaGetLastError();
