@@ -219,6 +219,7 @@ std::string PrefillCase::name() const {
   if (checkpoint_every) s << "_ckpt" << checkpoint_every;
   if (gate_extreme != 0) s << "_extreme";
   if (weak_decay) s << "_weak";
+  if (slow_channel_dt != 0) s << "_slow";
   if (lower_bound != -5.0) s << "_lb";
   return s.str();
 }
@@ -269,6 +270,7 @@ PrefillData make_prefill(const PrefillCase& c) {
     d.A_log.fill_uniform(rng, 0.0, 1.0);
     d.dt_bias = HostTensor(DType::kFloat32, {c.HV, c.K});
     d.dt_bias.fill_uniform(rng, 0.0, 1.0);
+    if (c.slow_channel_dt != 0) d.dt_bias.set((c.HV - 1) * c.K, c.slow_channel_dt);
   }
   if (c.beta_logits)
     d.beta.fill_normal(rng, 1.0);

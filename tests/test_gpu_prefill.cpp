@@ -28,6 +28,7 @@
 #include "core/kda_math.h"
 #include "core/tuning.h"
 #include "cuda/common/graph_launch.h"
+#include "cuda/cuda_backend.h"
 #include "cuda/heuristics/prefill.h"
 #include "gpu_support.h"
 #include "support.h"
@@ -687,6 +688,78 @@ TEST(GpuPrefillFused, Segments) {
       SCOPED_TRACE(c.name());
       check_against_reference(c);
     }
+  }
+}
+
+// Warm-up segments (heuristics/prefill.h fused_choice, prefill/fused.cuh fused_warm_start),
+// forced with segments of 64 tokens (the most walks), against the fp64 reference, with the walks
+// counted (cuda::prefill_warm_counts) so that each case is known to have taken the path it tests:
+// under strong decay (lower bound -5, random gates) the segments far enough from their sequence's
+// start run from a zero state after a warm-up and none is left to the exact passes; a slow key
+// channel (dt_bias -30 in the last value head: that channel never decays, so no bound is reached)
+// leaves that head's late segments to the exact passes while the other head stays warm. The cases
+// span varlen batches with empty, 1-15-token and long sequences, checkpoints, grouped values,
+// K-first 16-bit states, fp16, fp32 gate and beta, strided inputs, negative eigenvalues and no
+// initial state.
+std::vector<PrefillCase> warm_cases() {
+  std::vector<PrefillCase> v;
+  auto add = [&](auto&& edit) {
+    PrefillCase c = base_case();
+    c.gate = GateForm::kLowerBound;
+    c.H = c.HV = 2;
+    edit(c);
+    v.push_back(c);
+  };
+  add([](PrefillCase& c) { c.seqlens = {900}; });
+  add([](PrefillCase& c) {
+    c.varlen = true;
+    c.seqlens = {0, 1, 15, 64, 65, 1000};
+    c.checkpoint_every = 64;
+  });
+  add([](PrefillCase& c) {
+    c.H = 2;
+    c.HV = 6;
+    c.seqlens = {800, 800};
+    c.checkpoint_every = 128;
+    c.layout = StateLayout::kKFirst;
+    c.state_dtype = DType::kBFloat16;
+    c.dtype = DType::kFloat16;
+  });
+  add([](PrefillCase& c) {
+    c.strided = true;
+    c.varlen = true;
+    c.seqlens = {33, 830};
+  });
+  add([](PrefillCase& c) {
+    c.gate_beta_fp32 = true;
+    c.seqlens = {900};
+    c.allow_neg_eigval = true;
+    c.init = InitState::kNone;
+  });
+  add([](PrefillCase& c) {
+    c.seqlens = {1100};
+    c.slow_channel_dt = -30;
+  });
+  return v;
+}
+
+TEST(GpuPrefillWarm, MatchesReference) {
+  KDA_SKIP_WITHOUT_SM90();
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
+    t.prefill_warm = 1;
+    t.prefill_segment = 64;
+  }));
+  for (const PrefillCase& c : warm_cases()) {
+    SCOPED_TRACE(c.name());
+    unsigned long long before[3] = {}, after[3] = {};
+    ASSERT_TRUE(cuda::prefill_warm_counts(0, before).ok());
+    check_against_reference(c);
+    ASSERT_TRUE(cuda::prefill_warm_counts(0, after).ok());
+    EXPECT_GT(after[1], before[1]) << "no segment ran from a warm-up";
+    if (c.slow_channel_dt != 0)
+      EXPECT_GT(after[2], before[2]) << "no segment went to the exact passes";
+    else
+      EXPECT_EQ(after[2], before[2]) << "segments went to the exact passes";
   }
 }
 

@@ -310,6 +310,70 @@ TEST(PrefillHeuristics, WeakDecayAvoidsChunk16) {
   }
 }
 
+// Warm-up segments (fused_choice with warm_applies; docs/design.md 6.10): taken where their model
+// predicts less than the exact plans, the warm-up estimate fits Tuning::prefill_warm_chunks and
+// the decay is not weak; forced by prefill_warm = 1 wherever they apply; never with one segment
+// per sequence forced, nor when turned off.
+TEST(PrefillHeuristics, Warm) {
+  using cuda::pf::fused_choice;
+  using cuda::pf::predicted_warm_us;
+  using cuda::pf::warm_chunks_estimate;
+  EXPECT_EQ(detail::Tuning{}.prefill_warm, 0);
+  EXPECT_EQ(detail::Tuning{}.prefill_warm_chunks, 48);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "1"}}).prefill_warm, 1);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "0"}}).prefill_warm, -1);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "on"}}).prefill_warm, 0);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "16"}}).prefill_warm_chunks, 16);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "0"}}).prefill_warm_chunks, 48);
+  EXPECT_EQ(warm_chunks_estimate(-5.0), 12);
+  EXPECT_EQ(warm_chunks_estimate(-2.5), 24);
+  EXPECT_GT(warm_chunks_estimate(-1.0), 48);
+  // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 12 chunks.
+  EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 12),
+              16 * cuda::pf::kFusedStepUs + cuda::pf::kFusedPassUs + cuda::pf::kWarmExtraUs, 1e-9);
+  const detail::Tuning def{};
+  detail::Tuning forced{}, off{}, none{}, seg{};
+  forced.prefill_warm = 1;
+  off.prefill_warm = -1;
+  none.prefill_segment = -1;
+  seg.prefill_warm = 1;
+  seg.prefill_segment = 128;
+  struct Shape {
+    int64_t T, N, HV;
+    bool warm;  // taken by default at lower bound -5
+  };
+  // S1, S2 (1 x 2048, HV = 12), S11 (1 x 65536, HV = 4), P2 (1 x 8192, HV = 64) and P5
+  // (1 x 32768, HV = 32) take it; P4 (8 x 1024, HV = 96) and P6 (16 x 4096, HV = 32) fill the
+  // SMs without segments.
+  for (const Shape& c : {Shape{1024, 1, 4, true}, Shape{2048, 1, 12, true},
+                         Shape{65536, 1, 4, true}, Shape{8192, 1, 64, true},
+                         Shape{32768, 1, 32, true}, Shape{1024, 8, 96, false},
+                         Shape{4096, 16, 32, false}}) {
+    SCOPED_TRACE(c.T);
+    const auto plan = cuda::pf::prefill_plan(false, c.T, c.N, c.HV, 132, def);
+    auto choose = [&](const detail::Tuning& t, bool applies, bool weak, double lb) {
+      return fused_choice(plan, c.T, c.N, c.HV, 132, t, true, weak, applies, lb);
+    };
+    const auto d = choose(def, true, false, -5.0);
+    EXPECT_EQ(d.warm, c.warm);
+    if (d.warm) {
+      EXPECT_TRUE(d.take);
+      EXPECT_GT(d.segment_tokens, 0);
+      EXPECT_LT(d.predicted_us, plan.predicted_us);
+    }
+    EXPECT_FALSE(choose(def, false, false, -5.0).warm);  // conditions unmet (pool, no l2norm, ...)
+    EXPECT_FALSE(choose(def, true, true, -5.0).warm);    // weak decay
+    EXPECT_FALSE(choose(def, true, false, -1.0).warm);   // the estimate exceeds the budget
+    EXPECT_FALSE(choose(off, true, false, -5.0).warm);
+    EXPECT_FALSE(choose(none, true, false, -5.0).warm);
+    const auto f = choose(forced, true, false, -1.0);
+    EXPECT_TRUE(f.take && f.warm);
+    const auto s = choose(seg, true, false, -5.0);
+    EXPECT_TRUE(s.take && s.warm);
+    EXPECT_EQ(s.segment_tokens, 128);
+  }
+}
+
 // The fused kernel: its knob, where it applies, its model and the choice against the two-kernel
 // plan (forced: always, with the best or the forced segment size; by default: never under weak
 // decay or with a forced value split or record length, else where its model predicts less).

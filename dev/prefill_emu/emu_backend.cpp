@@ -27,6 +27,10 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
 Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions&) {
   return detail::check_prefill_index_values(pr, pr.state_indices.data);
 }
+Status prefill_warm_counts(int, unsigned long long counts[3]) {
+  for (int i = 0; i < 3; ++i) counts[i] = pf::g_fused_warm_walks[i];
+  return Status::Ok();
+}
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {
   Status s = pf::check_supported(pr);
   if (!s.ok()) return s;

@@ -119,9 +119,12 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         launch(recurrence_kernel_of<kFp16, false>(recurrence_path(p)), l.blocks, l.threads, l.smem,
                p);
         break;
+      case PrefillKernel::kSegmentWarm:
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
-        pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1 ? 1 : 2;
+        pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1   ? 1
+                        : l.kernel == PrefillKernel::kSegmentPass2 ? 2
+                                                                   : 3;
         if (p.fused)
           launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
         else

@@ -51,6 +51,9 @@ struct Tuning {
                                 // -1: one segment per sequence)
   int prefill_fused = 0;        // KDA_CUDA_PREFILL_FUSED: 1 forces the fused kernel where it
                                 // applies, 0 in the environment turns it off (stored as -1)
+  int prefill_warm = 0;         // KDA_CUDA_PREFILL_WARM: 1 forces warm-up segments where they
+                                // apply, 0 in the environment turns them off (stored as -1)
+  int prefill_warm_chunks = 48;  // KDA_CUDA_PREFILL_WARM_CHUNKS: a warm-up's 16-token chunks, at most
   bool prefill_single = false;  // KDA_CUDA_PREFILL_SINGLE=1: one cooperative launch, small calls
   bool prefill_graph = true;    // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
   bool backward_split = true;   // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
@@ -116,6 +119,11 @@ Tuning parse_tuning(Get&& get) {
   s = get("KDA_CUDA_PREFILL_FUSED");
   if (is(s, "0")) t.prefill_fused = -1;
   if (is(s, "1")) t.prefill_fused = 1;
+  s = get("KDA_CUDA_PREFILL_WARM");
+  if (is(s, "0")) t.prefill_warm = -1;
+  if (is(s, "1")) t.prefill_warm = 1;
+  const long wc = tuning_digits(get("KDA_CUDA_PREFILL_WARM_CHUNKS"));
+  if (wc >= 1 && wc <= 4096) t.prefill_warm_chunks = static_cast<int>(wc);
   t.prefill_single = is(get("KDA_CUDA_PREFILL_SINGLE"), "1");
   t.prefill_graph = !is(get("KDA_CUDA_PREFILL_GRAPH"), "0");
   t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");

@@ -87,6 +87,7 @@ struct PrefillPlan {
   int64_t segment_tokens = 0;  // tokens per segment; 0: one segment per sequence
   RecurrenceChoice rec;
   bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
+  bool warm = false;   // fused with warm-up segments (fused_choice), the exact passes as fallback
   double predicted_us = 0;
 };
 
@@ -222,12 +223,41 @@ inline double predicted_fused_us(int64_t len, int64_t N, int64_t HV, int64_t tok
 struct FusedChoice {
   bool take = false;
   int64_t segment_tokens = 0;  // 0: one segment per sequence
+  bool warm = false;           // warm-up segments (below), the exact passes as their fallback
   double predicted_us = 0;
 };
+
+// Warm-up segments (prefill/fused.cuh fused_warm_start; docs/design.md 6.10): every segment of the
+// fused kernel's segmented plan starts from a zero state some 16-token chunks early, as many as a
+// bound on the dropped state computed from the actual gates needs (at most
+// Tuning::prefill_warm_chunks); one pass, no transitions, no scan. Segments whose bound is not
+// reached within that go, with the rest of their (sequence, value head), to the exact passes,
+// which run after it and skip every other pair. Applies where the bound holds: the fused kernel's
+// gate (lower bound), l2norm and beta logits (|k| <= 1, beta in (0, 2)); not with a state pool,
+// nor where the final state may overlap the initial state (the warm-up pass writes final states
+// that the exact passes would read back as initial ones). The model: a call is its longest wave
+// of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus the pass, the walk
+// and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's slowest head needs
+// is in its data; with random gates (targets.md's inputs) it is ~100-300 tokens at lower bound
+// -5 and grows like 1 / |lower_bound|: kWarmChunksAt5 chunks at -5, scaled so.
+inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 12;
+inline int64_t warm_chunks_estimate(double lower_bound) {
+  if (!(lower_bound < 0)) return INT64_MAX / 4;
+  return static_cast<int64_t>(kWarmChunksAt5 * 5.0 / -lower_bound + 0.999);
+}
+inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t tokens, int sms,
+                                int64_t warm_chunks) {
+  const int64_t segs = ceil_div(len, tokens);
+  const int64_t chunks = ceil_div(len < tokens ? len : tokens, 16) + (segs > 1 ? warm_chunks : 0);
+  return static_cast<double>(ceil_div(N * HV * segs, sms) * chunks) * kFusedStepUs +
+         kFusedPassUs + kWarmExtraUs;
+}
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
 // in prefill_plan). The segment sizes tried: none, 128, 256, ... below len (or the forced one).
+// warm_applies: the call meets the warm-up segments' conditions (above); lower_bound: its gate's.
 inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N, int64_t HV,
-                                int sms, const detail::Tuning& t, bool applies, bool weak_decay) {
+                                int sms, const detail::Tuning& t, bool applies, bool weak_decay,
+                                bool warm_applies = false, double lower_bound = -5.0) {
   FusedChoice best;
   if (!applies || t.prefill_fused < 0 || N <= 0 || HV <= 0 || sms <= 0) return best;
   bool found = false;
@@ -243,10 +273,34 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
     }
     if (t.prefill_segment != 0 || len <= 128) break;  // forced, or nothing to split
   }
+  // Warm-up segments: of 64, 128, ... tokens below len (or the forced size), where the estimate
+  // of the warm-up fits the budget (or forced).
+  const int64_t warm = warm_chunks_estimate(lower_bound);
+  if (warm_applies && !weak_decay && t.prefill_warm >= 0 && t.prefill_segment >= 0 &&
+      (t.prefill_warm > 0 || warm <= t.prefill_warm_chunks)) {
+    bool wfound = false;
+    FusedChoice w;
+    for (int64_t tokens = 64; tokens < len; tokens *= 2) {
+      const int64_t seg = t.prefill_segment > 0 ? t.prefill_segment : tokens;
+      const double us = predicted_warm_us(len, N, HV, seg, sms, warm);
+      if (!wfound || us < w.predicted_us) {
+        w.segment_tokens = seg;
+        w.predicted_us = us;
+        wfound = true;
+      }
+      if (t.prefill_segment > 0) break;
+    }
+    if (wfound && (t.prefill_warm > 0 || w.predicted_us < best.predicted_us)) {
+      best.segment_tokens = w.segment_tokens;
+      best.predicted_us = w.predicted_us;
+      best.warm = true;
+    }
+  }
   // A forced value split or record length describes the two-kernel plan: it keeps that plan.
   const bool two_kernel_forced = t.prefill_vs != 0 || t.prefill_chunk != 0;
-  best.take = t.prefill_fused > 0 ||
+  best.take = t.prefill_fused > 0 || (best.warm && t.prefill_warm > 0) ||
               (!weak_decay && !two_kernel_forced && best.predicted_us < plan.predicted_us);
+  if (!best.take) best.warm = false;
   return best;
 }
 

@@ -214,8 +214,16 @@ struct Params {
   // segment per sequence. seg_start / seg_local / seg_trans: fp32 [seg_slots][HV][128][128] S^T
   // rows in the workspace (a segment's true start state, its state from zero, its transition).
   int64_t seg_tokens = 0, segs_per_seq = 0, seg_slots = 0;  // segs_per_seq: dense ceil(T / tokens)
-  int seg_pass = 0;  // the launch: 1 = pass 1, 2 = pass 2 (set per launch by the host)
+  int seg_pass = 0;  // the launch: 1 = pass 1, 2 = pass 2, 3 = warm-up pass (set per launch)
   StateView seg_start, seg_local, seg_trans;
+  // Warm-up segments (fused.cuh, fused_warm_start; docs/design.md 6.10): the warm-up pass runs
+  // every segment from a zero state some chunks before its start, at most warm_max_chunks 16-token
+  // chunks, where a bound on the dropped state computed from the gates allows it, and writes
+  // warm_failed[slot][hv] = 1 where it does not (0 where it ran). The exact passes 1 and 2 and the
+  // scan then run only the (sequence, value head) pairs with a failed segment (warm_flags
+  // non-null).
+  int64_t warm_max_chunks = 0;
+  int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
 
 // Sequence n: batch row b, first token bos, length len (clamped into [0, T]: cu_seqlens is read
@@ -367,6 +375,15 @@ __device__ __forceinline__ SegRole segment_role(const Params& p, const SegTask& 
     r.from_start = true;
   }
   return r;
+}
+
+// Whether the exact passes run (sequence of segment slots `r`, value head hv): always without
+// warm-up segments; with them, only where a segment's warm-up pass failed.
+__device__ __forceinline__ bool exact_pass_needed(const Params& p, const SegRange& r, int hv) {
+  if (p.warm_flags == nullptr) return true;
+  for (int64_t s = r.first; s < r.first + r.count && s < p.seg_slots; ++s)
+    if (p.warm_flags[s * p.HV + hv] != 0) return true;
+  return false;
 }
 
 // Segment j of sequence span `sp`: its tokens and chunk slots.

@@ -111,8 +111,9 @@ __device__ __forceinline__ void fused_a_frag(const float* m, int pitch, int k0, 
 
 // Where a CTA's walk is: its sequence, head and chunk count, shared memory and barriers.
 struct FusedCta {
-  SeqSpan sp;    // the sequence, or the segment (kSeg)
-  SegRole role;  // one segment per sequence unless kSeg
+  SeqSpan sp;            // the sequence, or the segment (kSeg; with its warm-up)
+  SegRole role;          // one segment per sequence unless kSeg
+  int64_t out_from = 0;  // the first chunk of sp whose outputs and checkpoints are written
   int64_t n, nchunks;
   int hv, h;
   uint8_t* smem;
@@ -582,7 +583,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
                         lane, kHeadDim);
     // Outputs: O^T (16 value rows x 16 tokens of this warp) -> the warp's tile (stmatrix.trans)
     // -> out, 32 bytes per token row; while the state update runs.
-    if (role.outputs) {
+    if (role.outputs && j >= f.out_from) {
       __syncwarp();
       const int row = ((lane >> 4) << 3) + (lane & 7);
       stmatrix_x4_trans(
@@ -601,7 +602,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
     __syncwarp();
     if (lane == 0) mbar_arrive(f.bar_empty + 8 * st);  // this warp is done with the stage
     // Checkpoint: the state after every checkpoint_every tokens (full chunks only).
-    if (role.outputs && p.checkpoint_every > 0 && L == kChunk16) {
+    if (role.outputs && j >= f.out_from && p.checkpoint_every > 0 && L == kChunk16) {
       const int64_t done = role.tok0 + (j + 1) * kChunk16;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
@@ -647,9 +648,76 @@ __device__ __forceinline__ int64_t fused_sequence_of_rank(const Params& p, int64
   return n;
 }
 
+// Warm-up segments (Params::seg_pass = 3; heuristics/prefill.h fused_choice; docs/design.md
+// 6.10). A zero start w chunks before a segment's first chunk leaves, at the segment's start, the
+// error E = prod_t (I - b_t k_t k_t^T) D_t E_0 over the warm-up's tokens, E_0 the true state
+// there. With l2norm (|k| <= 1) and beta in (0, 2), |I - b k k^T| <= 1, so
+// |E| <= 2^(sum_t max_k a_t,k) |E_0| (a: log2 decays, <= 0). The walk goes back from chunk c0 of
+// the sequence, 64 tokens a step (a thread per token and 16 key channels: the largest gate
+// argument gives the token's largest decay), and returns the first chunk at which the sum reaches
+// -kWarmLog2Bound (the dropped state at most 2^-16 of the state it replaces, ~1/128 of a bf16
+// rounding), or 0 when the walk reaches the sequence's start (the segment then runs exactly, from
+// the initial state), or -1 past warm_max_chunks chunks. All threads of the CTA; `scratch`:
+// 64 floats and one int64.
+inline constexpr float kWarmLog2Bound = 16.f;
+__device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSpan& seq, int hv,
+                                                    int64_t c0, uint8_t* scratch) {
+  if (c0 <= 0) return 0;
+  float* const a = reinterpret_cast<float*>(scratch);  // [64]: the tokens' largest log2 decay
+  int64_t* const res = reinterpret_cast<int64_t*>(scratch + 256);
+  const int tid = static_cast<int>(threadIdx.x), tl = tid >> 3, cg = tid & 7;
+  const float exp_a = p.A_log ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+  const float ca = -exp_a * kLog2e, lb2 = p.lower_bound * kLog2e;
+  float cb[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e)
+    cb[e] = p.dt_bias ? ca * p.dt_bias[hv * p.dt_bias_s + 16 * cg + e] : 0.f;
+  float sum = 0.f;  // thread 0: the walked chunks' sum
+  for (int64_t c = c0;; c -= 4) {
+    const int64_t t = (c - 4) * kChunk16 + tl;  // this thread's token in the sequence (c0 * 16 <= len)
+    float y = -INFINITY;  // the largest gate argument: decay = lb2 * sigmoid(-y ln 2)
+    if (t >= 0) {
+      const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 16 * cg;
+#pragma unroll
+      for (int e = 0; e < 16; ++e) y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cb[e]));
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
+    if (cg == 0)
+      a[tl] = t >= 0 ? lb2 * __fdividef(1.f, 1.f + fast_exp2(fminf(y, 80.f * kLog2e))) : 0.f;
+    __syncthreads();
+    if (tid == 0) {
+      int64_t r = -2;  // -2: walk on
+      for (int q = 3; q >= 0 && r == -2; --q) {
+        const int64_t cq = c - 4 + q;  // walked backwards: chunks c - 1, c - 2, ...
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < kChunk16; ++i) s += a[kChunk16 * q + i];
+        sum += s;
+        if (sum <= -kWarmLog2Bound || cq <= 0)
+          r = cq > 0 ? cq : 0;
+        else if (c0 - cq >= p.warm_max_chunks)
+          r = -1;
+      }
+      *res = r;
+    }
+    __syncthreads();
+    const int64_t r = *res;
+    __syncthreads();  // the scratch is rewritten by the next step
+    if (r != -2) return r;
+  }
+}
+
+// Walks of the warm-up pass since the process started, on this device: segments that ran [0] from
+// the sequence's start, [1] from a zero state after a warm-up, [2] segments left to the exact
+// passes (a testing hook: tests check which path their cases took; prefill_warm_counts).
+static __device__ unsigned g_fused_warm_walks[3];
+
 // kSeg: a pass of the segmented prefill (Params::seg_pass; segments.cuh, docs/design.md 6.5), one
 // CTA per (segment slot, value head) and, in pass 1, per part: the segment's state from zero
-// (S_local) or its transition (the identity's rows with zero values, Mt).
+// (S_local) or its transition (the identity's rows with zero values, Mt). With warm-up segments
+// (Params::warm_flags), the warm-up pass (seg_pass = 3, one CTA per segment slot and value head)
+// runs first, and passes 1 and 2 only for the pairs it left.
 template <bool kFp16, bool kSeg = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -658,14 +726,39 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   f.smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   f.s0 = smem_addr(f.smem);
   if constexpr (kSeg) {
-    const unsigned parts = p.seg_pass == 1 ? 2u : 1u;
-    const int64_t pair = blockIdx.x / parts;
-    f.hv = static_cast<int>(pair % p.HV);
-    const SegTask task = seg_task(p, pair / p.HV);
-    f.role = segment_role(p, task, pair / p.HV, blockIdx.x % parts == 1);
-    if (f.role.idle) return;
-    f.n = task.n;
-    f.sp = segment_span(p, task.seq, task.j);
+    if (p.seg_pass == 3) {
+      const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+      f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+      const SegTask task = seg_task(p, slot);
+      if (!task.valid) return;
+      const int64_t c0 = task.j * (p.seg_tokens / kChunk16);
+      const int64_t w0 = fused_warm_start(p, task.seq, f.hv, c0, f.smem + kFOffOrder);
+      if (threadIdx.x == 0) {
+        p.warm_flags[slot * p.HV + f.hv] = w0 < 0 ? 1 : 0;
+        atomicAdd(&g_fused_warm_walks[w0 < 0 ? 2 : w0 > 0 ? 1 : 0], 1u);
+      }
+      if (w0 < 0) return;
+      const SeqSpan seg = segment_span(p, task.seq, task.j);
+      f.n = task.n;
+      f.role.slot = slot;
+      f.role.first = w0 == 0;
+      f.role.last = task.j == task.count - 1;
+      f.role.tok0 = w0 * kChunk16;
+      f.sp = task.seq;
+      f.sp.bos = task.seq.bos + w0 * kChunk16;
+      f.sp.len = seg.bos + seg.len - f.sp.bos;
+      f.out_from = c0 - w0;
+    } else {
+      const unsigned parts = p.seg_pass == 1 ? 2u : 1u;
+      const int64_t pair = blockIdx.x / parts;
+      f.hv = static_cast<int>(pair % p.HV);
+      const SegTask task = seg_task(p, pair / p.HV);
+      f.role = segment_role(p, task, pair / p.HV, blockIdx.x % parts == 1);
+      if (f.role.idle) return;
+      if (!exact_pass_needed(p, SegRange{pair / p.HV - task.j, task.count}, f.hv)) return;
+      f.n = task.n;
+      f.sp = segment_span(p, task.seq, task.j);
+    }
   } else {
     f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
     f.n = blockIdx.x / static_cast<unsigned>(p.HV);

@@ -62,6 +62,25 @@ inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
 inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
   return pr.d.varlen && pr.d.N > 1;
 }
+// Whether the bytes of two views may meet (their address ranges intersect; absent views never).
+inline bool views_may_meet(const TensorView& a, const TensorView& b) {
+  if (!a.present() || !b.present() || a.numel() <= 0 || b.numel() <= 0) return false;
+  auto range = [](const TensorView& t, uintptr_t* lo, uintptr_t* hi) {
+    int64_t last = 0;
+    for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.strides[i];
+    *lo = reinterpret_cast<uintptr_t>(t.data);
+    *hi = *lo + static_cast<uintptr_t>(last + 1) * dtype_size(t.dtype);
+  };
+  uintptr_t alo, ahi, blo, bhi;
+  range(a, &alo, &ahi);
+  range(b, &blo, &bhi);
+  return alo < bhi && blo < ahi;
+}
+// The conditions of warm-up segments (heuristics/prefill.h fused_choice) other than the gate's.
+inline bool warm_applies(const detail::PrefillProblem& pr) {
+  return pr.math.use_qk_l2norm && pr.math.beta_logits && !pr.state_pool.present() &&
+         !views_may_meet(pr.initial_state, pr.final_state);
+}
 // The launch plan of a call (heuristics/prefill.h), on `num_sms` multiprocessors.
 inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
                                const detail::Tuning& tuning) {
@@ -70,9 +89,11 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
   PrefillPlan plan = prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
   const int64_t len = pr.d.varlen ? ceil_div(pr.d.T, pr.d.N > 0 ? pr.d.N : 1) : pr.d.T;
   const FusedChoice f = fused_choice(plan, len, pr.d.N, pr.d.HV, num_sms, tuning,
-                                     fused_applies(lb, pr.math.lower_bound), weak);
+                                     fused_applies(lb, pr.math.lower_bound), weak,
+                                     warm_applies(pr), pr.math.lower_bound);
   if (f.take) {
     plan.fused = true;
+    plan.warm = f.warm;
     plan.segment_tokens = f.segment_tokens;
     plan.predicted_us = f.predicted_us;
   }
@@ -85,16 +106,19 @@ inline int64_t segment_slots(const detail::PrefillProblem& pr, int64_t segment_t
 }
 
 // Workspace: [records][sequence order][segment states], each part 128-byte aligned.
+// Fused plans: [segment states][warm-up flags (int32 [segment slots][HV]) with warm-up segments].
 struct WorkspaceLayout {
-  size_t records = 0, order = 0, segments = 0, total = 0;  // byte offsets of the parts; total
+  size_t records = 0, order = 0, segments = 0, flags = 0, total = 0;  // byte offsets; total
 };
 inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens,
-                                        bool fused = false) {
+                                        bool fused = false, bool warm = false) {
   WorkspaceLayout w;
-  if (fused) {  // records in shared memory: the segment states only
+  if (fused) {  // records in shared memory: the segment states (and flags) only
     const int64_t slots = segment_slots(pr, segment_tokens);
-    if (slots > 0 && pr.d.N > 0)
-      w.total = static_cast<size_t>(slots) * pr.d.HV * 3 * kSegStateBytes + 128;
+    if (slots > 0 && pr.d.N > 0) {
+      w.flags = static_cast<size_t>(slots) * pr.d.HV * 3 * kSegStateBytes;
+      w.total = w.flags + (warm ? static_cast<size_t>(slots) * pr.d.HV * 4 : 0) + 128;
+    }
     return w;
   }
   const int64_t records = chunk_slots(pr) * pr.d.HV;
@@ -112,7 +136,7 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_
 inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
                               const detail::Tuning& tuning) {
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  return workspace_layout(pr, lp.segment_tokens, lp.fused).total;
+  return workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm).total;
 }
 
 // The parameters of the forward's inputs, shapes and math (no outputs, workspace or states):
@@ -160,7 +184,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
                           int64_t* rec_blocks_out, size_t* workspace_need_out) {
   const auto& d = pr.d;
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens, lp.fused);
+  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm);
   *workspace_need_out = layout.total;
   const int64_t slots = chunk_slots(pr);
   const int64_t prep_blocks = d.N > 0 && !lp.fused ? slots * d.HV : 0;
@@ -192,6 +216,10 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
       v.s1 = kHeadDim * kHeadDim;
       v.s2 = kHeadDim;
       v.dtype = kF32;
+    }
+    if (lp.warm) {
+      p.warm_flags = reinterpret_cast<int32_t*>(p.ws + layout.flags);
+      p.warm_max_chunks = tuning.prefill_warm_chunks;
     }
   }
   p.initial_state = state_view(pr.initial_state);
@@ -232,6 +260,7 @@ enum class PrefillKernel {
   kSegmentPass1,
   kSegmentScan,
   kSegmentPass2,
+  kSegmentWarm,
   kFused,
   kSingle
 };
@@ -250,6 +279,8 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
       return n;
     }
     const int64_t seg_blocks = p.seg_slots * p.HV;
+    if (p.warm_flags != nullptr)  // then the exact passes, for the pairs it leaves
+      out[n++] = {PrefillKernel::kSegmentWarm, seg_blocks, kFusedThreads, kFusedSmemBytes};
     out[n++] = {PrefillKernel::kSegmentPass1, 2 * seg_blocks, kFusedThreads, kFusedSmemBytes};
     out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads,
                 kScanSmemBytes};

@@ -104,9 +104,12 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kRecurrence:
         KDA_RETURN_IF_ERROR((recurrence_for<kFp16, false>(p, d, &kernel)));
         break;
+      case pf::PrefillKernel::kSegmentWarm:
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
-        pass[i].seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1 ? 1 : 2;
+        pass[i].seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1   ? 1
+                           : l.kernel == pf::PrefillKernel::kSegmentPass2 ? 2
+                                                                          : 3;
         if (p.fused) {
           kernel = pf::fused_kernel<kFp16, true>;
           KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSegF16, S::kFusedSegBf16, kFp16),
@@ -179,6 +182,15 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
     KDA_RETURN_IF_ERROR(detail::check_cu_seqlens_values(host_view(pr.cu_seqlens, cu), pr.d.T));
   if (!pr.state_indices.present()) return Status::Ok();
   return detail::check_prefill_index_values(pr, idx.empty() ? nullptr : idx.data());
+}
+
+Status prefill_warm_counts(int device, unsigned long long counts[3]) {
+  DeviceGuard guard(device);
+  KDA_CUDA_CHECK(guard.status());
+  unsigned c[3] = {};
+  KDA_CUDA_CHECK(cudaMemcpyFromSymbol(c, pf::g_fused_warm_walks, sizeof(c)));
+  for (int i = 0; i < 3; ++i) counts[i] = c[i];
+  return Status::Ok();
 }
 
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {

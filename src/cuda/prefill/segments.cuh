@@ -40,7 +40,7 @@ __global__ void __launch_bounds__(kScanThreads)
   const int64_t n = pair / p.HV;
   const int row0 = rb * kScanRows;
   const SegRange r = seg_range(p, n, seq_span(p, n));
-  if (r.count <= 2) return;
+  if (r.count <= 2 || !exact_pass_needed(p, r, hv)) return;
   constexpr int kMt = kHeadDim * kHeadDim;          // floats of a stage
   float* const xt = scan_smem + kScanStages * kMt;  // x_start^T [128][kScanXStride]
   float* const red = xt + kHeadDim * kScanXStride;  // partials [8][16][kScanRedStride]
