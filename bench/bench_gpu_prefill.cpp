@@ -30,6 +30,7 @@
 
 #include "bench_cuda.h"
 #include "core/tuning.h"  // the testing hook: --sweep forces segment sizes and value splits
+#include "cuda/cuda_backend.h"        // prefill_warm_counts: the warm-up walks of a call
 #include "cuda/heuristics/prefill.h"  // the plan of each case, printed with its figures
 #include "kda/kda.h"
 #include "support.h"
@@ -145,6 +146,9 @@ T* to_device(const std::vector<T>& h) {
 struct Result {
   double median_ms = 0, min_ms = 0, gbps = 0, floor_ms = 0, err_out = -1, err_state = -1;
   bool ok = true;
+  // The first call's warm-up walks (prefill_warm_counts): segments run from the sequence's start,
+  // from a warm-up, left to the exact passes.
+  unsigned long long walks[3] = {};
 };
 
 // Value head 0 of the GPU run against the fp64 reference run on that head alone, over the first
@@ -371,8 +375,12 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
 
   Result res;
   // Correctness first.
+  unsigned long long before[3] = {}, after[3] = {};
+  (void)kda::cuda::prefill_warm_counts(0, before);
   s = prefill(p);
   BENCH_CUDA(cudaStreamSynchronize(stream));
+  if (kda::cuda::prefill_warm_counts(0, after).ok())
+    for (int i = 0; i < 3; ++i) res.walks[i] = after[i] - before[i];
   if (!s.ok()) {
     std::fprintf(stderr, "%s: prefill failed: %s\n", c.name, s.to_string().c_str());
     std::exit(2);
@@ -415,8 +423,9 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
 }  // namespace
 
 // The plan the library takes for a case (cuda/heuristics/prefill.h, as the launcher computes it):
-// "fused" or "2k" (prepare + recurrence), its segments and, for the two-kernel plan, its value
-// split and record length.
+// "fused" (with "warm" for warm-up segments) or "2k" (prepare + recurrence), its segments and, for
+// the two-kernel plan, its value split and record length. The cases meet the warm-up segments'
+// conditions (l2norm, beta logits, no pool, distinct initial and final states).
 std::string plan_text(const Case& c, int sms) {
   const int64_t N = static_cast<int64_t>(c.lens.size());
   int64_t T = 0;
@@ -426,10 +435,11 @@ std::string plan_text(const Case& c, int sms) {
   const auto plan = kda::cuda::pf::prefill_plan(c.varlen, T, N, c.H, sms, t, weak);
   const int64_t len = c.varlen ? (T + N - 1) / N : T;
   const auto f = kda::cuda::pf::fused_choice(
-      plan, len, N, c.H, sms, t, kda::cuda::pf::fused_applies(true, g_lower_bound), weak);
+      plan, len, N, c.H, sms, t, kda::cuda::pf::fused_applies(true, g_lower_bound), weak, true,
+      g_lower_bound);
   const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
   std::string s =
-      f.take ? "fused"
+      f.take ? (f.warm ? "fused warm" : "fused")
              : "2k vs" + std::to_string(plan.rec.vs) + (plan.rec.chunk16 ? " c16" : " c64");
   if (seg > 0) s += " seg" + std::to_string(seg);
   return s;
@@ -518,7 +528,13 @@ int main(int argc, char** argv) {
         "%s%s\n",
         c.name, seqs.c_str(), static_cast<long long>(c.H), r.median_ms, r.min_ms, r.gbps,
         100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms, c.must_ms, fla,
-        speedup, plan_text(c, prop.multiProcessorCount).c_str(), must ? "" : "ABOVE-MUST ",
+        speedup,
+        (plan_text(c, prop.multiProcessorCount) +
+         (r.walks[1] + r.walks[2] > 0 ? " w" + std::to_string(r.walks[1]) + "/f" +
+                                            std::to_string(r.walks[2])
+                                      : std::string()))
+            .c_str(),
+        must ? "" : "ABOVE-MUST ",
         r.ok ? "" : "INACCURATE");
     std::fflush(stdout);
     if (f)

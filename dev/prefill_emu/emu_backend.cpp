@@ -27,6 +27,8 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes) {
 Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions&) {
   return detail::check_prefill_index_values(pr, pr.state_indices.data);
 }
+// Emulated calls launch their kernels one by one (no graph: GpuPrefillGraph is not run here).
+unsigned long long chain_launch_count() { return 0; }
 Status prefill_warm_counts(int, unsigned long long counts[3]) {
   for (int i = 0; i < 3; ++i) counts[i] = pf::g_fused_warm_walks[i];
   return Status::Ok();
