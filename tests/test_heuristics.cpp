@@ -325,12 +325,12 @@ TEST(PrefillHeuristics, Warm) {
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "on"}}).prefill_warm, 0);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "16"}}).prefill_warm_chunks, 16);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "0"}}).prefill_warm_chunks, 48);
-  EXPECT_EQ(warm_chunks_estimate(-5.0), 12);
-  EXPECT_EQ(warm_chunks_estimate(-2.5), 24);
+  EXPECT_EQ(warm_chunks_estimate(-5.0), 16);
+  EXPECT_EQ(warm_chunks_estimate(-2.5), 32);
   EXPECT_GT(warm_chunks_estimate(-1.0), 48);
-  // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 12 chunks.
-  EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 12),
-              16 * cuda::pf::kFusedStepUs + cuda::pf::kFusedPassUs + cuda::pf::kWarmExtraUs, 1e-9);
+  // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 16 chunks.
+  EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 16),
+              20 * cuda::pf::kFusedStepUs + cuda::pf::kFusedPassUs + cuda::pf::kWarmExtraUs, 1e-9);
   const detail::Tuning def{};
   detail::Tuning forced{}, off{}, none{}, seg{};
   forced.prefill_warm = 1;
@@ -342,10 +342,10 @@ TEST(PrefillHeuristics, Warm) {
     int64_t T, N, HV;
     bool warm;  // taken by default at lower bound -5
   };
-  // S1, S2 (1 x 2048, HV = 12), S11 (1 x 65536, HV = 4), P2 (1 x 8192, HV = 64) and P5
+  // S2 (1 x 2048, HV = 12), S11 (1 x 65536, HV = 4), P2 (1 x 8192, HV = 64) and P5
   // (1 x 32768, HV = 32) take it; P4 (8 x 1024, HV = 96) and P6 (16 x 4096, HV = 32) fill the
-  // SMs without segments.
-  for (const Shape& c : {Shape{1024, 1, 4, true}, Shape{2048, 1, 12, true},
+  // SMs without segments; S8 (8 x 2048, HV = 24) would need three waves.
+  for (const Shape& c : {Shape{2048, 8, 24, false}, Shape{2048, 1, 12, true},
                          Shape{65536, 1, 4, true}, Shape{8192, 1, 64, true},
                          Shape{32768, 1, 32, true}, Shape{1024, 8, 96, false},
                          Shape{4096, 16, 32, false}}) {
