@@ -29,8 +29,8 @@
 #include <vector>
 
 #include "bench_cuda.h"
-#include "core/tuning.h"  // the testing hook: --sweep forces segment sizes and value splits
-#include "cuda/cuda_backend.h"        // prefill_warm_counts: the warm-up walks of a call
+#include "core/tuning.h"        // the testing hook: --sweep forces segment sizes and value splits
+#include "cuda/cuda_backend.h"  // prefill_warm_counts: the warm-up walks of a call
 #include "cuda/heuristics/prefill.h"  // the plan of each case, printed with its figures
 #include "kda/kda.h"
 #include "support.h"
@@ -434,9 +434,9 @@ std::string plan_text(const Case& c, int sms) {
   const auto& t = kda::detail::tuning();
   const auto plan = kda::cuda::pf::prefill_plan(c.varlen, T, N, c.H, sms, t, weak);
   const int64_t len = c.varlen ? (T + N - 1) / N : T;
-  const auto f = kda::cuda::pf::fused_choice(
-      plan, len, N, c.H, sms, t, kda::cuda::pf::fused_applies(true, g_lower_bound), weak, true,
-      g_lower_bound);
+  const auto f = kda::cuda::pf::fused_choice(plan, len, N, c.H, sms, t,
+                                             kda::cuda::pf::fused_applies(true, g_lower_bound),
+                                             weak, true, g_lower_bound);
   const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
   std::string s =
       f.take ? (f.warm ? "fused warm" : "fused")
@@ -530,12 +530,11 @@ int main(int argc, char** argv) {
         100.0 * r.floor_ms / r.median_ms, r.err_out, r.err_state, c.flashkda_ms, c.must_ms, fla,
         speedup,
         (plan_text(c, prop.multiProcessorCount) +
-         (r.walks[1] + r.walks[2] > 0 ? " w" + std::to_string(r.walks[1]) + "/f" +
-                                            std::to_string(r.walks[2])
-                                      : std::string()))
+         (r.walks[1] + r.walks[2] > 0
+              ? " w" + std::to_string(r.walks[1]) + "/f" + std::to_string(r.walks[2])
+              : std::string()))
             .c_str(),
-        must ? "" : "ABOVE-MUST ",
-        r.ok ? "" : "INACCURATE");
+        must ? "" : "ABOVE-MUST ", r.ok ? "" : "INACCURATE");
     std::fflush(stdout);
     if (f)
       std::fprintf(f, "%s,\"%s\",%lld,%.4f,%.4f,%.1f,%.1f,%.3e,%.3e,%.3f,%.3f,%.3f,%.3f\n", c.name,

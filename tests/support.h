@@ -58,8 +58,8 @@ struct PrefillCase {
   bool pool = false;            // state pool with shuffled indices (and one padding slot)
   int64_t checkpoint_every = 0;
   double lower_bound = -5.0;
-  double gate_extreme = 0.0;  // if != 0, 1 in 7 precomputed gate entries set to this value
-  double weak_decay = false;  // precomputed gate near 0 (weak decay)
+  double gate_extreme = 0.0;   // if != 0, 1 in 7 precomputed gate entries set to this value
+  double weak_decay = false;   // precomputed gate near 0 (weak decay)
   double slow_channel_dt = 0;  // if != 0: dt_bias of key channel 0 of the last value head
   uint64_t seed = 1;
   std::string name() const;

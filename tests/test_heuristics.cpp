@@ -345,10 +345,10 @@ TEST(PrefillHeuristics, Warm) {
   // S2 (1 x 2048, HV = 12), S11 (1 x 65536, HV = 4), P2 (1 x 8192, HV = 64) and P5
   // (1 x 32768, HV = 32) take it; P4 (8 x 1024, HV = 96) and P6 (16 x 4096, HV = 32) fill the
   // SMs without segments; S8 (8 x 2048, HV = 24) would need three waves.
-  for (const Shape& c : {Shape{2048, 8, 24, false}, Shape{2048, 1, 12, true},
-                         Shape{65536, 1, 4, true}, Shape{8192, 1, 64, true},
-                         Shape{32768, 1, 32, true}, Shape{1024, 8, 96, false},
-                         Shape{4096, 16, 32, false}}) {
+  for (const Shape& c :
+       {Shape{2048, 8, 24, false}, Shape{2048, 1, 12, true}, Shape{65536, 1, 4, true},
+        Shape{8192, 1, 64, true}, Shape{32768, 1, 32, true}, Shape{1024, 8, 96, false},
+        Shape{4096, 16, 32, false}}) {
     SCOPED_TRACE(c.T);
     const auto plan = cuda::pf::prefill_plan(false, c.T, c.N, c.HV, 132, def);
     auto choose = [&](const detail::Tuning& t, bool applies, bool weak, double lb) {

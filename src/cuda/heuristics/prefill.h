@@ -253,8 +253,8 @@ inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t toke
                                 int64_t warm_chunks) {
   const int64_t segs = ceil_div(len, tokens);
   const int64_t chunks = ceil_div(len < tokens ? len : tokens, 16) + (segs > 1 ? warm_chunks : 0);
-  return static_cast<double>(ceil_div(N * HV * segs, sms) * chunks) * kFusedStepUs +
-         kFusedPassUs + kWarmExtraUs;
+  return static_cast<double>(ceil_div(N * HV * segs, sms) * chunks) * kFusedStepUs + kFusedPassUs +
+         kWarmExtraUs;
 }
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
 // in prefill_plan). The segment sizes tried: none, 128, 256, ... below len (or the forced one).

@@ -674,12 +674,14 @@ __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSp
     cb[e] = p.dt_bias ? ca * p.dt_bias[hv * p.dt_bias_s + 16 * cg + e] : 0.f;
   float sum = 0.f;  // thread 0: the walked chunks' sum
   for (int64_t c = c0;; c -= 4) {
-    const int64_t t = (c - 4) * kChunk16 + tl;  // this thread's token in the sequence (c0 * 16 <= len)
-    float y = -INFINITY;  // the largest gate argument: decay = lb2 * sigmoid(-y ln 2)
+    const int64_t t =
+        (c - 4) * kChunk16 + tl;  // this thread's token in the sequence (c0 * 16 <= len)
+    float y = -INFINITY;          // the largest gate argument: decay = lb2 * sigmoid(-y ln 2)
     if (t >= 0) {
       const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 16 * cg;
 #pragma unroll
-      for (int e = 0; e < 16; ++e) y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cb[e]));
+      for (int e = 0; e < 16; ++e)
+        y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cb[e]));
     }
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));

@@ -89,8 +89,8 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
   PrefillPlan plan = prefill_plan(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning, weak);
   const int64_t len = pr.d.varlen ? ceil_div(pr.d.T, pr.d.N > 0 ? pr.d.N : 1) : pr.d.T;
   const FusedChoice f = fused_choice(plan, len, pr.d.N, pr.d.HV, num_sms, tuning,
-                                     fused_applies(lb, pr.math.lower_bound), weak,
-                                     warm_applies(pr), pr.math.lower_bound);
+                                     fused_applies(lb, pr.math.lower_bound), weak, warm_applies(pr),
+                                     pr.math.lower_bound);
   if (f.take) {
     plan.fused = true;
     plan.warm = f.warm;
