@@ -698,48 +698,23 @@ TEST(GpuPrefillFused, Segments) {
 // start run from a zero state after a warm-up and none is left to the exact passes; a slow key
 // channel (dt_bias -30 in the last value head: that channel never decays, so no bound is reached)
 // leaves that head's late segments to the exact passes while the other head stays warm. The cases
-// span varlen batches with empty, 1-15-token and long sequences, checkpoints, grouped values,
-// K-first 16-bit states, fp16, fp32 gate and beta, strided inputs, negative eigenvalues and no
-// initial state.
+// are the fused kernel's (those warm-up segments apply to: l2norm, beta logits, lower bound -5; no
+// pool) with every sequence of 64 tokens or more 700 tokens longer: varlen batches with empty,
+// 1-15-token and long sequences, checkpoints, grouped values, K-first 16-bit states, fp16, fp32
+// gate and beta, strided inputs and negative eigenvalues.
 std::vector<PrefillCase> warm_cases() {
   std::vector<PrefillCase> v;
-  auto add = [&](auto&& edit) {
-    PrefillCase c = base_case();
-    c.gate = GateForm::kLowerBound;
-    c.H = c.HV = 2;
-    edit(c);
+  for (PrefillCase c : fused_cases()) {  // those warm-up segments apply to, lengthened
+    if (!c.l2norm || !c.beta_logits || c.lower_bound != -5.0) continue;
+    c.pool = false;
+    for (int64_t& len : c.seqlens)
+      if (len >= 64) len += 700;
     v.push_back(c);
-  };
-  add([](PrefillCase& c) { c.seqlens = {900}; });
-  add([](PrefillCase& c) {
-    c.varlen = true;
-    c.seqlens = {0, 1, 15, 64, 65, 1000};
-    c.checkpoint_every = 64;
-  });
-  add([](PrefillCase& c) {
-    c.H = 2;
-    c.HV = 6;
-    c.seqlens = {800, 800};
-    c.checkpoint_every = 128;
-    c.layout = StateLayout::kKFirst;
-    c.state_dtype = DType::kBFloat16;
-    c.dtype = DType::kFloat16;
-  });
-  add([](PrefillCase& c) {
-    c.strided = true;
-    c.varlen = true;
-    c.seqlens = {33, 830};
-  });
-  add([](PrefillCase& c) {
-    c.gate_beta_fp32 = true;
-    c.seqlens = {900};
-    c.allow_neg_eigval = true;
-    c.init = InitState::kNone;
-  });
-  add([](PrefillCase& c) {
-    c.seqlens = {1100};
-    c.slow_channel_dt = -30;
-  });
+  }
+  PrefillCase slow = v.front();
+  slow.seqlens = {1100};
+  slow.slow_channel_dt = -30;
+  v.push_back(slow);
   return v;
 }
 
