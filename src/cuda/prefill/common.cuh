@@ -219,9 +219,8 @@ struct Params {
   // Warm-up segments (fused.cuh, fused_warm_start; docs/design.md 6.10): the warm-up pass runs
   // every segment from a zero state some chunks before its start, at most warm_max_chunks 16-token
   // chunks, where a bound on the dropped state computed from the gates allows it, and writes
-  // warm_failed[slot][hv] = 1 where it does not (0 where it ran). The exact passes 1 and 2 and the
-  // scan then run only the (sequence, value head) pairs with a failed segment (warm_flags
-  // non-null).
+  // warm_flags[slot][hv] = 1 where it does not (0 where it ran). With warm_flags set, passes 1
+  // and 2 and the scan run only the (sequence, value head) pairs with a flag set.
   int64_t warm_max_chunks = 0;
   int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
