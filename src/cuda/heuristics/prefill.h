@@ -242,7 +242,7 @@ struct FusedChoice {
 // targets.md's inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks
 // (H100); the two-kernel model they are compared with reads 15-30% low on the small cases (S1
 // 74 us modelled against 88 measured, S2 100 against 142), and at 16 the comparison picks the
-// faster plan on every case but S1 (warm-up 0.091 ms against 0.088).
+// faster plan on every case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and 0.206).
 // Unsegmented calls and the first segment of each sequence need no warm-up.
 inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 16;
 inline int64_t warm_chunks_estimate(double lower_bound) {
