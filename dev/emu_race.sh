@@ -5,7 +5,8 @@
 # synchronizations of the CUDA memory model) and runs the emulated GPU prefill tests under it, with
 # the value split and step length forced so that every recurrence variant runs: the 64- and
 # 16-token wgmma steps with one and two warpgroups (vs = 64, 128; the stage refill by the last warp
-# done), the K split, the fused kernel, the single launch and the segmented passes. The model's
+# done), the K split, the fused kernel, the single launch, the segmented passes and the warm-up
+# segments. The model's
 # own cases (tsan_selftest.cpp: races it must report, orderings it must accept) run first.
 #   dev/emu_race.sh [build dir]          (default build-emu-tsan)
 # The emulation under TSan is slow: the smoke runs take 1-3 minutes each, the fused kernel's tests
@@ -49,4 +50,5 @@ run wgmma 'GpuPrefillWgmma.*:GpuPrefillChunk16.*'
 run fused 'GpuPrefillFused.*'
 run single 'GpuPrefillSingle.*'
 run segments 'GpuPrefillSegments.*'
+run warm 'GpuPrefillWarm.*'  # warm-up segments and their exact fallback (~35 minutes)
 exit $failed
