@@ -6,8 +6,8 @@
 # the value split and step length forced so that every recurrence variant runs: the 64- and
 # 16-token wgmma steps with one and two warpgroups (vs = 64, 128; the stage refill by the last warp
 # done), the K split, the fused kernel, the single launch, the segmented passes and the warm-up
-# segments. The model's
-# own cases (tsan_selftest.cpp: races it must report, orderings it must accept) run first.
+# segments. The model's own cases (tsan_selftest.cpp: races it must report, orderings it must
+# accept) run first.
 #   dev/emu_race.sh [build dir]          (default build-emu-tsan)
 # The emulation under TSan is slow: the smoke runs take 1-3 minutes each, the fused kernel's tests
 # ~35 and the wgmma sweep over an hour (one core each). EMU_RACE_RUNS="vs128c64 fused ..." runs
