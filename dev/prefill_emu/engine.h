@@ -122,9 +122,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
       case PrefillKernel::kSegmentWarm:
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
-        pass.seg_pass = l.kernel == PrefillKernel::kSegmentPass1   ? 1
-                        : l.kernel == PrefillKernel::kSegmentPass2 ? 2
-                                                                   : 3;
+        pass.seg_pass = seg_pass_of(l.kernel);
         if (p.fused)
           launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
         else

@@ -251,9 +251,9 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
 }
 
 // The launches of a call, in stream order: the prepare kernel, then either the recurrence (one
-// segment per sequence) or pass 1, the segment scan and pass 2 (segments.cuh). `run` launches one
-// kernel: run(Kernel k, int64_t blocks, int threads, int smem) -> Status; the kernels are named
-// by their role so that the CUDA launcher and the CPU emulator launch the same sequence.
+// segment per sequence) or pass 1, the segment scan and pass 2 (segments.cuh); fused plans have no
+// prepare kernel, and with warm-up segments the warm-up pass comes before pass 1. The kernels are
+// named by their role so that the CUDA launcher and the CPU emulator launch the same sequence.
 enum class PrefillKernel {
   kPrepare,
   kRecurrence,
@@ -264,6 +264,13 @@ enum class PrefillKernel {
   kFused,
   kSingle
 };
+// Params::seg_pass of a segmented pass's launch (0 for the other kernels).
+inline int seg_pass_of(PrefillKernel k) {
+  return k == PrefillKernel::kSegmentPass1   ? 1
+         : k == PrefillKernel::kSegmentPass2 ? 2
+         : k == PrefillKernel::kSegmentWarm  ? 3
+                                             : 0;
+}
 struct Launch {
   PrefillKernel kernel;
   int64_t blocks;

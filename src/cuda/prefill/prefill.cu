@@ -107,9 +107,7 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kSegmentWarm:
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
-        pass[i].seg_pass = l.kernel == pf::PrefillKernel::kSegmentPass1   ? 1
-                           : l.kernel == pf::PrefillKernel::kSegmentPass2 ? 2
-                                                                          : 3;
+        pass[i].seg_pass = pf::seg_pass_of(l.kernel);
         if (p.fused) {
           kernel = pf::fused_kernel<kFp16, true>;
           KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSegF16, S::kFusedSegBf16, kFp16),
