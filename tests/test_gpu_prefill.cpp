@@ -698,15 +698,14 @@ TEST(GpuPrefillFused, Segments) {
 // start run from a zero state after a warm-up and none is left to the exact passes; a slow key
 // channel (dt_bias -30 in the last value head: that channel never decays, so no bound is reached)
 // leaves that head's late segments to the exact passes while the other head stays warm. The cases
-// are the fused kernel's (those warm-up segments apply to: l2norm, beta logits, lower bound -5; no
-// pool) with every sequence of 64 tokens or more 700 tokens longer: varlen batches with empty,
-// 1-15-token and long sequences, checkpoints, grouped values, K-first 16-bit states, fp16, fp32
-// gate and beta, strided inputs and negative eigenvalues.
+// are the fused kernel's (those warm-up segments apply to: l2norm, beta logits, lower bound -5)
+// with every sequence of 64 tokens or more 700 tokens longer: varlen batches with empty,
+// 1-15-token and long sequences, a state pool, checkpoints, grouped values, K-first 16-bit
+// states, fp16, fp32 gate and beta, strided inputs and negative eigenvalues.
 std::vector<PrefillCase> warm_cases() {
   std::vector<PrefillCase> v;
   for (PrefillCase c : fused_cases()) {  // those warm-up segments apply to, lengthened
     if (!c.l2norm || !c.beta_logits || c.lower_bound != -5.0) continue;
-    c.pool = false;
     for (int64_t& len : c.seqlens)
       if (len >= 64) len += 700;
     v.push_back(c);

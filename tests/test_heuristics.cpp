@@ -361,7 +361,7 @@ TEST(PrefillHeuristics, Warm) {
       EXPECT_GT(d.segment_tokens, 0);
       EXPECT_LT(d.predicted_us, plan.predicted_us);
     }
-    EXPECT_FALSE(choose(def, false, false, -5.0).warm);  // conditions unmet (pool, no l2norm, ...)
+    EXPECT_FALSE(choose(def, false, false, -5.0).warm);  // no l2norm or no beta logits
     EXPECT_FALSE(choose(def, true, true, -5.0).warm);    // weak decay
     EXPECT_FALSE(choose(def, true, false, -1.0).warm);   // the estimate exceeds the budget
     EXPECT_FALSE(choose(off, true, false, -5.0).warm);

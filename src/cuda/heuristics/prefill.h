@@ -233,17 +233,16 @@ struct FusedChoice {
 // Tuning::prefill_warm_chunks); one pass, no transitions, no scan. Segments whose bound is not
 // reached within that go, with the rest of their (sequence, value head), to the exact passes,
 // which run after it and skip every other pair. Applies where the bound holds: the fused kernel's
-// gate (lower bound), l2norm and beta logits (|k| <= 1, beta in (0, 2)); not with a state pool,
-// nor where the final state may overlap the initial state (the warm-up pass writes final states
-// that the exact passes would read back as initial ones). The model: a call is its longest wave
-// of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus the pass, the walk
-// and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's slowest head needs
-// is in its data and grows like 1 / |lower_bound|: kWarmChunksAt5 chunks at -5, scaled so. On
-// targets.md's inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks
-// (H100); the two-kernel model they are compared with reads 15-30% low on the small cases (S1
-// 74 us modelled against 88 measured, S2 100 against 142), and at 16 the comparison picks the
-// faster plan on every case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and 0.206).
-// Unsegmented calls and the first segment of each sequence need no warm-up.
+// gate (lower bound), l2norm and beta logits (|k| <= 1, beta in (0, 2)). Final states go through
+// the workspace (the scan copies them), so pools and in-place states work alike. The model: a call
+// is its longest wave of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus
+// the pass, the walk and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's
+// slowest head needs is in its data and grows like 1 / |lower_bound|: kWarmChunksAt5 chunks at -5,
+// scaled so. On targets.md's inputs the reference cases' times put the slowest CTA's warm-up at
+// 24-32 chunks (H100); the two-kernel model they are compared with reads 15-30% low on the small
+// cases (S1 74 us modelled against 88 measured, S2 100 against 142), and at 16 the comparison picks
+// the faster plan on every case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and
+// 0.206). Unsegmented calls and the first segment of each sequence need no warm-up.
 inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 16;
 inline int64_t warm_chunks_estimate(double lower_bound) {
   if (!(lower_bound < 0)) return INT64_MAX / 4;

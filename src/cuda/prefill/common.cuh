@@ -350,6 +350,8 @@ struct SegRole {
   int64_t slot = 0;         // the segment slot
   int64_t tok0 = 0;         // the segment's first token within the sequence
   int64_t end_row = -1;     // segment slot of a non-final end state (seg_start / local / trans)
+  bool warm = false;  // the warm-up pass: its last segment's end state goes to seg_local[end_row]
+                      // (segment_scan_kernel copies it to the final state or pool slot)
 };
 __device__ __forceinline__ SegRole segment_role(const Params& p, const SegTask& t, int64_t slot,
                                                 bool trans_half) {

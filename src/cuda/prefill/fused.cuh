@@ -618,8 +618,11 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
       store_state(accS, p.final_state, p.kfirst, f.n, f.hv, vw, 0, g, c);
     if (slot >= 0) store_state(accS, p.state_pool, p.kfirst, slot, f.hv, vw, 0, g, c);
   } else if (role.end_row >= 0) {  // a segment's end state that is not the sequence's
-    store_state(accS, role.trans ? p.seg_trans : (role.first ? p.seg_start : p.seg_local), false,
-                role.end_row, f.hv, vw, 0, g, c);
+    store_state(accS,
+                role.trans                 ? p.seg_trans
+                : role.first && !role.warm ? p.seg_start
+                                           : p.seg_local,
+                false, role.end_row, f.hv, vw, 0, g, c);
   }
 }
 
@@ -744,7 +747,9 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
       f.n = task.n;
       f.role.slot = slot;
       f.role.first = w0 == 0;
-      f.role.last = task.j == task.count - 1;
+      f.role.last = false;  // the final state goes through seg_local (the scan copies it)
+      f.role.warm = true;
+      f.role.end_row = task.j == task.count - 1 ? slot : -1;
       f.role.tok0 = w0 * kChunk16;
       f.sp = task.seq;
       f.sp.bos = task.seq.bos + w0 * kChunk16;

@@ -62,24 +62,10 @@ inline int64_t chunk_slots(const detail::PrefillProblem& pr) {
 inline bool uses_sequence_order(const detail::PrefillProblem& pr) {
   return pr.d.varlen && pr.d.N > 1;
 }
-// Whether the bytes of two views may meet (their address ranges intersect; absent views never).
-inline bool views_may_meet(const TensorView& a, const TensorView& b) {
-  if (!a.present() || !b.present() || a.numel() <= 0 || b.numel() <= 0) return false;
-  auto range = [](const TensorView& t, uintptr_t* lo, uintptr_t* hi) {
-    int64_t last = 0;
-    for (int i = 0; i < t.ndim; ++i) last += (t.shape[i] - 1) * t.strides[i];
-    *lo = reinterpret_cast<uintptr_t>(t.data);
-    *hi = *lo + static_cast<uintptr_t>(last + 1) * dtype_size(t.dtype);
-  };
-  uintptr_t alo, ahi, blo, bhi;
-  range(a, &alo, &ahi);
-  range(b, &blo, &bhi);
-  return alo < bhi && blo < ahi;
-}
-// The conditions of warm-up segments (heuristics/prefill.h fused_choice) other than the gate's.
+// The conditions of warm-up segments (heuristics/prefill.h fused_choice) other than the gate's:
+// |k| <= 1 and beta in (0, 2), which the bound needs.
 inline bool warm_applies(const detail::PrefillProblem& pr) {
-  return pr.math.use_qk_l2norm && pr.math.beta_logits && !pr.state_pool.present() &&
-         !views_may_meet(pr.initial_state, pr.final_state);
+  return pr.math.use_qk_l2norm && pr.math.beta_logits;
 }
 // The launch plan of a call (heuristics/prefill.h), on `num_sms` multiprocessors.
 inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,

@@ -28,6 +28,36 @@ __device__ __forceinline__ float* seg_row(const StateView& v, int64_t slot, int 
   return static_cast<float*>(v.data) + slot * v.s0 + hv * v.s1 + row * v.s2;
 }
 
+// Warm-up segments (fused.cuh, seg_pass = 3) leave each sequence's final state in seg_local at its
+// last segment slot, so that no final state or pool slot is written before every warm-up CTA has
+// read its initial state (they may share memory) and before the exact passes have read theirs.
+// For the pairs the exact passes skip, the scan's blocks copy it (16 rows of S^T each) to the
+// final state or the sequence's pool slot, in their layout and dtype.
+__device__ __forceinline__ void warm_final_copy(const Params& p, int64_t n, const SegRange& r,
+                                                int hv, int row0) {
+  StateView dst;
+  int64_t row = -1;
+  if (p.has_state_pool) {
+    const int64_t slot = rules::pool_slot(p.state_indices.load(n), p.state_pool.rows);
+    if (slot >= 0) {
+      dst = p.state_pool;
+      row = slot;
+    }
+  } else if (p.final_state.data != nullptr) {
+    dst = p.final_state;
+    row = n;
+  }
+  const int64_t last = r.first + r.count - 1;
+  if (row < 0 || last >= p.seg_slots) return;
+  for (int i = static_cast<int>(threadIdx.x); i < kScanRows * kHeadDim; i += kScanThreads) {
+    const int v = row0 + i / kHeadDim, k = i % kHeadDim;
+    const int64_t off =
+        row * dst.s0 + hv * dst.s1 +
+        (p.kfirst ? static_cast<int64_t>(k) * dst.s2 + v : static_cast<int64_t>(v) * dst.s2 + k);
+    store_any(dst.data, dst.dtype, off, seg_row(p.seg_local, last, hv, v)[k]);
+  }
+}
+
 __global__ void __launch_bounds__(kScanThreads)
     segment_scan_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
@@ -40,6 +70,10 @@ __global__ void __launch_bounds__(kScanThreads)
   const int64_t n = pair / p.HV;
   const int row0 = rb * kScanRows;
   const SegRange r = seg_range(p, n, seq_span(p, n));
+  if (p.warm_flags != nullptr && !exact_pass_needed(p, r, hv)) {
+    warm_final_copy(p, n, r, hv, row0);
+    return;
+  }
   if (r.count <= 2 || !exact_pass_needed(p, r, hv)) return;
   constexpr int kMt = kHeadDim * kHeadDim;          // floats of a stage
   float* const xt = scan_smem + kScanStages * kMt;  // x_start^T [128][kScanXStride]
