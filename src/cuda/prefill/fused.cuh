@@ -111,11 +111,9 @@ __device__ __forceinline__ void fused_a_frag(const float* m, int pitch, int k0, 
 
 // Where a CTA's walk is: its sequence, head and chunk count, shared memory and barriers.
 struct FusedCta {
-  SeqSpan sp;    // the sequence, or the segment (kSeg; with its warm-up)
-  SegRole role;  // one segment per sequence unless kSeg
-  int64_t out_from =
-      0;  // the first chunk of sp whose outputs and checkpoints are written (nchunks:
-          // none); before it, the q side (qg, Aqk) is neither built nor used
+  SeqSpan sp;            // the sequence, or the segment (kSeg; with its warm-up)
+  SegRole role;          // one segment per sequence unless kSeg
+  int64_t out_from = 0;  // the first chunk of sp whose outputs and checkpoints are written
   int64_t n, nchunks;
   int hv, h;
   uint8_t* smem;
@@ -166,7 +164,6 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       uint8_t* raw = smem + raw_at(j);
       const uint32_t raw_s = f.s0 + raw_at(j);
       const int64_t tj = j * kChunk16;  // the chunk's first token, in the sequence
-      const bool wq = j >= f.out_from;  // q is read (FusedCta::out_from)
       if (il < kChunk16) {
         const int64_t tl = tj + il;
         bbits = tl < sp.len ? load_bits_any(p.beta.data, p.beta.dtype,
@@ -185,18 +182,18 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const uint16_t* const vp = vs + tc * p.v.s1 + 8 * ch;
         const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
         if (vec) {
-          if (wq) cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
+          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kp, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + vt, vp, okv ? 16 : 0);
         } else {
-          uint16_t wqv[8], wk[8], wv[8];
+          uint16_t wq[8], wk[8], wv[8];
 #pragma unroll
           for (int e = 0; e < 8; ++e) {
-            wqv[e] = ok && wq ? qp[e] : uint16_t{0};
+            wq[e] = ok ? qp[e] : uint16_t{0};
             wk[e] = ok ? kp[e] : uint16_t{0};
             wv[e] = okv ? vp[e] : uint16_t{0};
           }
-          std::memcpy(raw + kFRawQ + raw_offset(r, ch, 256), wqv, 16);
+          std::memcpy(raw + kFRawQ + raw_offset(r, ch, 256), wq, 16);
           std::memcpy(raw + kFRawK + raw_offset(r, ch, 256), wk, 16);
           std::memcpy(raw + vt, wv, 16);
         }
@@ -252,8 +249,6 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
     const uint8_t* raw = smem + raw_at(j);
     uint8_t* rec = smem + st * kFStageBytes;
     const float* bet = reinterpret_cast<const float*>(raw + kFRawB);
-    // The q side (qg, Aqk: the outputs' operands) only for chunks whose outputs are written.
-    const bool wq = j >= f.out_from;
     mbar_wait(f.bar_empty + 8 * st, static_cast<uint32_t>(((j / kFStages) & 1) ^ 1));
     clk.mark(0);
     // -- Elementwise pass. The norms first: this token's sums over the thread's 16 channels, the
@@ -267,21 +262,15 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       float sq = 0.f, sk = 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 kw = raw16(kFRawK, h);
+        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
         const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+          const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
           const float k0 = lo_f32<kFp16>(kv[i]), k1 = hi_f32<kFp16>(kv[i]);
+          sq = fmaf(q1, q1, fmaf(q0, q0, sq));
           sk = fmaf(k1, k1, fmaf(k0, k0, sk));
-        }
-        if (wq) {
-          const uint4 qw = raw16(kFRawQ, h);
-          const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
-            sq = fmaf(q1, q1, fmaf(q0, q0, sq));
-          }
         }
       }
       sq += __shfl_xor_sync(0xffffffffu, sq, 16);
@@ -303,12 +292,15 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
 #pragma unroll 1
     for (int h = 0; h < 2; ++h) {
       const int cg = cgl + 8 * h, c0 = 8 * cg;
-      float k[8], G[8];
+      float q[8], k[8], G[8];
       {
-        const uint4 kw = raw16(kFRawK, h);
+        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
         const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
+          q[2 * i] = lo_f32<kFp16>(qv[i]) * rq;
+          q[2 * i + 1] = hi_f32<kFp16>(qv[i]) * rq;
           k[2 * i] = lo_f32<kFp16>(kv[i]) * rk;
           k[2 * i + 1] = hi_f32<kFp16>(kv[i]) * rk;
         }
@@ -351,40 +343,31 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       // Two exponentials per element, anchored at the chunk's start: e^G and e^-G (G in
       // [-16 x 5 log2 e, 0]: both factors within 2^+-116, normal fp32 and tf32 numbers), and
       // e^(G_L - G) = e^-G e^(G_L) with e^(G_L) the last token's e^G (a shuffle from lane 15).
-      uint32_t kaw[8], kdw[8];
+      uint32_t qgw[4], qaw[8], kaw[8], kdw[8];
       float eg[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) {
         eg[i] = fast_exp2(G[i]);
         const float ieg = fast_exp2(-G[i]);
         const float egl = __shfl_sync(0xffffffffu, eg[i], 15, 16);
+        const float qgv = q[i] * eg[i];
+        if (i & 1)
+          qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
+        else
+          qgw[i >> 1] = __float_as_uint(qgv);
         const float kdv = k[i] * ieg;
         kbt[rec16_kbt(c0 + i, tok)] = out_bits<false>(kdv * egl);
+        qaw[i] = f32_to_tf32(qgv);
         kaw[i] = f32_to_tf32(k[i] * eg[i]);
         kdw[i] = f32_to_tf32(kdv);
       }
-      if (wq) {
-        const uint4 qw = raw16(kFRawQ, h);
-        const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
-        uint32_t qgw[4], qaw[8];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const float qx = (i & 1 ? hi_f32<kFp16>(qv[i >> 1]) : lo_f32<kFp16>(qv[i >> 1])) * rq;
-          const float qgv = qx * eg[i];
-          if (i & 1)
-            qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
-          else
-            qgw[i >> 1] = __float_as_uint(qgv);
-          qaw[i] = f32_to_tf32(qgv);
-        }
-        *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
-            make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
-        uint4* qa4 = reinterpret_cast<uint4*>(qa + tok * kFOpPitch + c0);
-        qa4[0] = make_uint4(qaw[0], qaw[1], qaw[2], qaw[3]);
-        qa4[1] = make_uint4(qaw[4], qaw[5], qaw[6], qaw[7]);
-      }
+      *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
+          make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
+      uint4* qa4 = reinterpret_cast<uint4*>(qa + tok * kFOpPitch + c0);
       uint4* ka4 = reinterpret_cast<uint4*>(ka + tok * kFOpPitch + c0);
       uint4* kd4 = reinterpret_cast<uint4*>(kd + tok * kFOpPitch + c0);
+      qa4[0] = make_uint4(qaw[0], qaw[1], qaw[2], qaw[3]);
+      qa4[1] = make_uint4(qaw[4], qaw[5], qaw[6], qaw[7]);
       ka4[0] = make_uint4(kaw[0], kaw[1], kaw[2], kaw[3]);
       ka4[1] = make_uint4(kaw[4], kaw[5], kaw[6], kaw[7]);
       kd4[0] = make_uint4(kdw[0], kdw[1], kdw[2], kdw[3]);
@@ -414,14 +397,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const int k0 = 32 * lw + 8 * ks;
         uint32_t ak[4], aq[4];
         fused_a_frag(ka, kFOpPitch, k0, g, c, ak);
-        if (wq) fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
+        fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 8 * nt + g;
           const uint32_t b0 = __float_as_uint(kd[s * kFOpPitch + k0 + c]);
           const uint32_t b1 = __float_as_uint(kd[s * kFOpPitch + k0 + c + 4]);
           mma_tf32(acck[nt], ak, b0, b1);
-          if (wq) mma_tf32(accq[nt], aq, b0, b1);
+          mma_tf32(accq[nt], aq, b0, b1);
         }
       }
       float* part = reinterpret_cast<float*>(gs + kFGPart) + lw * 512;
@@ -431,7 +414,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         for (int e = 0; e < 4; ++e) {
           const int t = g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
           part[t * 16 + s] = acck[nt][e];
-          if (wq) part[256 + t * 16 + s] = accq[nt][e];
+          part[256 + t * 16 + s] = accq[nt][e];
         }
     }
     clk.mark(4);
@@ -447,14 +430,12 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const int i = lt + kFGroupThreads * m, t = i >> 4, s = i & 15;
         float sk = 0.f, sq = 0.f;
 #pragma unroll
-        for (int w = 0; w < 4; ++w) sk += part[512 * w + i];
-        mt[s * kFMPitch + t] = s < t ? bet[t] * sk : 0.f;
-        if (wq) {
-#pragma unroll
-          for (int w = 0; w < 4; ++w) sq += part[512 * w + 256 + i];
-          reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] =
-              s <= t ? tf32_round(sq) : 0.f;
+        for (int w = 0; w < 4; ++w) {
+          sk += part[512 * w + i];
+          sq += part[512 * w + 256 + i];
         }
+        mt[s * kFMPitch + t] = s < t ? bet[t] * sk : 0.f;
+        reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] = s <= t ? tf32_round(sq) : 0.f;
       }
     }
     clk.mark(6);
@@ -598,15 +579,11 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
     for (int i = 0; i < 8; ++i)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accO[i][e] = 0.f;
-    if (j >= f.out_from)
-      step_wgmma16<kFp16>(accS, accO, f.smem + st * kFStageBytes, sbase, sbase + kRecord16Bytes, rg,
-                          lane, kHeadDim);
-    else
-      step_wgmma16<kFp16, false>(accS, accO, f.smem + st * kFStageBytes, sbase,
-                                 sbase + kRecord16Bytes, rg, lane, kHeadDim);
+    step_wgmma16<kFp16>(accS, accO, f.smem + st * kFStageBytes, sbase, sbase + kRecord16Bytes, rg,
+                        lane, kHeadDim);
     // Outputs: O^T (16 value rows x 16 tokens of this warp) -> the warp's tile (stmatrix.trans)
     // -> out, 32 bytes per token row; while the state update runs.
-    if (j >= f.out_from) {
+    if (role.outputs && j >= f.out_from) {
       __syncwarp();
       const int row = ((lane >> 4) << 3) + (lane & 7);
       stmatrix_x4_trans(
@@ -625,7 +602,7 @@ __device__ __forceinline__ void fused_consumer(const Params& p, const FusedCta& 
     __syncwarp();
     if (lane == 0) mbar_arrive(f.bar_empty + 8 * st);  // this warp is done with the stage
     // Checkpoint: the state after every checkpoint_every tokens (full chunks only).
-    if (j >= f.out_from && p.checkpoint_every > 0 && L == kChunk16) {
+    if (role.outputs && j >= f.out_from && p.checkpoint_every > 0 && L == kChunk16) {
       const int64_t done = role.tok0 + (j + 1) * kChunk16;
       if (done % p.checkpoint_every == 0) {
         const int64_t row = ck_lo + done / p.checkpoint_every - 1;
@@ -834,7 +811,6 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   }
   f.h = f.hv / p.groups;
   f.nchunks = (f.sp.len + kChunk16 - 1) / kChunk16;
-  if (!f.role.outputs) f.out_from = f.nchunks;
   f.bar_full = f.s0 + kFOffBar;
   f.bar_empty = f.bar_full + 8 * kFStages;
   const int tid = threadIdx.x;

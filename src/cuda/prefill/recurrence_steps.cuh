@@ -279,11 +279,10 @@ __device__ __forceinline__ void chunk_wgmma(float (&accS)[16][4], float (&accO)[
 //   2. O^T += U^T Aqk^T (m64n16k8 x 2), waited for before the return
 //   3. S^T <- S^T diag(gL) + U^T kb (m64n128k16, U^T bf16 hi + lo), in flight at the return
 //      (step16_done), so that the outputs' stores overlap it
-// accO's first two n-tiles receive the 16 outputs. kOut false: the state update alone (no O^T
-// products; the record's qg and Aqk are not read), for a chunk whose outputs are not written.
+// accO's first two n-tiles receive the 16 outputs.
 // vaddr: the shared address of the step's v tile [16][vs] (swizzle_vtile); the recurrence kernel's
 // follows the record in its stage.
-template <bool kFp16, bool kOut = true>
+template <bool kFp16>
 __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)[8][4],
                                              const uint8_t* sb, uint32_t sbase, uint32_t vaddr,
                                              int rg, int lane, int vs) {
@@ -321,7 +320,7 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
 #pragma unroll
   for (int ks = 0; ks < 8; ++ks) {
     wgmma_bf16<2, -1>(accU, sa[ks], rec_desc(dlo, kR16OffW, kChunk16, 32 * ks), 1);
-    if constexpr (kOut) wgmma_bf16<2>(accO2, sa[ks], rec_desc(dlo, kR16OffQg, kChunk16, 32 * ks), 1);
+    wgmma_bf16<2>(accO2, sa[ks], rec_desc(dlo, kR16OffQg, kChunk16, 32 * ks), 1);
   }
 #pragma unroll
   for (int q = 0; q < 2; ++q)
@@ -330,11 +329,9 @@ __device__ __forceinline__ void step_wgmma16(float (&accS)[16][4], float (&accO)
   uint32_t ua[2][4], uh[1][4], ul[1][4];
   wgmma_between_groups(accU, accO2, accS, reinterpret_cast<const float*>(sb + kR16OffGL), lane, ua,
                        uh, ul);
-  if constexpr (kOut) {
 #pragma unroll
-    for (int q = 0; q < 2; ++q)
-      wgmma_tf32<2>(accO2, ua[q], wgmma_desc_at(dlo, kR16OffAqk + 32 * q, kDescHiSw64), 1);
-  }
+  for (int q = 0; q < 2; ++q)
+    wgmma_tf32<2>(accO2, ua[q], wgmma_desc_at(dlo, kR16OffAqk + 32 * q, kDescHiSw64), 1);
   wgmma_commit();  // group 2: the outputs, waited for here
   {
     const uint64_t d = wgmma_desc_at(dlo, kR16OffKbT, kDescHiSw32);
