@@ -30,6 +30,8 @@
 // register one load ahead.
 #pragma once
 
+#include <type_traits>
+
 #include "cuda/common/warp_sums.cuh"
 #include "cuda/prefill/common.cuh"
 #include "cuda/prefill/phase_timing.cuh"
@@ -122,7 +124,10 @@ struct FusedCta {
 
 // ---- The producer: thread pt (0..255) of group gp = pt / 128 (local thread lt, warp lw 0..3),
 // which builds the chunks j = gp, gp + 2, ...
-template <bool kFp16>
+// kSeg: chunks before f.out_from (a warm-up's, whose outputs are discarded) are built without their
+// q side (prepare<false>: no q loads, norm, qg, qa or Aqk); the consumers' output products read the
+// stage's stale qg and Aqk there and their results are dropped.
+template <bool kFp16, bool kSeg>
 __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& f, int pt) {
   const int gp = pt / kFGroupThreads, lt = pt % kFGroupThreads;
   const SeqSpan& sp = f.sp;
@@ -176,13 +181,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const int r = i >> 4, ch = i & 15;
         const int64_t t = tj + r;
         const bool ok = t < sp.len, okv = ok && !f.role.trans;  // the transition's rows: zero v
+        const bool okq = !kSeg || j >= f.out_from;              // q is read (fused_producer)
         const int64_t tc = ok ? t : 0;
         const uint16_t* const qp = qs + tc * p.q.s1 + 8 * ch;
         const uint16_t* const kp = ks + tc * p.k.s1 + 8 * ch;
         const uint16_t* const vp = vs + tc * p.v.s1 + 8 * ch;
         const int vt = kFRawV + swizzle_vtile(r, ch, kHeadDim);
         if (vec) {
-          cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
+          if (okq) cp_async_16_zfill(raw_s + kFRawQ + raw_offset(r, ch, 256), qp, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + kFRawK + raw_offset(r, ch, 256), kp, ok ? 16 : 0);
           cp_async_16_zfill(raw_s + vt, vp, okv ? 16 : 0);
         } else {
@@ -227,7 +233,8 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   const float eps = static_cast<float>(detail::kL2NormEps);
   // Chunk j's record and v tile into stage j % 3 (free once its previous chunk's consumers have
   // released it), from its raw stage (complete and visible to every thread of the group).
-  auto prepare = [&](int64_t j) {
+  auto prepare = [&](int64_t j, auto q_side) {
+    constexpr bool kQ = decltype(q_side)::value;  // the q side is built
     // The thread's index, opaque to the compiler here: otherwise it hoists every chunk-invariant
     // shared-memory address and constant derived from it out of the loop and, short of
     // registers, spills them (a local load at each use instead of an integer add).
@@ -262,14 +269,16 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       float sq = 0.f, sk = 0.f;
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
-        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint4 qw = kQ ? raw16(kFRawQ, h) : uint4{}, kw = raw16(kFRawK, h);
         const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
         const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
           const float k0 = lo_f32<kFp16>(kv[i]), k1 = hi_f32<kFp16>(kv[i]);
-          sq = fmaf(q1, q1, fmaf(q0, q0, sq));
+          if constexpr (kQ) {
+            const float q0 = lo_f32<kFp16>(qv[i]), q1 = hi_f32<kFp16>(qv[i]);
+            sq = fmaf(q1, q1, fmaf(q0, q0, sq));
+          }
           sk = fmaf(k1, k1, fmaf(k0, k0, sk));
         }
       }
@@ -294,13 +303,13 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
       const int cg = cgl + 8 * h, c0 = 8 * cg;
       float q[8], k[8], G[8];
       {
-        const uint4 qw = raw16(kFRawQ, h), kw = raw16(kFRawK, h);
+        const uint4 qw = kQ ? raw16(kFRawQ, h) : uint4{}, kw = raw16(kFRawK, h);
         const uint32_t qv[4] = {qw.x, qw.y, qw.z, qw.w};
         const uint32_t kv[4] = {kw.x, kw.y, kw.z, kw.w};
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          q[2 * i] = lo_f32<kFp16>(qv[i]) * rq;
-          q[2 * i + 1] = hi_f32<kFp16>(qv[i]) * rq;
+          q[2 * i] = kQ ? lo_f32<kFp16>(qv[i]) * rq : 0.f;
+          q[2 * i + 1] = kQ ? hi_f32<kFp16>(qv[i]) * rq : 0.f;
           k[2 * i] = lo_f32<kFp16>(kv[i]) * rk;
           k[2 * i + 1] = hi_f32<kFp16>(kv[i]) * rk;
         }
@@ -351,23 +360,28 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const float ieg = fast_exp2(-G[i]);
         const float egl = __shfl_sync(0xffffffffu, eg[i], 15, 16);
         const float qgv = q[i] * eg[i];
-        if (i & 1)
-          qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
-        else
-          qgw[i >> 1] = __float_as_uint(qgv);
+        if constexpr (kQ) {
+          if (i & 1)
+            qgw[i >> 1] = pack_bf16(__uint_as_float(qgw[i >> 1]), qgv);
+          else
+            qgw[i >> 1] = __float_as_uint(qgv);
+        }
         const float kdv = k[i] * ieg;
         kbt[rec16_kbt(c0 + i, tok)] = out_bits<false>(kdv * egl);
-        qaw[i] = f32_to_tf32(qgv);
+        if constexpr (kQ) qaw[i] = f32_to_tf32(qgv);
         kaw[i] = f32_to_tf32(k[i] * eg[i]);
         kdw[i] = f32_to_tf32(kdv);
       }
-      *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
-          make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
+      if constexpr (kQ)
+        *reinterpret_cast<uint4*>(rec + kR16OffQg + 2 * rec16_b16(tok, c0)) =
+            make_uint4(qgw[0], qgw[1], qgw[2], qgw[3]);
       uint4* qa4 = reinterpret_cast<uint4*>(qa + tok * kFOpPitch + c0);
       uint4* ka4 = reinterpret_cast<uint4*>(ka + tok * kFOpPitch + c0);
       uint4* kd4 = reinterpret_cast<uint4*>(kd + tok * kFOpPitch + c0);
-      qa4[0] = make_uint4(qaw[0], qaw[1], qaw[2], qaw[3]);
-      qa4[1] = make_uint4(qaw[4], qaw[5], qaw[6], qaw[7]);
+      if constexpr (kQ) {
+        qa4[0] = make_uint4(qaw[0], qaw[1], qaw[2], qaw[3]);
+        qa4[1] = make_uint4(qaw[4], qaw[5], qaw[6], qaw[7]);
+      }
       ka4[0] = make_uint4(kaw[0], kaw[1], kaw[2], kaw[3]);
       ka4[1] = make_uint4(kaw[4], kaw[5], kaw[6], kaw[7]);
       kd4[0] = make_uint4(kdw[0], kdw[1], kdw[2], kdw[3]);
@@ -397,14 +411,14 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         const int k0 = 32 * lw + 8 * ks;
         uint32_t ak[4], aq[4];
         fused_a_frag(ka, kFOpPitch, k0, g, c, ak);
-        fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
+        if constexpr (kQ) fused_a_frag(qa, kFOpPitch, k0, g, c, aq);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
           const int s = 8 * nt + g;
           const uint32_t b0 = __float_as_uint(kd[s * kFOpPitch + k0 + c]);
           const uint32_t b1 = __float_as_uint(kd[s * kFOpPitch + k0 + c + 4]);
           mma_tf32(acck[nt], ak, b0, b1);
-          mma_tf32(accq[nt], aq, b0, b1);
+          if constexpr (kQ) mma_tf32(accq[nt], aq, b0, b1);
         }
       }
       float* part = reinterpret_cast<float*>(gs + kFGPart) + lw * 512;
@@ -414,7 +428,7 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
         for (int e = 0; e < 4; ++e) {
           const int t = g + 8 * (e >> 1), s = 8 * nt + 2 * c + (e & 1);
           part[t * 16 + s] = acck[nt][e];
-          part[256 + t * 16 + s] = accq[nt][e];
+          if constexpr (kQ) part[256 + t * 16 + s] = accq[nt][e];
         }
     }
     clk.mark(4);
@@ -432,10 +446,12 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
           sk += part[512 * w + i];
-          sq += part[512 * w + 256 + i];
+          if constexpr (kQ) sq += part[512 * w + 256 + i];
         }
         mt[s * kFMPitch + t] = s < t ? bet[t] * sk : 0.f;
-        reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] = s <= t ? tf32_round(sq) : 0.f;
+        if constexpr (kQ)
+          reinterpret_cast<float*>(rec + kR16OffAqk)[rec16_f32(t, s)] =
+              s <= t ? tf32_round(sq) : 0.f;
       }
     }
     clk.mark(6);
@@ -517,7 +533,10 @@ __device__ __forceinline__ void fused_producer(const Params& p, const FusedCta& 
   cp_async_wait<1>();  // chunk gp's raw inputs
   sync();
   for (int64_t j = gp; j < f.nchunks; j += kFGroups) {
-    prepare(j);
+    if (!kSeg || j >= f.out_from)
+      prepare(j, std::true_type{});
+    else
+      prepare(j, std::false_type{});
     cp_async_wait<1>();   // chunk j + 2's raw inputs (j + 4's may be in flight)
     fence_proxy_async();  // the record's generic stores before the consumers' wgmma reads
     sync();
@@ -830,7 +849,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   __syncthreads();
   if (tid >= kFConsumerThreads) {
     setmaxnreg_dec<kFProducerRegs>();
-    fused_producer<kFp16>(p, f, tid - kFConsumerThreads);
+    fused_producer<kFp16, kSeg>(p, f, tid - kFConsumerThreads);
   } else {
     setmaxnreg_inc<kFConsumerRegs>();
     fused_consumer<kFp16>(p, f, tid);
