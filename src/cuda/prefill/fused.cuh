@@ -675,85 +675,49 @@ __device__ __forceinline__ int64_t fused_sequence_of_rank(const Params& p, int64
 // error E = prod_t (I - b_t k_t k_t^T) D_t E_0 over the warm-up's tokens, E_0 the true state
 // there. With l2norm (|k| <= 1) and beta in (0, 2), |I - b k k^T| <= 1, so
 // |E| <= 2^(sum_t max_k a_t,k) |E_0| (a: log2 decays, <= 0). The walk goes back from chunk c0 of
-// the sequence, 16 chunks a step (two threads per token, 64 key channels each: the largest gate
-// argument gives the token's largest decay; warp w sums chunk w of the step), and returns the
-// first chunk at which the sum reaches -kWarmLog2Bound (the dropped state at most 2^-16 of the
-// state it replaces, ~1/128 of a bf16 rounding), or 0 when the walk reaches the sequence's start
-// (the segment then runs exactly, from the initial state), or -1 past warm_max_chunks chunks. All
-// threads of the CTA (kFusedThreads = 512: 256 tokens a step); `scratch`: 128 + 16 floats and one
-// int64.
+// the sequence, 64 tokens a step (a thread per token and 16 key channels: the largest gate
+// argument gives the token's largest decay), and returns the first chunk at which the sum reaches
+// -kWarmLog2Bound (the dropped state at most 2^-16 of the state it replaces, ~1/128 of a bf16
+// rounding), or 0 when the walk reaches the sequence's start (the segment then runs exactly, from
+// the initial state), or -1 past warm_max_chunks chunks. All threads of the CTA; `scratch`:
+// 64 floats and one int64.
 inline constexpr float kWarmLog2Bound = 16.f;
-inline constexpr int kWarmWalkChunks = kFusedThreads / 2 / kChunk16;  // chunks a step
 __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSpan& seq, int hv,
                                                     int64_t c0, uint8_t* scratch) {
-  static_assert(kFusedThreads == 512 && kWarmWalkChunks == 16, "a warp per chunk of a step");
   if (c0 <= 0) return 0;
-  float* const cbs = reinterpret_cast<float*>(scratch);  // [128]: the gate's per-key constants
-  float* const csum = cbs + kHeadDim;                    // [16]: the step's chunk sums
-  int64_t* const res = reinterpret_cast<int64_t*>(csum + kWarmWalkChunks);
-  const int tid = static_cast<int>(threadIdx.x), tl = tid >> 1, hh = tid & 1;
+  float* const a = reinterpret_cast<float*>(scratch);  // [64]: the tokens' largest log2 decay
+  int64_t* const res = reinterpret_cast<int64_t*>(scratch + 256);
+  const int tid = static_cast<int>(threadIdx.x), tl = tid >> 3, cg = tid & 7;
   const float exp_a = p.A_log ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
   const float ca = -exp_a * kLog2e, lb2 = p.lower_bound * kLog2e;
-  if (tid < kHeadDim) cbs[tid] = p.dt_bias ? ca * p.dt_bias[hv * p.dt_bias_s + tid] : 0.f;
-  __syncthreads();
-  const float* const cb = cbs + 64 * hh;
+  float cb[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e)
+    cb[e] = p.dt_bias ? ca * p.dt_bias[hv * p.dt_bias_s + 16 * cg + e] : 0.f;
   float sum = 0.f;  // thread 0: the walked chunks' sum
-  for (int64_t c = c0;; c -= kWarmWalkChunks) {
-    // This thread's token in the sequence (c0 * 16 <= len).
-    const int64_t t = (c - kWarmWalkChunks) * kChunk16 + tl;
-    float y = -INFINITY;  // the largest gate argument: decay = lb2 * sigmoid(-y ln 2)
+  for (int64_t c = c0;; c -= 4) {
+    const int64_t t =
+        (c - 4) * kChunk16 + tl;  // this thread's token in the sequence (c0 * 16 <= len)
+    float y = -INFINITY;          // the largest gate argument: decay = lb2 * sigmoid(-y ln 2)
     if (t >= 0) {
-      const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 64 * hh;
-      auto put = [&](float gv, int e) { y = fmaxf(y, fmaf(ca, gv, cb[e])); };
-      if (p.g.vec && p.g.dtype != kF32) {  // 8 runs of 8 channels, all loads first
-        const uint4* src =
-            reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g.data) + off);
-        uint4 w[8];
+      const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 16 * cg;
 #pragma unroll
-        for (int i = 0; i < 8; ++i) w[i] = src[i];
-#pragma unroll
-        for (int i = 0; i < 8; ++i) {
-          const uint32_t v[4] = {w[i].x, w[i].y, w[i].z, w[i].w};
-#pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            put(bits_to_f32(v[e] & 0xffffu, p.g.dtype), 8 * i + 2 * e);
-            put(bits_to_f32(v[e] >> 16, p.g.dtype), 8 * i + 2 * e + 1);
-          }
-        }
-      } else if (p.g.vec) {  // fp32: 2 x 8 runs of 4 channels
-        const float4* src =
-            reinterpret_cast<const float4*>(static_cast<const float*>(p.g.data) + off);
-#pragma unroll
-        for (int hb = 0; hb < 2; ++hb) {
-          float4 w[8];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) w[i] = src[8 * hb + i];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) {
-            const int e = 32 * hb + 4 * i;
-            put(w[i].x, e);
-            put(w[i].y, e + 1);
-            put(w[i].z, e + 2);
-            put(w[i].w, e + 3);
-          }
-        }
-      } else {
-#pragma unroll 8
-        for (int e = 0; e < 64; ++e) put(load_any(p.g.data, p.g.dtype, off + e), e);
-      }
+      for (int e = 0; e < 16; ++e)
+        y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cb[e]));
     }
-    y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, 1));
-    float a =
-        t >= 0 && hh == 0 ? lb2 * __fdividef(1.f, 1.f + fast_exp2(fminf(y, 80.f * kLog2e))) : 0.f;
 #pragma unroll
-    for (int o = 1; o < 32; o <<= 1) a += __shfl_xor_sync(0xffffffffu, a, o);
-    if ((tid & 31) == 0) csum[tid >> 5] = a;
+    for (int o = 1; o < 8; o <<= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
+    if (cg == 0)
+      a[tl] = t >= 0 ? lb2 * __fdividef(1.f, 1.f + fast_exp2(fminf(y, 80.f * kLog2e))) : 0.f;
     __syncthreads();
     if (tid == 0) {
       int64_t r = -2;  // -2: walk on
-      for (int q = kWarmWalkChunks - 1; q >= 0 && r == -2; --q) {
-        const int64_t cq = c - kWarmWalkChunks + q;  // walked backwards: chunks c - 1, c - 2, ...
-        sum += csum[q];
+      for (int q = 3; q >= 0 && r == -2; --q) {
+        const int64_t cq = c - 4 + q;  // walked backwards: chunks c - 1, c - 2, ...
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < kChunk16; ++i) s += a[kChunk16 * q + i];
+        sum += s;
         if (sum <= -kWarmLog2Bound || cq <= 0)
           r = cq > 0 ? cq : 0;
         else if (c0 - cq >= p.warm_max_chunks)
