@@ -701,7 +701,9 @@ TEST(GpuPrefillFused, Segments) {
 // are the fused kernel's (those warm-up segments apply to: l2norm, beta logits, lower bound -5)
 // with every sequence of 64 tokens or more 700 tokens longer: varlen batches with empty,
 // 1-15-token and long sequences, a state pool, checkpoints, grouped values, K-first 16-bit
-// states, fp16, fp32 gate and beta, strided inputs and negative eigenvalues.
+// states, fp16, fp32 gate and beta, strided inputs and negative eigenvalues. Each case runs at the
+// default bound (2^-16 of the dropped state) and at the loosest the knob takes (2^-10,
+// Tuning::prefill_warm_bits), which must still hold the reference tolerances.
 std::vector<PrefillCase> warm_cases() {
   std::vector<PrefillCase> v;
   for (PrefillCase c : fused_cases()) {  // those warm-up segments apply to, lengthened
@@ -719,22 +721,24 @@ std::vector<PrefillCase> warm_cases() {
 
 TEST(GpuPrefillWarm, MatchesReference) {
   KDA_SKIP_WITHOUT_SM90();
-  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
-    t.prefill_warm = 1;
-    t.prefill_segment = 64;
-  }));
-  for (const PrefillCase& c : warm_cases()) {
-    SCOPED_TRACE(c.name());
-    unsigned long long before[3] = {}, after[3] = {};
-    ASSERT_TRUE(cuda::prefill_warm_counts(0, before).ok());
-    check_against_reference(c);
-    ASSERT_TRUE(cuda::prefill_warm_counts(0, after).ok());
-    EXPECT_GT(after[1], before[1]) << "no segment ran from a warm-up";
-    if (c.slow_channel_dt != 0)
-      EXPECT_GT(after[2], before[2]) << "no segment went to the exact passes";
-    else
-      EXPECT_EQ(after[2], before[2]) << "segments went to the exact passes";
-  }
+  for (const int bits : {16, 10})
+    for (const PrefillCase& c : warm_cases()) {
+      SCOPED_TRACE(c.name() + ", 2^-" + std::to_string(bits));
+      const detail::ScopedTuning scope(tuned([bits](detail::Tuning& t) {
+        t.prefill_warm = 1;
+        t.prefill_segment = 64;
+        t.prefill_warm_bits = bits;
+      }));
+      unsigned long long before[3] = {}, after[3] = {};
+      ASSERT_TRUE(cuda::prefill_warm_counts(0, before).ok());
+      check_against_reference(c);
+      ASSERT_TRUE(cuda::prefill_warm_counts(0, after).ok());
+      EXPECT_GT(after[1], before[1]) << "no segment ran from a warm-up";
+      if (c.slow_channel_dt != 0)
+        EXPECT_GT(after[2], before[2]) << "no segment went to the exact passes";
+      else
+        EXPECT_EQ(after[2], before[2]) << "segments went to the exact passes";
+    }
 }
 
 // The single launch (prefill/single.cuh; heuristics/prefill.h single_launch: prepare and

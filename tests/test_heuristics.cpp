@@ -325,8 +325,15 @@ TEST(PrefillHeuristics, Warm) {
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "on"}}).prefill_warm, 0);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "16"}}).prefill_warm_chunks, 16);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "0"}}).prefill_warm_chunks, 48);
+  EXPECT_EQ(detail::Tuning{}.prefill_warm_bits, 16);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "12"}}).prefill_warm_bits, 12);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "9"}}).prefill_warm_bits, 16);   // below 10
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "33"}}).prefill_warm_bits, 16);  // above 32
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "-12"}}).prefill_warm_bits, 16);
   EXPECT_EQ(warm_chunks_estimate(-5.0), 16);
   EXPECT_EQ(warm_chunks_estimate(-2.5), 32);
+  EXPECT_EQ(warm_chunks_estimate(-5.0, 12), 12);
+  EXPECT_EQ(warm_chunks_estimate(-2.5, 24), 48);
   EXPECT_GT(warm_chunks_estimate(-1.0), 48);
   // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 16 chunks.
   EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 16),

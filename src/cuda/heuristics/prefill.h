@@ -237,16 +237,17 @@ struct FusedChoice {
 // the workspace (the scan copies them), so pools and in-place states work alike. The model: a call
 // is its longest wave of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus
 // the pass, the walk and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's
-// slowest head needs is in its data and grows like 1 / |lower_bound|: kWarmChunksAt5 chunks at -5,
-// scaled so. On targets.md's inputs the reference cases' times put the slowest CTA's warm-up at
-// 24-32 chunks (H100); the two-kernel model they are compared with reads 15-30% low on the small
-// cases (S1 74 us modelled against 88 measured, S2 100 against 142), and at 16 the comparison picks
-// the faster plan on every case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and
-// 0.206). Unsegmented calls and the first segment of each sequence need no warm-up.
+// slowest head needs is in its data, grows like 1 / |lower_bound| and like the bound's bits
+// (Tuning::prefill_warm_bits): kWarmChunksAt5 chunks at -5 and 16 bits, scaled so. On targets.md's
+// inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks (H100); the
+// two-kernel model they are compared with reads 15-30% low on the small cases (S1 74 us modelled
+// against 88 measured, S2 100 against 142), and at 16 the comparison picks the faster plan on every
+// case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and 0.206). Unsegmented calls and
+// the first segment of each sequence need no warm-up.
 inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 16;
-inline int64_t warm_chunks_estimate(double lower_bound) {
+inline int64_t warm_chunks_estimate(double lower_bound, int bits = 16) {
   if (!(lower_bound < 0)) return INT64_MAX / 4;
-  return static_cast<int64_t>(kWarmChunksAt5 * 5.0 / -lower_bound + 0.999);
+  return static_cast<int64_t>(kWarmChunksAt5 * (5.0 / -lower_bound) * (bits / 16.0) + 0.999);
 }
 inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t tokens, int sms,
                                 int64_t warm_chunks) {
@@ -278,7 +279,7 @@ inline FusedChoice fused_choice(const PrefillPlan& plan, int64_t len, int64_t N,
   }
   // Warm-up segments: of 64, 128, ... tokens below len (or the forced size), where the estimate
   // of the warm-up fits the budget (or forced).
-  const int64_t warm = warm_chunks_estimate(lower_bound);
+  const int64_t warm = warm_chunks_estimate(lower_bound, t.prefill_warm_bits);
   if (warm_applies && !weak_decay && t.prefill_warm >= 0 && t.prefill_segment >= 0 &&
       (t.prefill_warm > 0 || warm <= t.prefill_warm_chunks)) {
     bool wfound = false;

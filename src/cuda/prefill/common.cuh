@@ -218,10 +218,12 @@ struct Params {
   StateView seg_start, seg_local, seg_trans;
   // Warm-up segments (fused.cuh, fused_warm_start; docs/design.md 6.10): the warm-up pass runs
   // every segment from a zero state some chunks before its start, at most warm_max_chunks 16-token
-  // chunks, where a bound on the dropped state computed from the gates allows it, and writes
-  // warm_flags[slot][hv] = 1 where it does not (0 where it ran). With warm_flags set, passes 1
-  // and 2 and the scan run only the (sequence, value head) pairs with a flag set.
+  // chunks, where a bound on the dropped state computed from the gates allows it (at most
+  // 2^-warm_log2_bound of the state it stands for), and writes warm_flags[slot][hv] = 1 where it
+  // does not (0 where it ran). With warm_flags set, passes 1 and 2 and the scan run only the
+  // (sequence, value head) pairs with a flag set.
   int64_t warm_max_chunks = 0;
+  float warm_log2_bound = 16.f;
   int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
 

@@ -677,11 +677,10 @@ __device__ __forceinline__ int64_t fused_sequence_of_rank(const Params& p, int64
 // |E| <= 2^(sum_t max_k a_t,k) |E_0| (a: log2 decays, <= 0). The walk goes back from chunk c0 of
 // the sequence, 64 tokens a step (a thread per token and 16 key channels: the largest gate
 // argument gives the token's largest decay), and returns the first chunk at which the sum reaches
-// -kWarmLog2Bound (the dropped state at most 2^-16 of the state it replaces, ~1/128 of a bf16
-// rounding), or 0 when the walk reaches the sequence's start (the segment then runs exactly, from
+// -p.warm_log2_bound (Tuning::prefill_warm_bits: the dropped state at most 2^-bits of the state it
+// replaces), or 0 when the walk reaches the sequence's start (the segment then runs exactly, from
 // the initial state), or -1 past warm_max_chunks chunks. All threads of the CTA; `scratch`:
 // 64 floats and one int64.
-inline constexpr float kWarmLog2Bound = 16.f;
 __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSpan& seq, int hv,
                                                     int64_t c0, uint8_t* scratch) {
   if (c0 <= 0) return 0;
@@ -718,7 +717,7 @@ __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSp
 #pragma unroll
         for (int i = 0; i < kChunk16; ++i) s += a[kChunk16 * q + i];
         sum += s;
-        if (sum <= -kWarmLog2Bound || cq <= 0)
+        if (sum <= -p.warm_log2_bound || cq <= 0)
           r = cq > 0 ? cq : 0;
         else if (c0 - cq >= p.warm_max_chunks)
           r = -1;

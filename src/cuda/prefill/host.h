@@ -206,6 +206,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
     if (lp.warm) {
       p.warm_flags = reinterpret_cast<int32_t*>(p.ws + layout.flags);
       p.warm_max_chunks = tuning.prefill_warm_chunks;
+      p.warm_log2_bound = static_cast<float>(tuning.prefill_warm_bits);
     }
   }
   p.initial_state = state_view(pr.initial_state);
