@@ -88,6 +88,7 @@ struct PrefillPlan {
   RecurrenceChoice rec;
   bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
   bool warm = false;   // fused with warm-up segments (fused_choice), the exact passes as fallback
+  bool warm_sized = false;  // their segments sized per (sequence, value head) (warm_sized_applies)
   double predicted_us = 0;
 };
 
@@ -256,6 +257,25 @@ inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t toke
   return static_cast<double>(ceil_div(N * HV * segs, sms) * chunks) * kFusedStepUs + kFusedPassUs +
          kWarmExtraUs;
 }
+// Warm-up segments sized per (sequence, value head) (prefill/warm_plan.cuh; docs/design.md 6.10):
+// a plan kernel reads the gates once and finds where each chunk's warm-up starts; the warm-up
+// pass's CTAs then give each pair segments of t - need_p chunks (need_p its longest warm-up, t the
+// least time at which all pairs' segments fit one CTA per SM), so that a head that needs a short
+// warm-up no longer waits on the one that needs the longest. Taken with warm-up segments for dense
+// batches of at most one pair per SM (kWarmSizedMaxPairs), a budget of at most kWarmSizedMaxBudget
+// chunks and at most kWarmSizedMaxChunks chunks per sequence (the plan's table: 4 bytes a chunk
+// and pair); Tuning::prefill_warm_sized = false (KDA_CUDA_PREFILL_WARM_SIZED=0) keeps uniform
+// segments.
+inline constexpr int kWarmSizedMaxBudget = 64, kWarmSizedMaxPairs = 512;
+inline constexpr int64_t kWarmSizedMaxChunks = 8192;
+inline bool warm_sized_applies(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
+                               const detail::Tuning& t) {
+  const int64_t pairs = N * HV, chunks = (T + 15) / 16;
+  return t.prefill_warm_sized && !varlen && pairs > 0 && pairs <= sms &&
+         pairs <= kWarmSizedMaxPairs && t.prefill_warm_chunks <= kWarmSizedMaxBudget &&
+         chunks <= kWarmSizedMaxChunks;
+}
+
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
 // in prefill_plan). The segment sizes tried: none, 128, 256, ... below len (or the forced one).
 // warm_applies: the call meets the warm-up segments' conditions (above); lower_bound: its gate's.

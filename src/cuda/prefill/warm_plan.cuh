@@ -1,0 +1,211 @@
+// warm_plan.cuh — warm-up segments sized per (sequence, value head) (docs/design.md 6.10,
+// "Segments sized per head"; heuristics/prefill.h warm_sized_applies).
+//
+// With uniform segments every CTA of a call pays the warm-up of the head that needs the longest,
+// though most heads need a few chunks. Here a first kernel reads the gates once and gives, for
+// every chunk c0 of every (sequence, value head) pair, where a warm-up for a segment starting at
+// c0 must start (the same bound as fused_warm_start: the first chunk w0 at which the sum of the
+// tokens' largest log2 decays over [w0, c0) reaches -warm_log2_bound; 0 when the sequence's start
+// comes first; -1 past warm_max_chunks chunks), and each pair's longest warm-up. The warm-up pass
+// (fused.cuh, seg_pass = 3 with Params::warm_start) then sizes each pair's segments: every CTA
+// computes the same plan from those longest warm-ups (the least time t, in chunks, at which
+// segments of t - need_p chunks for every pair p fit the grid), takes its own (pair, segment) and
+// reads its warm-up's start from the table instead of walking the gates. Dense batches only
+// (a pair's chunk count is the same for all), at most one CTA per SM per pair.
+#pragma once
+
+#include "cuda/prefill/common.cuh"
+
+namespace kda::cuda::pf {
+
+// kWarmSizedMaxBudget, kWarmSizedMaxPairs: heuristics/prefill.h (warm_sized_applies).
+__device__ __forceinline__ int imax(int a, int b) { return a > b ? a : b; }
+
+inline constexpr int kWarmPlanThreads = 512;
+inline constexpr int kWarmPlanStarts = 64;  // chunk starts per plan CTA
+// Shared memory: four partial sums per chunk read (the starts' chunks, the budget before them,
+// and the last 64-token pass's chunks past them), the warps' longest warm-ups.
+inline constexpr int kWarmPlanChunksRead = kWarmPlanStarts + kWarmSizedMaxBudget + 4;
+inline constexpr int kWarmPlanSmemBytes = kWarmPlanChunksRead * 16 + (kWarmPlanThreads / 32) * 4;
+
+// Chunk starts of one pair, and the plan CTAs per pair.
+__host__ __device__ inline int64_t warm_plan_blocks_per_pair(int64_t chunks) {
+  return (chunks + kWarmPlanStarts - 1) / kWarmPlanStarts;
+}
+
+// One CTA per (pair, kWarmPlanStarts chunk starts): the tokens' largest log2 decay over the
+// starts' chunks and the warm_max_chunks chunks before them (8 threads a token, 16 key channels
+// each), the chunk sums in shared memory (four partial sums a chunk, added in order), then a
+// thread per start walks back over them. Writes warm_start[pair][c0], warm_need[pair][block]
+// (the block's longest warm-up, in chunks: c0 - w0 for a start that runs a warm-up or from the
+// sequence's start; 0 for one past the budget, whose CTA exits at once), and, in each pair's
+// first block, zeroes the pair's warm_flags (the warm-up pass sets those it leaves).
+__global__ void __launch_bounds__(kWarmPlanThreads)
+    warm_plan_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  float(*const part)[4] = reinterpret_cast<float(*)[4]>(smem_raw);  // [kWarmPlanChunksRead][4]
+  int* const need_s = reinterpret_cast<int*>(smem_raw + kWarmPlanChunksRead * 16);
+  const int tid = static_cast<int>(threadIdx.x), warp = tid >> 5, lane = tid & 31;
+  const int64_t L = p.warm_chunks_per_seq, nb = warm_plan_blocks_per_pair(L);
+  const int64_t pair = blockIdx.x / nb, cb = blockIdx.x % nb;
+  const int64_t n = pair / p.HV;
+  const int hv = static_cast<int>(pair % p.HV);
+  const SeqSpan seq = seq_span(p, n);
+  const int64_t c_lo = cb * kWarmPlanStarts;
+  const int64_t c_hi = c_lo + kWarmPlanStarts < L ? c_lo + kWarmPlanStarts : L;
+  const int64_t budget = p.warm_max_chunks;
+  const int64_t a_lo = c_lo - budget > 0 ? c_lo - budget : 0;  // first chunk read
+  if (cb == 0 && p.warm_flags != nullptr) {
+    const SegRange r = seg_range(p, n, seq);
+    for (int64_t s = r.first + tid; s < r.first + r.count && s < p.seg_slots; s += blockDim.x)
+      p.warm_flags[s * p.HV + hv] = 0;
+  }
+  // The gate's per-key constants, as fused_warm_start: thread tid & 7 owns keys 16 (tid & 7) + e.
+  const int cg = tid & 7;
+  const float exp_a = p.A_log ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+  const float ca = -exp_a * kLog2e, lb2 = p.lower_bound * kLog2e;
+  float cbk[16];
+#pragma unroll
+  for (int e = 0; e < 16; ++e)
+    cbk[e] = p.dt_bias ? ca * p.dt_bias[hv * p.dt_bias_s + 16 * cg + e] : 0.f;
+  // 64 tokens a pass: warp w the 4 tokens 4 w .. 4 w + 3 of the pass (chunk w / 4 of its 4).
+  for (int64_t t0 = a_lo * kChunk16; t0 < c_hi * kChunk16; t0 += 64) {
+    const int64_t t = t0 + (tid >> 3);
+    float y = -INFINITY;
+    if (t < seq.len) {
+      const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 16 * cg;
+#pragma unroll
+      for (int e = 0; e < 16; ++e)
+        y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cbk[e]));
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o <<= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
+    float a = t < seq.len ? lb2 * __fdividef(1.f, 1.f + fast_exp2(fminf(y, 80.f * kLog2e))) : 0.f;
+    if (cg != 0) a = 0.f;
+    a += __shfl_xor_sync(0xffffffffu, a, 8);
+    a += __shfl_xor_sync(0xffffffffu, a, 16);
+    if (lane == 0) part[(t0 / kChunk16 - a_lo) + (warp >> 2)][warp & 3] = a;
+  }
+  __syncthreads();
+  // A thread per start: where its warm-up starts.
+  int need = 0;
+  if (tid < kWarmPlanStarts && c_lo + tid < c_hi) {
+    const int64_t c0 = c_lo + tid;
+    int64_t w0 = 0;
+    if (c0 > 0) {
+      float sum = 0.f;
+      for (int64_t c = c0 - 1;; --c) {
+        const float* q4 = part[c - a_lo];
+        sum += ((q4[0] + q4[1]) + q4[2]) + q4[3];
+        if (sum <= -p.warm_log2_bound || c <= 0) {
+          w0 = c;
+          break;
+        }
+        if (c0 - c >= budget) {
+          w0 = -1;
+          break;
+        }
+      }
+    }
+    p.warm_start[pair * L + c0] = static_cast<int32_t>(w0);
+    need = w0 >= 0 ? static_cast<int>(c0 - w0) : 0;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) need = imax(need, __shfl_xor_sync(0xffffffffu, need, o));
+  if (lane == 0) need_s[warp] = need;
+  __syncthreads();
+  if (tid == 0) {
+    int m = 0;
+    for (int w = 0; w < kWarmPlanThreads / 32; ++w) m = imax(m, need_s[w]);
+    p.warm_need[pair * nb + cb] = m;
+  }
+}
+
+// A warm-up CTA's task under the sized plan: its pair, the chunks [c0, c1) whose outputs it
+// writes, and where its warm-up starts (w0; -1: past the budget).
+struct WarmTask {
+  int64_t pair = -1, c0 = 0, c1 = 0, w0 = 0;
+};
+// The plan, the same in every CTA: pair p's longest warm-up need_p (the max of its plan blocks'),
+// then the least t such that segments of s_p = clamp(t - need_p, 1, L) chunks need at most
+// gridDim.x CTAs, the pairs' CTAs in pair order. All threads; `scratch`: kWarmSizedMaxPairs + 4
+// ints of shared memory.
+__device__ __noinline__ WarmTask warm_sized_task(const Params& p, int* scratch) {
+  const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
+  const int64_t L = p.warm_chunks_per_seq, nb = warm_plan_blocks_per_pair(L);
+  const int P = static_cast<int>(p.N * p.HV);
+  int* const need = scratch;  // [P]
+  int* const res = scratch + kWarmSizedMaxPairs;
+  for (int i = tid; i < P; i += blockDim.x) {
+    int m = 0;
+    for (int64_t cb = 0; cb < nb; ++cb) m = imax(m, p.warm_need[i * nb + cb]);
+    need[i] = m;
+  }
+  __syncthreads();
+  if (tid < 32) {
+    const int64_t grid = gridDim.x;
+    auto seg_of = [&](int64_t t, int i) {
+      const int64_t s = t - need[i];
+      return s < 1 ? int64_t{1} : (s > L ? L : s);
+    };
+    auto count = [&](int64_t t) {  // CTAs the plan of time t needs
+      int64_t c = 0;
+      for (int i = lane; i < P; i += 32) c += (L + seg_of(t, i) - 1) / seg_of(t, i);
+#pragma unroll
+      for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+      return c;
+    };
+    int maxneed = 0;
+    for (int i = lane; i < P; i += 32) maxneed = imax(maxneed, need[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1)
+      maxneed = imax(maxneed, __shfl_xor_sync(0xffffffffu, maxneed, o));
+    int64_t lo = 1, hi = L + maxneed;  // count(hi) = P <= grid
+    while (lo < hi) {
+      const int64_t mid = (lo + hi) / 2;
+      if (count(mid) <= grid)
+        hi = mid;
+      else
+        lo = mid + 1;
+    }
+    // This CTA's pair: lane l sums the CTA counts of pairs [l per, (l + 1) per), then a scan.
+    const int per = (P + 31) / 32;
+    int64_t mine = 0;
+    for (int i = lane * per; i < P && i < (lane + 1) * per; ++i)
+      mine += (L + seg_of(lo, i) - 1) / seg_of(lo, i);
+    int64_t incl = mine;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int64_t x = __shfl_up_sync(0xffffffffu, incl, o);
+      if (lane >= o) incl += x;
+    }
+    const int64_t b = blockIdx.x, total = __shfl_sync(0xffffffffu, incl, 31);
+    int64_t first = incl - mine;
+    if (b >= first && b < incl) {
+      for (int i = lane * per; i < P && i < (lane + 1) * per; ++i) {
+        const int64_t s = seg_of(lo, i), c = (L + s - 1) / s;
+        if (b < first + c) {
+          res[0] = i;
+          res[1] = static_cast<int>(s);
+          res[2] = static_cast<int>(b - first);
+          break;
+        }
+        first += c;
+      }
+    }
+    if (lane == 0 && b >= total) res[0] = -1;  // no task: more CTAs than the plan needs
+  }
+  __syncthreads();
+  WarmTask t;
+  if (res[0] >= 0) {
+    t.pair = res[0];
+    t.c0 = static_cast<int64_t>(res[2]) * res[1];
+    t.c1 = t.c0 + res[1] < L ? t.c0 + res[1] : L;
+    t.w0 = t.c0 > 0 ? p.warm_start[t.pair * L + t.c0] : 0;
+  }
+  __syncthreads();  // the scratch is the stages' memory
+  return t;
+}
+
+}  // namespace kda::cuda::pf
