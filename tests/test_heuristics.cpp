@@ -334,6 +334,31 @@ TEST(PrefillHeuristics, Warm) {
   EXPECT_EQ(warm_chunks_estimate(-2.5), 32);
   EXPECT_EQ(warm_chunks_estimate(-5.0, 12), 12);
   EXPECT_EQ(warm_chunks_estimate(-2.5, 24), 48);
+  // Segments sized per head: dense batches of at most one (sequence, value head) pair per SM, a
+  // budget the plan kernel reads back, sequences within its table; the knob turns it off.
+  {
+    using cuda::pf::warm_sized_applies;
+    const detail::Tuning on{};
+    EXPECT_TRUE(on.prefill_warm_sized);
+    EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}}).prefill_warm_sized);
+    EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}}).prefill_warm_sized);
+    EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132, on));     // S1
+    EXPECT_TRUE(warm_sized_applies(false, 2048, 1, 32, 132, on));    // P7
+    EXPECT_TRUE(warm_sized_applies(false, 65536, 1, 4, 132, on));    // S11
+    EXPECT_TRUE(warm_sized_applies(false, 4096, 4, 33, 132, on));    // 132 pairs
+    EXPECT_FALSE(warm_sized_applies(false, 4096, 4, 34, 132, on));   // 136 pairs
+    EXPECT_FALSE(warm_sized_applies(false, 8192, 1, 96, 64, on));    // more pairs than SMs
+    EXPECT_FALSE(warm_sized_applies(true, 4096, 2, 4, 132, on));     // varlen
+    EXPECT_FALSE(warm_sized_applies(false, 131073, 1, 4, 132, on));  // 8193 chunks
+    EXPECT_TRUE(warm_sized_applies(false, 131072, 1, 4, 132, on));
+    EXPECT_FALSE(warm_sized_applies(false, 1024, 0, 4, 132, on));  // no pairs
+    EXPECT_FALSE(warm_sized_applies(false, 1024, 1, 4, 132,
+                                    tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "65"}})));
+    EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132,
+                                   tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "64"}})));
+    EXPECT_FALSE(
+        warm_sized_applies(false, 1024, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}})));
+  }
   EXPECT_GT(warm_chunks_estimate(-1.0), 48);
   // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 16 chunks.
   EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 16),

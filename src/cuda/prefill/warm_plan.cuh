@@ -137,11 +137,11 @@ __device__ __noinline__ WarmTask warm_sized_task(const Params& p, int* scratch) 
   const int P = static_cast<int>(p.N * p.HV);
   int* const need = scratch;  // [P]
   int* const res = scratch + kWarmSizedMaxPairs;
-  for (int i = tid; i < P; i += blockDim.x) {
-    int m = 0;
-    for (int64_t cb = 0; cb < nb; ++cb) m = imax(m, p.warm_need[i * nb + cb]);
-    need[i] = m;
-  }
+  for (int i = tid; i < P; i += blockDim.x) need[i] = 0;
+  __syncthreads();
+  const int64_t entries = P * nb;  // a load per thread and round, the loads of a thread unrolled
+#pragma unroll 4
+  for (int64_t e = tid; e < entries; e += blockDim.x) atomicMax(&need[e / nb], p.warm_need[e]);
   __syncthreads();
   if (tid < 32) {
     const int64_t grid = gridDim.x;
