@@ -40,7 +40,7 @@ __host__ __device__ inline int64_t warm_plan_blocks_per_pair(int64_t chunks) {
 // (the block's longest warm-up, in chunks: c0 - w0 for a start that runs a warm-up or from the
 // sequence's start; 0 for one past the budget, whose CTA exits at once), and, in each pair's
 // first block, zeroes the pair's warm_flags (the warm-up pass sets those it leaves).
-__global__ void __launch_bounds__(kWarmPlanThreads)
+static __global__ void __launch_bounds__(kWarmPlanThreads)
     warm_plan_kernel(const __grid_constant__ Params p) {
   pdl_prologue();
   extern __shared__ __align__(16) uint8_t smem_raw[];
@@ -131,7 +131,7 @@ struct WarmTask {
 // then the least t such that segments of s_p = clamp(t - need_p, 1, L) chunks need at most
 // gridDim.x CTAs, the pairs' CTAs in pair order. All threads; `scratch`: kWarmSizedMaxPairs + 4
 // ints of shared memory.
-__device__ __noinline__ WarmTask warm_sized_task(const Params& p, int* scratch) {
+static __device__ __noinline__ WarmTask warm_sized_task(const Params& p, int* scratch) {
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
   const int64_t L = p.warm_chunks_per_seq, nb = warm_plan_blocks_per_pair(L);
   const int P = static_cast<int>(p.N * p.HV);
