@@ -438,8 +438,9 @@ std::string plan_text(const Case& c, int sms) {
                                              kda::cuda::pf::fused_applies(true, g_lower_bound),
                                              weak, true, g_lower_bound);
   const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
-  const bool sized =
-      f.take && f.warm && kda::cuda::pf::warm_sized_applies(c.varlen, T, N, c.H, sms, t);
+  const bool sized = f.take && f.warm &&
+                     kda::cuda::pf::take_warm_sized(c.varlen, T, N, c.H, sms, t, g_lower_bound, 2,
+                                                    f.predicted_us);  // bf16 g
   std::string s =
       f.take ? (f.warm ? (sized ? "fused warm sized" : "fused warm") : "fused")
              : "2k vs" + std::to_string(plan.rec.vs) + (plan.rec.chunk16 ? " c16" : " c64");

@@ -734,7 +734,7 @@ TEST(GpuPrefillWarm, MatchesReference) {
         t.prefill_warm = 1;
         t.prefill_segment = 64;
         t.prefill_warm_bits = cfg.bits;
-        t.prefill_warm_sized = cfg.sized;
+        t.prefill_warm_sized = cfg.sized ? 1 : -1;
       }));
       cuda::pf::PrefillPlan plan;
       int sms = 0;

@@ -339,9 +339,10 @@ TEST(PrefillHeuristics, Warm) {
   {
     using cuda::pf::warm_sized_applies;
     const detail::Tuning on{};
-    EXPECT_TRUE(on.prefill_warm_sized);
-    EXPECT_FALSE(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}}).prefill_warm_sized);
-    EXPECT_TRUE(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}}).prefill_warm_sized);
+    EXPECT_EQ(on.prefill_warm_sized, 0);
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}}).prefill_warm_sized, -1);
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}}).prefill_warm_sized, 1);
+    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "yes"}}).prefill_warm_sized, 0);
     EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132, on));     // S1
     EXPECT_TRUE(warm_sized_applies(false, 2048, 1, 32, 132, on));    // P7
     EXPECT_TRUE(warm_sized_applies(false, 65536, 1, 4, 132, on));    // S11
@@ -356,6 +357,24 @@ TEST(PrefillHeuristics, Warm) {
                                     tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "65"}})));
     EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132,
                                    tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "64"}})));
+    // The model: sized where few pairs leave SMs to split them over, uniform where the pairs
+    // cannot be split within one wave (P1: 96 pairs of 512 chunks); forced, wherever it applies.
+    auto sized_for = [](int64_t T, int64_t H, const detail::Tuning& t) {
+      const auto plan = cuda::pf::prefill_plan(false, T, 1, H, 132, t, false);
+      const auto f = fused_choice(plan, T, 1, H, 132, t, true, false, true, -5.0);
+      double us = 0;
+      const bool take =
+          f.warm && cuda::pf::take_warm_sized(false, T, 1, H, 132, t, -5.0, 2, f.predicted_us, &us);
+      if (take) EXPECT_GT(us, 0.0);
+      return take;
+    };
+    EXPECT_TRUE(sized_for(1024, 4, on));    // S1
+    EXPECT_TRUE(sized_for(2048, 12, on));   // S2
+    EXPECT_TRUE(sized_for(2048, 32, on));   // P7
+    EXPECT_FALSE(sized_for(8192, 96, on));  // P1
+    const detail::Tuning forced = tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}});
+    EXPECT_TRUE(sized_for(8192, 96, forced));
+    EXPECT_FALSE(sized_for(1024, 4, tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}})));
     EXPECT_FALSE(
         warm_sized_applies(false, 1024, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}})));
   }

@@ -271,9 +271,42 @@ inline constexpr int64_t kWarmSizedMaxChunks = 8192;
 inline bool warm_sized_applies(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
                                const detail::Tuning& t) {
   const int64_t pairs = N * HV, chunks = (T + 15) / 16;
-  return t.prefill_warm_sized && !varlen && pairs > 0 && pairs <= sms &&
+  return t.prefill_warm_sized >= 0 && !varlen && pairs > 0 && pairs <= sms &&
          pairs <= kWarmSizedMaxPairs && t.prefill_warm_chunks <= kWarmSizedMaxBudget &&
          chunks <= kWarmSizedMaxChunks;
+}
+// Its model, against the uniform segments' (predicted_warm_us): all pairs in one wave, each CTA
+// t chunks for the least t with pairs x ceil(chunks / (t - need)) <= sms, need a typical pair's
+// longest warm-up (kSizedNeedAt5 chunks at lower bound -5 and 16 bits, scaled as
+// warm_chunks_estimate: on targets.md's gates the median is ~5-6, and the heads that need more get
+// shorter segments at the same t), plus the pass, the exact passes' empty launches, and the plan
+// kernel: a launch and the gates read 1.75 times (each block reads the budget's chunks before its
+// 64 starts too) at kSizedGateBytesPerUs. A call whose pairs cannot be split within one wave (P1:
+// 96 pairs of 512 chunks) keeps uniform segments, whose several waves spread the work better.
+inline constexpr double kSizedNeedAt5 = 8, kSizedPlanUs = 4, kSizedGateBytesPerUs = 2.5e6;
+inline double predicted_sized_us(int64_t T, int64_t N, int64_t HV, int sms, double lower_bound,
+                                 int bits, int64_t gate_bytes) {
+  const int64_t chunks = (T + 15) / 16, pairs = N * HV;
+  if (pairs <= 0 || pairs > sms || !(lower_bound < 0)) return 1e30;
+  const int64_t need =
+      static_cast<int64_t>(kSizedNeedAt5 * (5.0 / -lower_bound) * (bits / 16.0) + 0.999);
+  int64_t seg = 1;  // the least segment with pairs x ceil(chunks / seg) <= sms
+  while (pairs * ceil_div(chunks, seg) > sms) ++seg;
+  return static_cast<double>(seg + need) * kFusedStepUs + kFusedPassUs + kWarmExtraUs +
+         kSizedPlanUs + 1.75 * static_cast<double>(gate_bytes) / kSizedGateBytesPerUs;
+}
+// Whether a call on warm-up segments (uniform model: uniform_us) takes them sized per head:
+// where they apply and are forced or predicted faster (then *predicted_us, if given, is set to
+// their model's time). gate_elem_bytes: g's element size.
+inline bool take_warm_sized(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
+                            const detail::Tuning& t, double lower_bound, int gate_elem_bytes,
+                            double uniform_us, double* predicted_us = nullptr) {
+  if (!warm_sized_applies(varlen, T, N, HV, sms, t)) return false;
+  const double us = predicted_sized_us(T, N, HV, sms, lower_bound, t.prefill_warm_bits,
+                                       N * T * HV * 128 * static_cast<int64_t>(gate_elem_bytes));
+  const bool take = t.prefill_warm_sized > 0 || us < uniform_us;
+  if (take && predicted_us != nullptr) *predicted_us = us;
+  return take;
 }
 
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as

@@ -80,10 +80,12 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
   if (f.take) {
     plan.fused = true;
     plan.warm = f.warm;
-    plan.warm_sized =
-        f.warm && warm_sized_applies(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning);
     plan.segment_tokens = f.segment_tokens;
     plan.predicted_us = f.predicted_us;
+    plan.warm_sized =
+        f.warm && take_warm_sized(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning,
+                                  pr.math.lower_bound, static_cast<int>(dtype_size(pr.g.dtype)),
+                                  f.predicted_us, &plan.predicted_us);
   }
   return plan;
 }
