@@ -123,7 +123,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
         pass.seg_pass = seg_pass_of(l.kernel);
-        if (p.fused && l.kernel == PrefillKernel::kSegmentWarm && p.warm_start != nullptr)
+        if (p.fused && l.kernel == PrefillKernel::kSegmentWarm && p.warm_tasks != nullptr)
           launch(fused_kernel<kFp16, true, true>, l.blocks, l.threads, l.smem, pass);
         else if (p.fused)
           launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
@@ -136,6 +136,9 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         break;
       case PrefillKernel::kWarmPlan:
         launch(warm_plan_kernel, l.blocks, l.threads, l.smem, p);
+        break;
+      case PrefillKernel::kWarmSchedule:
+        launch(warm_schedule_kernel, l.blocks, l.threads, l.smem, p);
         break;
       case PrefillKernel::kFused:
         launch(fused_kernel<kFp16, false>, l.blocks, l.threads, l.smem, p);

@@ -232,6 +232,7 @@ struct Params {
   int32_t* warm_need = nullptr;   // [N * HV][warm_plan_blocks_per_pair]
   int64_t warm_chunks_per_seq = 0;
   int64_t warm_grid = 0;          // the warm-up pass's CTAs under the sized plan (the SM count)
+  int32_t* warm_tasks = nullptr;  // [warm_grid][4]: pair, c0, c1, w0 (warm_schedule_kernel)
   int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
 

@@ -737,7 +737,6 @@ __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSp
 // passes, [3] of those, the segments of the sized plan (warm_plan.cuh) (a testing hook: tests
 // check which path their cases took; prefill_warm_counts).
 static __device__ unsigned g_fused_warm_walks[4];
-static_assert(kFStageBytes >= (kWarmSizedMaxPairs + 4) * 4, "the sized plan's scratch");
 
 // kSeg: a pass of the segmented prefill (Params::seg_pass; segments.cuh, docs/design.md 6.5), one
 // CTA per (segment slot, value head) and, in pass 1, per part: the segment's state from zero
@@ -755,8 +754,10 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   f.smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   f.s0 = smem_addr(f.smem);
   if constexpr (kSized) {  // segments sized per pair (warm_plan.cuh), seg_pass = 3
-    const WarmTask t = warm_sized_task(p, reinterpret_cast<int*>(f.smem));
-    if (t.pair < 0) return;
+    const int32_t* const task = p.warm_tasks + 4 * blockIdx.x;
+    const int64_t pair = task[0];
+    if (pair < 0) return;
+    const WarmTask t{pair, task[1], task[2], task[3]};
     f.hv = static_cast<int>(t.pair % p.HV);
     f.n = t.pair / p.HV;
     const SeqSpan seq = seq_span(p, f.n);

@@ -114,7 +114,8 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_
       const int64_t chunks = ceil_div(pr.d.T, 16);
       w.total = w.sized +
                 (warm_sized ? static_cast<size_t>(pr.d.N * pr.d.HV) *
-                                  (chunks + warm_plan_blocks_per_pair(chunks)) * 4
+                                      (chunks + warm_plan_blocks_per_pair(chunks)) * 4 +
+                                  static_cast<size_t>(kWarmSizedMaxPairs) * 16
                             : 0) +
                 128;
     }
@@ -225,7 +226,8 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
         p.warm_chunks_per_seq = ceil_div(d.T, 16);
         p.warm_start = reinterpret_cast<int32_t*>(p.ws + layout.sized);
         p.warm_need = p.warm_start + d.N * d.HV * p.warm_chunks_per_seq;
-        p.warm_grid = num_sms;
+        p.warm_tasks = p.warm_need + d.N * d.HV * warm_plan_blocks_per_pair(p.warm_chunks_per_seq);
+        p.warm_grid = num_sms < kWarmSizedMaxPairs ? num_sms : kWarmSizedMaxPairs;
       }
     }
   }
@@ -269,6 +271,7 @@ enum class PrefillKernel {
   kSegmentPass2,
   kSegmentWarm,
   kWarmPlan,
+  kWarmSchedule,
   kFused,
   kSingle
 };
@@ -284,7 +287,7 @@ struct Launch {
   int64_t blocks;
   int threads, smem;
 };
-inline constexpr int kMaxLaunches = 5;
+inline constexpr int kMaxLaunches = 6;
 inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_blocks,
                          Launch (&out)[kMaxLaunches]) {
   int n = 0;
@@ -295,10 +298,11 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
       return n;
     }
     const int64_t seg_blocks = p.seg_slots * p.HV;
-    if (p.warm_start != nullptr) {  // the sized plan's table, then its warm-up pass
+    if (p.warm_start != nullptr) {  // the sized plan's table and schedule, its warm-up pass
       out[n++] = {PrefillKernel::kWarmPlan,
                   p.N * p.HV * warm_plan_blocks_per_pair(p.warm_chunks_per_seq), kWarmPlanThreads,
                   kWarmPlanSmemBytes};
+      out[n++] = {PrefillKernel::kWarmSchedule, 1, kWarmPlanThreads, kWarmScheduleSmemBytes};
       out[n++] = {PrefillKernel::kSegmentWarm, p.warm_grid, kFusedThreads, kFusedSmemBytes};
     } else if (p.warm_flags != nullptr) {  // then the exact passes, for the pairs it leaves
       out[n++] = {PrefillKernel::kSegmentWarm, seg_blocks, kFusedThreads, kFusedSmemBytes};

@@ -9,11 +9,11 @@
 //   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
 //   Fused warm-up segments add their warm-up pass before those (and, sized per head, the plan
-//   kernel of prefill/warm_plan.cuh before it: five launches).
+//   plan and schedule kernels of prefill/warm_plan.cuh before it: six launches).
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
 //   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
 //   one cooperative launch (prefill/single.cuh).
-// With Tuning::prefill_graph (the default) and outside stream capture, a call's two to five
+// With Tuning::prefill_graph (the default) and outside stream capture, a call's two to six
 // kernels go as one graph launch (common/graph_launch.h): one launch's host time instead of one
 // per kernel.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
@@ -112,7 +112,7 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
         pass[i].seg_pass = pf::seg_pass_of(l.kernel);
-        if (p.fused && l.kernel == pf::PrefillKernel::kSegmentWarm && p.warm_start != nullptr) {
+        if (p.fused && l.kernel == pf::PrefillKernel::kSegmentWarm && p.warm_tasks != nullptr) {
           kernel = pf::fused_kernel<kFp16, true, true>;
           KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSizedF16, S::kFusedSizedBf16, kFp16),
                                          kernel, pf::kFusedSmemBytes));
@@ -126,6 +126,9 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
         break;
       case pf::PrefillKernel::kWarmPlan:  // under the default shared-memory limit
         kernel = pf::warm_plan_kernel;
+        break;
+      case pf::PrefillKernel::kWarmSchedule:
+        kernel = pf::warm_schedule_kernel;
         break;
       case pf::PrefillKernel::kSegmentScan:
         kernel = pf::segment_scan_kernel;

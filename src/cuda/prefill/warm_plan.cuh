@@ -6,12 +6,11 @@
 // every chunk c0 of every (sequence, value head) pair, where a warm-up for a segment starting at
 // c0 must start (the same bound as fused_warm_start: the first chunk w0 at which the sum of the
 // tokens' largest log2 decays over [w0, c0) reaches -warm_log2_bound; 0 when the sequence's start
-// comes first; -1 past warm_max_chunks chunks), and each pair's longest warm-up. The warm-up pass
-// (fused.cuh, seg_pass = 3 with Params::warm_start) then sizes each pair's segments: every CTA
-// computes the same plan from those longest warm-ups (the least time t, in chunks, at which
-// segments of t - need_p chunks for every pair p fit the grid), takes its own (pair, segment) and
-// reads its warm-up's start from the table instead of walking the gates. Dense batches only
-// (a pair's chunk count is the same for all), at most one CTA per SM per pair.
+// comes first; -1 past warm_max_chunks chunks), and each pair's longest warm-up. A one-CTA kernel
+// then sizes each pair's segments (the least time t, in chunks, at which segments of t - need_p
+// chunks for every pair p fit the grid) and writes each warm-up CTA's task; the warm-up pass
+// (fused.cuh, seg_pass = 3 with Params::warm_tasks) reads its own and no CTA walks the gates. Dense
+// batches only (a pair's chunk count is the same for all), at most one CTA per SM per pair.
 #pragma once
 
 #include "cuda/prefill/common.cuh"
@@ -75,9 +74,20 @@ static __global__ void __launch_bounds__(kWarmPlanThreads)
     float y = -INFINITY;
     if (t < seq.len) {
       const int64_t off = p.g.offset(seq.b, seq.bos + t, hv) + 16 * cg;
+      if (p.g.vec && p.g.dtype != kF32) {  // 16-bit gates in 16-byte rows: two vector loads
+        const uint4* const src =
+            reinterpret_cast<const uint4*>(static_cast<const uint16_t*>(p.g.data) + off);
+        const uint4 v[2] = {src[0], src[1]};
+        const uint32_t* const w = reinterpret_cast<const uint32_t*>(v);
 #pragma unroll
-      for (int e = 0; e < 16; ++e)
-        y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cbk[e]));
+        for (int e = 0; e < 16; ++e)
+          y = fmaxf(
+              y, fmaf(ca, bits_to_f32((w[e / 2] >> (16 * (e & 1))) & 0xffffu, p.g.dtype), cbk[e]));
+      } else {
+#pragma unroll
+        for (int e = 0; e < 16; ++e)
+          y = fmaxf(y, fmaf(ca, load_any(p.g.data, p.g.dtype, off + e), cbk[e]));
+      }
     }
 #pragma unroll
     for (int o = 1; o < 8; o <<= 1) y = fmaxf(y, __shfl_xor_sync(0xffffffffu, y, o));
@@ -122,90 +132,80 @@ static __global__ void __launch_bounds__(kWarmPlanThreads)
   }
 }
 
-// A warm-up CTA's task under the sized plan: its pair, the chunks [c0, c1) whose outputs it
-// writes, and where its warm-up starts (w0; -1: past the budget).
+// The sized plan's schedule (warm_schedule_kernel, one CTA of kWarmPlanThreads threads): pair p's
+// longest warm-up need_p (the max of its plan blocks'), then the least t such that segments of
+// s_p = clamp(t - need_p, 1, L) chunks need at most warm_grid CTAs, the pairs' CTAs in pair order.
+// Writes warm_tasks[b] = {pair, c0, c1, w0} for each warm-up CTA b: the chunks [c0, c1) whose
+// outputs it writes, where its warm-up starts (w0; -1: past the budget); pair -1 for a CTA the
+// plan does not need.
+inline constexpr int kWarmScheduleSmemBytes = kWarmSizedMaxPairs * 4;
 struct WarmTask {
-  int64_t pair = -1, c0 = 0, c1 = 0, w0 = 0;
+  int64_t pair, c0, c1, w0;
 };
-// The plan, the same in every CTA: pair p's longest warm-up need_p (the max of its plan blocks'),
-// then the least t such that segments of s_p = clamp(t - need_p, 1, L) chunks need at most
-// gridDim.x CTAs, the pairs' CTAs in pair order. All threads; `scratch`: kWarmSizedMaxPairs + 4
-// ints of shared memory.
-static __device__ __noinline__ WarmTask warm_sized_task(const Params& p, int* scratch) {
+static __global__ void __launch_bounds__(kWarmPlanThreads)
+    warm_schedule_kernel(const __grid_constant__ Params p) {
+  pdl_prologue();
+  extern __shared__ __align__(16) uint8_t smem_raw[];
+  int* const need = reinterpret_cast<int*>(smem_raw);  // [P]
   const int tid = static_cast<int>(threadIdx.x), lane = tid & 31;
   const int64_t L = p.warm_chunks_per_seq, nb = warm_plan_blocks_per_pair(L);
   const int P = static_cast<int>(p.N * p.HV);
-  int* const need = scratch;  // [P]
-  int* const res = scratch + kWarmSizedMaxPairs;
   for (int i = tid; i < P; i += blockDim.x) need[i] = 0;
   __syncthreads();
   const int64_t entries = P * nb;  // a load per thread and round, the loads of a thread unrolled
 #pragma unroll 4
   for (int64_t e = tid; e < entries; e += blockDim.x) atomicMax(&need[e / nb], p.warm_need[e]);
   __syncthreads();
-  if (tid < 32) {
-    const int64_t grid = gridDim.x;
-    auto seg_of = [&](int64_t t, int i) {
-      const int64_t s = t - need[i];
-      return s < 1 ? int64_t{1} : (s > L ? L : s);
-    };
-    auto count = [&](int64_t t) {  // CTAs the plan of time t needs
-      int64_t c = 0;
-      for (int i = lane; i < P; i += 32) c += (L + seg_of(t, i) - 1) / seg_of(t, i);
+  if (tid >= 32) return;
+  const int64_t grid = p.warm_grid;
+  auto seg_of = [&](int64_t t, int i) {
+    const int64_t s = t - need[i];
+    return s < 1 ? int64_t{1} : (s > L ? L : s);
+  };
+  auto count = [&](int64_t t) {  // CTAs the plan of time t needs
+    int64_t c = 0;
+    for (int i = lane; i < P; i += 32) c += (L + seg_of(t, i) - 1) / seg_of(t, i);
 #pragma unroll
-      for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
-      return c;
-    };
-    int maxneed = 0;
-    for (int i = lane; i < P; i += 32) maxneed = imax(maxneed, need[i]);
+    for (int o = 16; o > 0; o >>= 1) c += __shfl_xor_sync(0xffffffffu, c, o);
+    return c;
+  };
+  int maxneed = 0;
+  for (int i = lane; i < P; i += 32) maxneed = imax(maxneed, need[i]);
 #pragma unroll
-    for (int o = 16; o > 0; o >>= 1)
-      maxneed = imax(maxneed, __shfl_xor_sync(0xffffffffu, maxneed, o));
-    int64_t lo = 1, hi = L + maxneed;  // count(hi) = P <= grid
-    while (lo < hi) {
-      const int64_t mid = (lo + hi) / 2;
-      if (count(mid) <= grid)
-        hi = mid;
-      else
-        lo = mid + 1;
-    }
-    // This CTA's pair: lane l sums the CTA counts of pairs [l per, (l + 1) per), then a scan.
-    const int per = (P + 31) / 32;
-    int64_t mine = 0;
-    for (int i = lane * per; i < P && i < (lane + 1) * per; ++i)
-      mine += (L + seg_of(lo, i) - 1) / seg_of(lo, i);
-    int64_t incl = mine;
-#pragma unroll
-    for (int o = 1; o < 32; o <<= 1) {
-      const int64_t x = __shfl_up_sync(0xffffffffu, incl, o);
-      if (lane >= o) incl += x;
-    }
-    const int64_t b = blockIdx.x, total = __shfl_sync(0xffffffffu, incl, 31);
-    int64_t first = incl - mine;
-    if (b >= first && b < incl) {
-      for (int i = lane * per; i < P && i < (lane + 1) * per; ++i) {
-        const int64_t s = seg_of(lo, i), c = (L + s - 1) / s;
-        if (b < first + c) {
-          res[0] = i;
-          res[1] = static_cast<int>(s);
-          res[2] = static_cast<int>(b - first);
-          break;
-        }
-        first += c;
-      }
-    }
-    if (lane == 0 && b >= total) res[0] = -1;  // no task: more CTAs than the plan needs
+  for (int o = 16; o > 0; o >>= 1)
+    maxneed = imax(maxneed, __shfl_xor_sync(0xffffffffu, maxneed, o));
+  int64_t lo = 1, hi = L + maxneed;  // count(hi) = P <= grid
+  while (lo < hi) {
+    const int64_t mid = (lo + hi) / 2;
+    if (count(mid) <= grid)
+      hi = mid;
+    else
+      lo = mid + 1;
   }
-  __syncthreads();
-  WarmTask t;
-  if (res[0] >= 0) {
-    t.pair = res[0];
-    t.c0 = static_cast<int64_t>(res[2]) * res[1];
-    t.c1 = t.c0 + res[1] < L ? t.c0 + res[1] : L;
-    t.w0 = t.c0 > 0 ? p.warm_start[t.pair * L + t.c0] : 0;
+  // Lane l takes pairs [l per, (l + 1) per): their CTA counts, a scan over the lanes, the tasks.
+  const int per = (P + 31) / 32;
+  int64_t mine = 0;
+  for (int i = lane * per; i < P && i < (lane + 1) * per; ++i)
+    mine += (L + seg_of(lo, i) - 1) / seg_of(lo, i);
+  int64_t incl = mine;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int64_t x = __shfl_up_sync(0xffffffffu, incl, o);
+    if (lane >= o) incl += x;
   }
-  __syncthreads();  // the scratch is the stages' memory
-  return t;
+  const int64_t total = __shfl_sync(0xffffffffu, incl, 31);
+  int64_t b = incl - mine;
+  for (int i = lane * per; i < P && i < (lane + 1) * per; ++i) {
+    const int64_t s = seg_of(lo, i);
+    for (int64_t c0 = 0; c0 < L; c0 += s, ++b) {
+      int32_t* const t = p.warm_tasks + 4 * b;
+      t[0] = i;
+      t[1] = static_cast<int32_t>(c0);
+      t[2] = static_cast<int32_t>(c0 + s < L ? c0 + s : L);
+      t[3] = c0 > 0 ? p.warm_start[i * L + c0] : 0;
+    }
+  }
+  for (int64_t e = total + lane; e < grid; e += 32) p.warm_tasks[4 * e] = -1;
 }
 
 }  // namespace kda::cuda::pf
