@@ -147,8 +147,8 @@ struct Result {
   double median_ms = 0, min_ms = 0, gbps = 0, floor_ms = 0, err_out = -1, err_state = -1;
   bool ok = true;
   // The first call's warm-up walks (prefill_warm_counts): segments run from the sequence's start,
-  // from a warm-up, left to the exact passes; of those, under the sized plan.
-  unsigned long long walks[4] = {};
+  // from a warm-up, left to the exact passes.
+  unsigned long long walks[3] = {};
 };
 
 // Value head 0 of the GPU run against the fp64 reference run on that head alone, over the first
@@ -375,12 +375,12 @@ Result run_case(const Case& c, int iters, bool check, bool sweep, void* flush_bu
 
   Result res;
   // Correctness first.
-  unsigned long long before[4] = {}, after[4] = {};
+  unsigned long long before[3] = {}, after[3] = {};
   (void)kda::cuda::prefill_warm_counts(0, before);
   s = prefill(p);
   BENCH_CUDA(cudaStreamSynchronize(stream));
   if (kda::cuda::prefill_warm_counts(0, after).ok())
-    for (int i = 0; i < 4; ++i) res.walks[i] = after[i] - before[i];
+    for (int i = 0; i < 3; ++i) res.walks[i] = after[i] - before[i];
   if (!s.ok()) {
     std::fprintf(stderr, "%s: prefill failed: %s\n", c.name, s.to_string().c_str());
     std::exit(2);
@@ -438,11 +438,8 @@ std::string plan_text(const Case& c, int sms) {
                                              kda::cuda::pf::fused_applies(true, g_lower_bound),
                                              weak, true, g_lower_bound);
   const int64_t seg = f.take ? f.segment_tokens : plan.segment_tokens;
-  const bool sized = f.take && f.warm &&
-                     kda::cuda::pf::take_warm_sized(c.varlen, T, N, c.H, sms, t, g_lower_bound, 2,
-                                                    f.predicted_us);  // bf16 g
   std::string s =
-      f.take ? (f.warm ? (sized ? "fused warm sized" : "fused warm") : "fused")
+      f.take ? (f.warm ? "fused warm" : "fused")
              : "2k vs" + std::to_string(plan.rec.vs) + (plan.rec.chunk16 ? " c16" : " c64");
   if (seg > 0) s += " seg" + std::to_string(seg);
   return s;
@@ -534,8 +531,7 @@ int main(int argc, char** argv) {
         speedup,
         (plan_text(c, prop.multiProcessorCount) +
          (r.walks[1] + r.walks[2] > 0
-              ? " w" + std::to_string(r.walks[1]) + "/f" + std::to_string(r.walks[2]) +
-                    (r.walks[3] > 0 ? "/s" + std::to_string(r.walks[3]) : std::string())
+              ? " w" + std::to_string(r.walks[1]) + "/f" + std::to_string(r.walks[2])
               : std::string()))
             .c_str(),
         must ? "" : "ABOVE-MUST ", r.ok ? "" : "INACCURATE");

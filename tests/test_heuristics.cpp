@@ -325,59 +325,17 @@ TEST(PrefillHeuristics, Warm) {
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM", "on"}}).prefill_warm, 0);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "16"}}).prefill_warm_chunks, 16);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "0"}}).prefill_warm_chunks, 48);
-  EXPECT_EQ(detail::Tuning{}.prefill_warm_bits, 16);
+  EXPECT_EQ(detail::Tuning{}.prefill_warm_bits, 12);
   EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "12"}}).prefill_warm_bits, 12);
-  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "9"}}).prefill_warm_bits, 16);   // below 10
-  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "33"}}).prefill_warm_bits, 16);  // above 32
-  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "-12"}}).prefill_warm_bits, 16);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "16"}}).prefill_warm_bits, 16);
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "9"}}).prefill_warm_bits, 12);   // below 10
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "33"}}).prefill_warm_bits, 12);  // above 32
+  EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_BITS", "-16"}}).prefill_warm_bits, 12);
   EXPECT_EQ(warm_chunks_estimate(-5.0), 16);
   EXPECT_EQ(warm_chunks_estimate(-2.5), 32);
-  EXPECT_EQ(warm_chunks_estimate(-5.0, 12), 12);
-  EXPECT_EQ(warm_chunks_estimate(-2.5, 24), 48);
-  // Segments sized per head: dense batches of at most one (sequence, value head) pair per SM, a
-  // budget the plan kernel reads back, sequences within its table; the knob turns it off.
-  {
-    using cuda::pf::warm_sized_applies;
-    const detail::Tuning on{};
-    EXPECT_EQ(on.prefill_warm_sized, 0);
-    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}}).prefill_warm_sized, -1);
-    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}}).prefill_warm_sized, 1);
-    EXPECT_EQ(tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "yes"}}).prefill_warm_sized, 0);
-    EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132, on));     // S1
-    EXPECT_TRUE(warm_sized_applies(false, 2048, 1, 32, 132, on));    // P7
-    EXPECT_TRUE(warm_sized_applies(false, 65536, 1, 4, 132, on));    // S11
-    EXPECT_TRUE(warm_sized_applies(false, 4096, 4, 33, 132, on));    // 132 pairs
-    EXPECT_FALSE(warm_sized_applies(false, 4096, 4, 34, 132, on));   // 136 pairs
-    EXPECT_FALSE(warm_sized_applies(false, 8192, 1, 96, 64, on));    // more pairs than SMs
-    EXPECT_FALSE(warm_sized_applies(true, 4096, 2, 4, 132, on));     // varlen
-    EXPECT_FALSE(warm_sized_applies(false, 131073, 1, 4, 132, on));  // 8193 chunks
-    EXPECT_TRUE(warm_sized_applies(false, 131072, 1, 4, 132, on));
-    EXPECT_FALSE(warm_sized_applies(false, 1024, 0, 4, 132, on));  // no pairs
-    EXPECT_FALSE(warm_sized_applies(false, 1024, 1, 4, 132,
-                                    tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "65"}})));
-    EXPECT_TRUE(warm_sized_applies(false, 1024, 1, 4, 132,
-                                   tuning({{"KDA_CUDA_PREFILL_WARM_CHUNKS", "64"}})));
-    // The model: sized where few pairs leave SMs to split them over, uniform where the pairs
-    // cannot be split within one wave (P1: 96 pairs of 512 chunks); forced, wherever it applies.
-    auto sized_for = [](int64_t T, int64_t H, const detail::Tuning& t) {
-      const auto plan = cuda::pf::prefill_plan(false, T, 1, H, 132, t, false);
-      const auto f = fused_choice(plan, T, 1, H, 132, t, true, false, true, -5.0);
-      double us = 0;
-      const bool take =
-          f.warm && cuda::pf::take_warm_sized(false, T, 1, H, 132, t, -5.0, 2, f.predicted_us, &us);
-      if (take) EXPECT_GT(us, 0.0);
-      return take;
-    };
-    EXPECT_TRUE(sized_for(1024, 4, on));    // S1
-    EXPECT_TRUE(sized_for(2048, 12, on));   // S2
-    EXPECT_TRUE(sized_for(2048, 32, on));   // P7
-    EXPECT_FALSE(sized_for(8192, 96, on));  // P1
-    const detail::Tuning forced = tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "1"}});
-    EXPECT_TRUE(sized_for(8192, 96, forced));
-    EXPECT_FALSE(sized_for(1024, 4, tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}})));
-    EXPECT_FALSE(
-        warm_sized_applies(false, 1024, 1, 4, 132, tuning({{"KDA_CUDA_PREFILL_WARM_SIZED", "0"}})));
-  }
+  EXPECT_EQ(warm_chunks_estimate(-5.0, 12), 16);  // calibrated at the default bits
+  EXPECT_EQ(warm_chunks_estimate(-5.0, 9), 12);
+  EXPECT_EQ(warm_chunks_estimate(-2.5, 18), 48);
   EXPECT_GT(warm_chunks_estimate(-1.0), 48);
   // S1 (1 x 1024, HV = 4) in segments of 64 tokens: 64 CTAs, one wave of 4 + 16 chunks.
   EXPECT_NEAR(predicted_warm_us(1024, 1, 4, 64, 132, 16),

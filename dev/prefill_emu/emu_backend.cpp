@@ -29,8 +29,8 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
 }
 // Emulated calls launch their kernels one by one (no graph: GpuPrefillGraph is not run here).
 unsigned long long chain_launch_count() { return 0; }
-Status prefill_warm_counts(int, unsigned long long counts[4]) {
-  for (int i = 0; i < 4; ++i) counts[i] = pf::g_fused_warm_walks[i];
+Status prefill_warm_counts(int, unsigned long long counts[3]) {
+  for (int i = 0; i < 3; ++i) counts[i] = pf::g_fused_warm_walks[i];
   return Status::Ok();
 }
 Status prefill(const detail::PrefillProblem& pr, const ExecOptions& exec) {

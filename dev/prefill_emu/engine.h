@@ -105,7 +105,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
     forced.rec = rc;
     p.single = p.single && single_launch(forced, pb, rb, 132, detail::tuning());
   }
-  Launch plan[kMaxLaunches];
+  Launch plan[4];
   const int count = plan_launches(p, pb, rb, plan);
   for (int i = 0; i < count; ++i) {
     const Launch& l = plan[i];
@@ -123,9 +123,7 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
       case PrefillKernel::kSegmentPass1:
       case PrefillKernel::kSegmentPass2:
         pass.seg_pass = seg_pass_of(l.kernel);
-        if (p.fused && l.kernel == PrefillKernel::kSegmentWarm && p.warm_tasks != nullptr)
-          launch(fused_kernel<kFp16, true, true>, l.blocks, l.threads, l.smem, pass);
-        else if (p.fused)
+        if (p.fused)
           launch(fused_kernel<kFp16, true>, l.blocks, l.threads, l.smem, pass);
         else
           launch(recurrence_kernel_of<kFp16, true>(recurrence_path(p)), l.blocks, l.threads, l.smem,
@@ -133,12 +131,6 @@ static void run_kernels(Params& p, int64_t pb, int64_t rb, const detail::Prefill
         break;
       case PrefillKernel::kSegmentScan:
         launch(segment_scan_kernel, l.blocks, l.threads, l.smem, p);
-        break;
-      case PrefillKernel::kWarmPlan:
-        launch(warm_plan_kernel, l.blocks, l.threads, l.smem, p);
-        break;
-      case PrefillKernel::kWarmSchedule:
-        launch(warm_schedule_kernel, l.blocks, l.threads, l.smem, p);
         break;
       case PrefillKernel::kFused:
         launch(fused_kernel<kFp16, false>, l.blocks, l.threads, l.smem, p);

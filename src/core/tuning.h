@@ -54,11 +54,8 @@ struct Tuning {
   int prefill_warm = 0;          // KDA_CUDA_PREFILL_WARM: 1 forces warm-up segments where they
                                  // apply, 0 in the environment turns them off (stored as -1)
   int prefill_warm_chunks = 48;  // KDA_CUDA_PREFILL_WARM_CHUNKS: a warm-up's most 16-token chunks
-  int prefill_warm_bits = 16;    // KDA_CUDA_PREFILL_WARM_BITS: a warm-up ends where the dropped
+  int prefill_warm_bits = 12;    // KDA_CUDA_PREFILL_WARM_BITS: a warm-up ends where the dropped
                                  // state is at most 2^-bits of the state it stands for
-  int prefill_warm_sized = 0;    // KDA_CUDA_PREFILL_WARM_SIZED: warm-up segments sized per head
-                                 // where the model prefers them; 1 forces, 0 in the environment
-                                 // turns them off (stored as -1)
   bool prefill_single = false;   // KDA_CUDA_PREFILL_SINGLE=1: one cooperative launch, small calls
   bool prefill_graph = true;     // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
   bool backward_split = true;    // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
@@ -131,9 +128,6 @@ Tuning parse_tuning(Get&& get) {
   if (wc >= 1 && wc <= 4096) t.prefill_warm_chunks = static_cast<int>(wc);
   const long wb = tuning_digits(get("KDA_CUDA_PREFILL_WARM_BITS"));
   if (wb >= 10 && wb <= 32) t.prefill_warm_bits = static_cast<int>(wb);
-  s = get("KDA_CUDA_PREFILL_WARM_SIZED");
-  if (is(s, "0")) t.prefill_warm_sized = -1;
-  if (is(s, "1")) t.prefill_warm_sized = 1;
   t.prefill_single = is(get("KDA_CUDA_PREFILL_SINGLE"), "1");
   t.prefill_graph = !is(get("KDA_CUDA_PREFILL_GRAPH"), "0");
   t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");

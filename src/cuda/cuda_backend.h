@@ -19,9 +19,8 @@ Status prefill_workspace_size(const detail::PrefillProblem& pr, size_t* bytes);
 Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions& exec);
 // A testing hook: the fused prefill's warm-up walks on `device` since the process started:
 // segments run [0] from the sequence's start, [1] from a zero state after a warm-up, [2] segments
-// left to the exact passes, [3] of all those, the segments of the sized plan (prefill/fused.cuh,
-// prefill/warm_plan.cuh). Synchronizes with the device.
-Status prefill_warm_counts(int device, unsigned long long counts[4]);
+// left to the exact passes (prefill/fused.cuh). Synchronizes with the device.
+Status prefill_warm_counts(int device, unsigned long long counts[3]);
 
 Status decode(const detail::DecodeProblem& pr, const ExecOptions& exec, bool check_indices);
 

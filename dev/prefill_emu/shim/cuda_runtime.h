@@ -10,7 +10,6 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
-#define __noinline__
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __shared__
@@ -89,18 +88,6 @@ inline T emu_atomic_add(T* p, T v) {
 }
 inline unsigned atomicAdd(unsigned* p, unsigned v) { return emu_atomic_add(p, v); }
 inline int atomicAdd(int* p, int v) { return emu_atomic_add(p, v); }
-inline int atomicMax(int* p, int v) {
-  int old;
-  {
-    const emu::tsan::Ignore ig;
-    old = __atomic_load_n(p, __ATOMIC_RELAXED);
-    while (old < v &&
-           !__atomic_compare_exchange_n(p, &old, v, false, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
-    }
-  }
-  emu::tsan::atomic_rmw(p);
-  return old;
-}
 template <typename T>
 inline T __shfl_sync(unsigned, T v, int src) {
   static_assert(sizeof(T) <= 8);

@@ -64,8 +64,6 @@ enum class KernelSlot : int {
   kFusedBf16,
   kFusedSegF16,  // the fused kernel's segmented passes
   kFusedSegBf16,
-  kFusedSizedF16,  // its warm-up pass of segments sized per head
-  kFusedSizedBf16,
   kSingleF16,  // the single-launch kernel (chunk 64 / 16)
   kSingleBf16,
   kSingle16F16,

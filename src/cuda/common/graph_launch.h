@@ -26,7 +26,7 @@ struct ChainStep {
 // launched; false when nothing was launched (the stream is capturing, graphs are unavailable, or
 // building or updating the graph failed; the runtime's error state is left clear): the caller then
 // launches the steps itself.
-inline constexpr int kMaxChainSteps = 6;
+inline constexpr int kMaxChainSteps = 4;
 bool launch_chain(const ChainStep* steps, int n, bool pdl, int device, cudaStream_t stream);
 
 // Testing hook: how many chains the calling thread has launched as graphs (launch_chain returned

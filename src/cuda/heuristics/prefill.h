@@ -88,7 +88,6 @@ struct PrefillPlan {
   RecurrenceChoice rec;
   bool fused = false;  // the fused kernel (prefill/fused.cuh): one launch, no workspace
   bool warm = false;   // fused with warm-up segments (fused_choice), the exact passes as fallback
-  bool warm_sized = false;  // their segments sized per (sequence, value head) (warm_sized_applies)
   double predicted_us = 0;
 };
 
@@ -239,16 +238,17 @@ struct FusedChoice {
 // is its longest wave of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus
 // the pass, the walk and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's
 // slowest head needs is in its data, grows like 1 / |lower_bound| and like the bound's bits
-// (Tuning::prefill_warm_bits): kWarmChunksAt5 chunks at -5 and 16 bits, scaled so. On targets.md's
+// (Tuning::prefill_warm_bits): kWarmChunksAt5 chunks at -5 and the default kWarmBits, scaled so. On targets.md's
 // inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks (H100); the
 // two-kernel model they are compared with reads 15-30% low on the small cases (S1 74 us modelled
 // against 88 measured, S2 100 against 142), and at 16 the comparison picks the faster plan on every
 // case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and 0.206). Unsegmented calls and
 // the first segment of each sequence need no warm-up.
 inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 16;
-inline int64_t warm_chunks_estimate(double lower_bound, int bits = 16) {
+inline constexpr int kWarmBits = detail::Tuning{}.prefill_warm_bits;
+inline int64_t warm_chunks_estimate(double lower_bound, int bits = kWarmBits) {
   if (!(lower_bound < 0)) return INT64_MAX / 4;
-  return static_cast<int64_t>(kWarmChunksAt5 * (5.0 / -lower_bound) * (bits / 16.0) + 0.999);
+  return static_cast<int64_t>(kWarmChunksAt5 * (5.0 / -lower_bound) * bits / kWarmBits + 0.999);
 }
 inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t tokens, int sms,
                                 int64_t warm_chunks) {
@@ -257,58 +257,6 @@ inline double predicted_warm_us(int64_t len, int64_t N, int64_t HV, int64_t toke
   return static_cast<double>(ceil_div(N * HV * segs, sms) * chunks) * kFusedStepUs + kFusedPassUs +
          kWarmExtraUs;
 }
-// Warm-up segments sized per (sequence, value head) (prefill/warm_plan.cuh; docs/design.md 6.10):
-// a plan kernel reads the gates once and finds where each chunk's warm-up starts; the warm-up
-// pass's CTAs then give each pair segments of t - need_p chunks (need_p its longest warm-up, t the
-// least time at which all pairs' segments fit one CTA per SM), so that a head that needs a short
-// warm-up no longer waits on the one that needs the longest. Taken with warm-up segments for dense
-// batches of at most one pair per SM (kWarmSizedMaxPairs), a budget of at most kWarmSizedMaxBudget
-// chunks and at most kWarmSizedMaxChunks chunks per sequence (the plan's table: 4 bytes a chunk
-// and pair); Tuning::prefill_warm_sized = false (KDA_CUDA_PREFILL_WARM_SIZED=0) keeps uniform
-// segments.
-inline constexpr int kWarmSizedMaxBudget = 64, kWarmSizedMaxPairs = 512;
-inline constexpr int64_t kWarmSizedMaxChunks = 8192;
-inline bool warm_sized_applies(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
-                               const detail::Tuning& t) {
-  const int64_t pairs = N * HV, chunks = (T + 15) / 16;
-  return t.prefill_warm_sized >= 0 && !varlen && pairs > 0 && pairs <= sms &&
-         pairs <= kWarmSizedMaxPairs && t.prefill_warm_chunks <= kWarmSizedMaxBudget &&
-         chunks <= kWarmSizedMaxChunks;
-}
-// Its model, against the uniform segments' (predicted_warm_us): all pairs in one wave, each CTA
-// t chunks for the least t with pairs x ceil(chunks / (t - need)) <= sms, need a typical pair's
-// longest warm-up (kSizedNeedAt5 chunks at lower bound -5 and 16 bits, scaled as
-// warm_chunks_estimate: on targets.md's gates the median is ~5-6, and the heads that need more get
-// shorter segments at the same t), plus the pass, the exact passes' empty launches, and the plan
-// kernel: a launch and the gates read 1.75 times (each block reads the budget's chunks before its
-// 64 starts too) at kSizedGateBytesPerUs. A call whose pairs cannot be split within one wave (P1:
-// 96 pairs of 512 chunks) keeps uniform segments, whose several waves spread the work better.
-inline constexpr double kSizedNeedAt5 = 8, kSizedPlanUs = 4, kSizedGateBytesPerUs = 2.5e6;
-inline double predicted_sized_us(int64_t T, int64_t N, int64_t HV, int sms, double lower_bound,
-                                 int bits, int64_t gate_bytes) {
-  const int64_t chunks = (T + 15) / 16, pairs = N * HV;
-  if (pairs <= 0 || pairs > sms || !(lower_bound < 0)) return 1e30;
-  const int64_t need =
-      static_cast<int64_t>(kSizedNeedAt5 * (5.0 / -lower_bound) * (bits / 16.0) + 0.999);
-  int64_t seg = 1;  // the least segment with pairs x ceil(chunks / seg) <= sms
-  while (pairs * ceil_div(chunks, seg) > sms) ++seg;
-  return static_cast<double>(seg + need) * kFusedStepUs + kFusedPassUs + kWarmExtraUs +
-         kSizedPlanUs + 1.75 * static_cast<double>(gate_bytes) / kSizedGateBytesPerUs;
-}
-// Whether a call on warm-up segments (uniform model: uniform_us) takes them sized per head:
-// where they apply and are forced or predicted faster (then *predicted_us, if given, is set to
-// their model's time). gate_elem_bytes: g's element size.
-inline bool take_warm_sized(bool varlen, int64_t T, int64_t N, int64_t HV, int sms,
-                            const detail::Tuning& t, double lower_bound, int gate_elem_bytes,
-                            double uniform_us, double* predicted_us = nullptr) {
-  if (!warm_sized_applies(varlen, T, N, HV, sms, t)) return false;
-  const double us = predicted_sized_us(T, N, HV, sms, lower_bound, t.prefill_warm_bits,
-                                       N * T * HV * 128 * static_cast<int64_t>(gate_elem_bytes));
-  const bool take = t.prefill_warm_sized > 0 || us < uniform_us;
-  if (take && predicted_us != nullptr) *predicted_us = us;
-  return take;
-}
-
 // len: tokens per sequence (varlen: the longest is not known on the host; the mean stands in, as
 // in prefill_plan). The segment sizes tried: none, 128, 256, ... below len (or the forced one).
 // warm_applies: the call meets the warm-up segments' conditions (above); lower_bound: its gate's.

@@ -224,15 +224,6 @@ struct Params {
   // (sequence, value head) pairs with a flag set.
   int64_t warm_max_chunks = 0;
   float warm_log2_bound = 16.f;
-  // Segments sized per pair (warm_plan.cuh; dense batches): warm_plan_kernel writes, per pair and
-  // chunk c0 of its warm_chunks_per_seq, the chunk where a warm-up for a segment starting at c0
-  // starts (-1: past the budget), and per pair and plan block the longest warm-up; the warm-up
-  // pass's CTAs size the segments from those. Null: uniform segments of seg_tokens.
-  int32_t* warm_start = nullptr;  // [N * HV][warm_chunks_per_seq]
-  int32_t* warm_need = nullptr;   // [N * HV][warm_plan_blocks_per_pair]
-  int64_t warm_chunks_per_seq = 0;
-  int64_t warm_grid = 0;          // the warm-up pass's CTAs under the sized plan (the SM count)
-  int32_t* warm_tasks = nullptr;  // [warm_grid][4]: pair, c0, c1, w0 (warm_schedule_kernel)
   int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
 

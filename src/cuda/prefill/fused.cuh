@@ -37,7 +37,6 @@
 #include "cuda/prefill/phase_timing.cuh"
 #include "cuda/prefill/prepare_steps.cuh"
 #include "cuda/prefill/recurrence_steps.cuh"
-#include "cuda/prefill/warm_plan.cuh"
 
 namespace kda::cuda::pf {
 
@@ -734,52 +733,22 @@ __device__ __forceinline__ int64_t fused_warm_start(const Params& p, const SeqSp
 
 // Walks of the warm-up pass since the process started, on this device: segments that ran [0] from
 // the sequence's start, [1] from a zero state after a warm-up, [2] segments left to the exact
-// passes, [3] of those, the segments of the sized plan (warm_plan.cuh) (a testing hook: tests
-// check which path their cases took; prefill_warm_counts).
-static __device__ unsigned g_fused_warm_walks[4];
+// passes (a testing hook: tests check which path their cases took; prefill_warm_counts).
+static __device__ unsigned g_fused_warm_walks[3];
 
 // kSeg: a pass of the segmented prefill (Params::seg_pass; segments.cuh, docs/design.md 6.5), one
 // CTA per (segment slot, value head) and, in pass 1, per part: the segment's state from zero
 // (S_local) or its transition (the identity's rows with zero values, Mt). With warm-up segments
 // (Params::warm_flags), the warm-up pass (seg_pass = 3, one CTA per segment slot and value head)
-// runs first, and passes 1 and 2 only for the pairs it left. kSized (with kSeg): the warm-up pass
-// of segments sized per pair (warm_plan.cuh), a kernel of its own so that the segmented passes'
-// code does not carry it.
-template <bool kFp16, bool kSeg = false, bool kSized = false>
+// runs first, and passes 1 and 2 only for the pairs it left.
+template <bool kFp16, bool kSeg = false>
 __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_constant__ Params p) {
-  static_assert(kSeg || !kSized, "the sized warm-up pass is a segmented pass");
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
   FusedCta f;
   f.smem = smem_raw + ((1024u - (smem_addr(smem_raw) & 1023u)) & 1023u);
   f.s0 = smem_addr(f.smem);
-  if constexpr (kSized) {  // segments sized per pair (warm_plan.cuh), seg_pass = 3
-    const int32_t* const task = p.warm_tasks + 4 * blockIdx.x;
-    const int64_t pair = task[0];
-    if (pair < 0) return;
-    const WarmTask t{pair, task[1], task[2], task[3]};
-    f.hv = static_cast<int>(t.pair % p.HV);
-    f.n = t.pair / p.HV;
-    const SeqSpan seq = seq_span(p, f.n);
-    const SegRange r = seg_range(p, f.n, seq);
-    if (threadIdx.x == 0) {
-      if (t.w0 < 0) p.warm_flags[r.first * p.HV + f.hv] = 1;  // the pair to the exact passes
-      atomicAdd(&g_fused_warm_walks[t.w0 < 0 ? 2 : t.w0 > 0 ? 1 : 0], 1u);
-      atomicAdd(&g_fused_warm_walks[3], 1u);
-    }
-    if (t.w0 < 0) return;
-    const int64_t last = r.first + r.count - 1;
-    f.role.slot = r.first;
-    f.role.first = t.w0 == 0;
-    f.role.last = false;  // the final state goes through seg_local (the scan copies it)
-    f.role.warm = true;
-    f.role.end_row = t.c1 * kChunk16 >= seq.len && last < p.seg_slots ? last : -1;
-    f.role.tok0 = t.w0 * kChunk16;
-    f.sp = seq;
-    f.sp.bos = seq.bos + t.w0 * kChunk16;
-    f.sp.len = (t.c1 * kChunk16 < seq.len ? t.c1 * kChunk16 : seq.len) - t.w0 * kChunk16;
-    f.out_from = t.c0 - t.w0;
-  } else if constexpr (kSeg) {
+  if constexpr (kSeg) {
     if (p.seg_pass == 3) {
       const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
       f.hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
@@ -843,7 +812,7 @@ __global__ void __launch_bounds__(kFusedThreads, 1) fused_kernel(const __grid_co
   __syncthreads();
   if (tid >= kFConsumerThreads) {
     setmaxnreg_dec<kFProducerRegs>();
-    fused_producer<kFp16, kSeg>(p, f, tid - kFConsumerThreads);  // kSized implies kSeg
+    fused_producer<kFp16, kSeg>(p, f, tid - kFConsumerThreads);
   } else {
     setmaxnreg_inc<kFConsumerRegs>();
     fused_consumer<kFp16>(p, f, tid);

@@ -82,10 +82,6 @@ inline PrefillPlan launch_plan(const detail::PrefillProblem& pr, int num_sms,
     plan.warm = f.warm;
     plan.segment_tokens = f.segment_tokens;
     plan.predicted_us = f.predicted_us;
-    plan.warm_sized =
-        f.warm && take_warm_sized(pr.d.varlen, pr.d.T, pr.d.N, pr.d.HV, num_sms, tuning,
-                                  pr.math.lower_bound, static_cast<int>(dtype_size(pr.g.dtype)),
-                                  f.predicted_us, &plan.predicted_us);
   }
   return plan;
 }
@@ -96,28 +92,18 @@ inline int64_t segment_slots(const detail::PrefillProblem& pr, int64_t segment_t
 }
 
 // Workspace: [records][sequence order][segment states], each part 128-byte aligned.
-// Fused plans: [segment states][warm-up flags (int32 [segment slots][HV]) with warm-up segments]
-// [the sized plan's tables (int32 [pairs][chunks] warm_start, [pairs][plan blocks] warm_need)].
+// Fused plans: [segment states][warm-up flags (int32 [segment slots][HV]) with warm-up segments].
 struct WorkspaceLayout {
-  size_t records = 0, order = 0, segments = 0, flags = 0, sized = 0, total = 0;  // byte offsets
+  size_t records = 0, order = 0, segments = 0, flags = 0, total = 0;  // byte offsets; total
 };
 inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_t segment_tokens,
-                                        bool fused = false, bool warm = false,
-                                        bool warm_sized = false) {
+                                        bool fused = false, bool warm = false) {
   WorkspaceLayout w;
   if (fused) {  // records in shared memory: the segment states (and flags) only
     const int64_t slots = segment_slots(pr, segment_tokens);
     if (slots > 0 && pr.d.N > 0) {
       w.flags = static_cast<size_t>(slots) * pr.d.HV * 3 * kSegStateBytes;
-      w.sized = w.flags + (warm ? static_cast<size_t>(slots) * pr.d.HV * 4 : 0);
-      w.sized = (w.sized + 127) & ~static_cast<size_t>(127);
-      const int64_t chunks = ceil_div(pr.d.T, 16);
-      w.total = w.sized +
-                (warm_sized ? static_cast<size_t>(pr.d.N * pr.d.HV) *
-                                      (chunks + warm_plan_blocks_per_pair(chunks)) * 4 +
-                                  static_cast<size_t>(kWarmSizedMaxPairs) * 16
-                            : 0) +
-                128;
+      w.total = w.flags + (warm ? static_cast<size_t>(slots) * pr.d.HV * 4 : 0) + 128;
     }
     return w;
   }
@@ -136,7 +122,7 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int64_
 inline size_t workspace_bytes(const detail::PrefillProblem& pr, int num_sms,
                               const detail::Tuning& tuning) {
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  return workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm, lp.warm_sized).total;
+  return workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm).total;
 }
 
 // The parameters of the forward's inputs, shapes and math (no outputs, workspace or states):
@@ -184,8 +170,7 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
                           int64_t* rec_blocks_out, size_t* workspace_need_out) {
   const auto& d = pr.d;
   const PrefillPlan lp = launch_plan(pr, num_sms, tuning);
-  const WorkspaceLayout layout =
-      workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm, lp.warm_sized);
+  const WorkspaceLayout layout = workspace_layout(pr, lp.segment_tokens, lp.fused, lp.warm);
   *workspace_need_out = layout.total;
   const int64_t slots = chunk_slots(pr);
   const int64_t prep_blocks = d.N > 0 && !lp.fused ? slots * d.HV : 0;
@@ -222,13 +207,6 @@ inline Status make_params(const detail::PrefillProblem& pr, void* workspace, int
       p.warm_flags = reinterpret_cast<int32_t*>(p.ws + layout.flags);
       p.warm_max_chunks = tuning.prefill_warm_chunks;
       p.warm_log2_bound = static_cast<float>(tuning.prefill_warm_bits);
-      if (lp.warm_sized) {
-        p.warm_chunks_per_seq = ceil_div(d.T, 16);
-        p.warm_start = reinterpret_cast<int32_t*>(p.ws + layout.sized);
-        p.warm_need = p.warm_start + d.N * d.HV * p.warm_chunks_per_seq;
-        p.warm_tasks = p.warm_need + d.N * d.HV * warm_plan_blocks_per_pair(p.warm_chunks_per_seq);
-        p.warm_grid = num_sms < kWarmSizedMaxPairs ? num_sms : kWarmSizedMaxPairs;
-      }
     }
   }
   p.initial_state = state_view(pr.initial_state);
@@ -270,8 +248,6 @@ enum class PrefillKernel {
   kSegmentScan,
   kSegmentPass2,
   kSegmentWarm,
-  kWarmPlan,
-  kWarmSchedule,
   kFused,
   kSingle
 };
@@ -287,9 +263,8 @@ struct Launch {
   int64_t blocks;
   int threads, smem;
 };
-inline constexpr int kMaxLaunches = 6;
 inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_blocks,
-                         Launch (&out)[kMaxLaunches]) {
+                         Launch (&out)[4]) {
   int n = 0;
   if (p.fused) {
     if (rec_blocks <= 0) return n;
@@ -298,15 +273,8 @@ inline int plan_launches(const Params& p, int64_t prep_blocks, int64_t rec_block
       return n;
     }
     const int64_t seg_blocks = p.seg_slots * p.HV;
-    if (p.warm_start != nullptr) {  // the sized plan's table and schedule, its warm-up pass
-      out[n++] = {PrefillKernel::kWarmPlan,
-                  p.N * p.HV * warm_plan_blocks_per_pair(p.warm_chunks_per_seq), kWarmPlanThreads,
-                  kWarmPlanSmemBytes};
-      out[n++] = {PrefillKernel::kWarmSchedule, 1, kWarmPlanThreads, kWarmScheduleSmemBytes};
-      out[n++] = {PrefillKernel::kSegmentWarm, p.warm_grid, kFusedThreads, kFusedSmemBytes};
-    } else if (p.warm_flags != nullptr) {  // then the exact passes, for the pairs it leaves
+    if (p.warm_flags != nullptr)  // then the exact passes, for the pairs it leaves
       out[n++] = {PrefillKernel::kSegmentWarm, seg_blocks, kFusedThreads, kFusedSmemBytes};
-    }
     out[n++] = {PrefillKernel::kSegmentPass1, 2 * seg_blocks, kFusedThreads, kFusedSmemBytes};
     out[n++] = {PrefillKernel::kSegmentScan, p.N * p.HV * kScanBlocksPerHead, kScanThreads,
                 kScanSmemBytes};

@@ -8,14 +8,12 @@
 //      the final state and pool slots.
 //   With segments (heuristics/prefill.h prefill_plan), B is pass 1 over (segment, value head,
 //   value or transition slice), then segment_scan_kernel (prefill/segments.cuh) and pass 2.
-//   Fused warm-up segments add their warm-up pass before those (and, sized per head, the plan
-//   plan and schedule kernels of prefill/warm_plan.cuh before it: six launches).
 //   The fused kernel (prefill/fused.cuh) replaces A and B where the plan takes it (its passes
 //   likewise with segments); with Tuning::prefill_single small unsegmented calls run A and B in
 //   one cooperative launch (prefill/single.cuh).
-// With Tuning::prefill_graph (the default) and outside stream capture, a call's two to six
-// kernels go as one graph launch (common/graph_launch.h): one launch's host time instead of one
-// per kernel.
+// With Tuning::prefill_graph (the default) and outside stream capture, a call's two or four
+// kernels go as one graph launch (common/graph_launch.h): one launch's host time instead of two or
+// four.
 // The launch configuration is heuristics/prefill.h's (under the tuning struct, docs/tuning.md).
 // Design, byte/FLOP model and measurements: docs/perf_notes.md, section "Prefill".
 #include <cuda_runtime.h>
@@ -85,13 +83,11 @@ template <bool kFp16>
 Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAttributes& d,
               int device, cudaStream_t stream) {
   using S = KernelSlot;
-  constexpr int kMax = pf::kMaxLaunches;
-  static_assert(kMax <= kMaxChainSteps, "a call's kernels fit one chain");
-  pf::Launch plan[kMax];
+  pf::Launch plan[4];
   const int count = pf::plan_launches(p, prep_blocks, rec_blocks, plan);
-  void (*kernels[kMax])(Params) = {};
-  Params pass[kMax];
-  ChainStep steps[kMax];  // each launch's kernel, grid, block, shared memory and parameters
+  void (*kernels[4])(Params) = {};
+  Params pass[4];
+  ChainStep steps[4];  // each launch's kernel, grid, block, shared memory and parameters
   for (int i = 0; i < count; ++i) {
     const pf::Launch& l = plan[i];
     void (*&kernel)(Params) = kernels[i];
@@ -112,23 +108,13 @@ Status launch(const Params& p, int64_t prep_blocks, int64_t rec_blocks, DeviceAt
       case pf::PrefillKernel::kSegmentPass1:
       case pf::PrefillKernel::kSegmentPass2:
         pass[i].seg_pass = pf::seg_pass_of(l.kernel);
-        if (p.fused && l.kernel == pf::PrefillKernel::kSegmentWarm && p.warm_tasks != nullptr) {
-          kernel = pf::fused_kernel<kFp16, true, true>;
-          KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSizedF16, S::kFusedSizedBf16, kFp16),
-                                         kernel, pf::kFusedSmemBytes));
-        } else if (p.fused) {
+        if (p.fused) {
           kernel = pf::fused_kernel<kFp16, true>;
           KDA_RETURN_IF_ERROR(allow_smem(d, slot_of(S::kFusedSegF16, S::kFusedSegBf16, kFp16),
                                          kernel, pf::kFusedSmemBytes));
         } else {
           KDA_RETURN_IF_ERROR((recurrence_for<kFp16, true>(p, d, &kernel)));
         }
-        break;
-      case pf::PrefillKernel::kWarmPlan:  // under the default shared-memory limit
-        kernel = pf::warm_plan_kernel;
-        break;
-      case pf::PrefillKernel::kWarmSchedule:
-        kernel = pf::warm_schedule_kernel;
         break;
       case pf::PrefillKernel::kSegmentScan:
         kernel = pf::segment_scan_kernel;
@@ -196,12 +182,12 @@ Status check_prefill_indices(const detail::PrefillProblem& pr, const ExecOptions
   return detail::check_prefill_index_values(pr, idx.empty() ? nullptr : idx.data());
 }
 
-Status prefill_warm_counts(int device, unsigned long long counts[4]) {
+Status prefill_warm_counts(int device, unsigned long long counts[3]) {
   DeviceGuard guard(device);
   KDA_CUDA_CHECK(guard.status());
-  unsigned c[4] = {};
+  unsigned c[3] = {};
   KDA_CUDA_CHECK(cudaMemcpyFromSymbol(c, pf::g_fused_warm_walks, sizeof(c)));
-  for (int i = 0; i < 4; ++i) counts[i] = c[i];
+  for (int i = 0; i < 3; ++i) counts[i] = c[i];
   return Status::Ok();
 }
 
