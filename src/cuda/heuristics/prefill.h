@@ -238,12 +238,12 @@ struct FusedChoice {
 // is its longest wave of CTAs, each the segment's chunks plus the warm-up's at kFusedStepUs, plus
 // the pass, the walk and the exact passes' empty launches (kWarmExtraUs). The warm-up a call's
 // slowest head needs is in its data, grows like 1 / |lower_bound| and like the bound's bits
-// (Tuning::prefill_warm_bits): kWarmChunksAt5 chunks at -5 and the default kWarmBits, scaled so. On targets.md's
-// inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks (H100); the
-// two-kernel model they are compared with reads 15-30% low on the small cases (S1 74 us modelled
-// against 88 measured, S2 100 against 142), and at 16 the comparison picks the faster plan on every
-// case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and 0.206). Unsegmented calls and
-// the first segment of each sequence need no warm-up.
+// (Tuning::prefill_warm_bits): kWarmChunksAt5 chunks at -5 and the default kWarmBits, scaled so.
+// On targets.md's inputs the reference cases' times put the slowest CTA's warm-up at 24-32 chunks
+// (H100, 16 bits); the two-kernel model they are compared with reads 15-30% low on the small cases
+// (S1 74 us modelled against 88 measured, S2 100 against 142), and at 16 chunks the comparison
+// picks the faster plan on every case but S1 and P7 (warm-up 0.092 and 0.207 ms against 0.088 and
+// 0.206). Unsegmented calls and the first segment of each sequence need no warm-up.
 inline constexpr double kWarmExtraUs = 8, kWarmChunksAt5 = 16;
 inline constexpr int kWarmBits = detail::Tuning{}.prefill_warm_bits;
 inline int64_t warm_chunks_estimate(double lower_bound, int bits = kWarmBits) {
