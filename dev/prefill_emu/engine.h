@@ -47,8 +47,9 @@ namespace kda::cuda::pf {
 alignas(1024) uint8_t emu_smem_alias[240000];
 extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
 }  // namespace kda::cuda::pf
-namespace kda::cuda::bw {  // the backward kernels' `smem`: the same array
+namespace kda::cuda::bw {  // the backward kernels' `smem` and `smem_raw`: the same array
 extern uint8_t emu_smem_alias[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
+extern uint8_t emu_smem_raw[240000] __attribute__((alias("_ZN3kda4cuda2pf14emu_smem_aliasE")));
 }  // namespace kda::cuda::bw
 
 namespace emu_run {
@@ -185,7 +186,7 @@ static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
   bw::BwdParams P;
   bw::make_params(bp, wsp, 132, &P);
   bw::BwdLaunch plan[6];
-  const int count = bw::plan_launches(P, plan);
+  const int count = bw::plan_launches(P, detail::tuning().backward_wgmma, plan);
   for (int i = 0; i < count; ++i) {
     const bw::BwdLaunch& l = plan[i];
     switch (l.kernel) {
@@ -197,6 +198,12 @@ static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
         break;
       case bw::BwdKernel::kDStates:
         launch(bw::bwd_dstates_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kStatesWg:
+        launch(bw::bwd_states_wg_kernel, l.blocks, l.threads, l.smem, P);
+        break;
+      case bw::BwdKernel::kDStatesWg:
+        launch(bw::bwd_dstates_wg_kernel, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kChunk:
         launch(bw::bwd_chunk_kernel<kSplit>, l.blocks, l.threads, l.smem, P);

@@ -29,7 +29,7 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
   using S = KernelSlot;
   const int off = kSplit ? 0 : 4;
   bw::BwdLaunch plan[6];
-  const int count = bw::plan_launches(P, plan);
+  const int count = bw::plan_launches(P, detail::tuning().backward_wgmma, plan);
   for (int i = 0; i < count; ++i) {
     const bw::BwdLaunch& l = plan[i];
     void (*kernel)(bw::BwdParams) = nullptr;
@@ -45,6 +45,14 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
       case bw::BwdKernel::kDStates:
         kernel = bw::bwd_dstates_kernel<kSplit>;
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdDStates, off, kernel, l.smem));
+        break;
+      case bw::BwdKernel::kStatesWg:
+        kernel = bw::bwd_states_wg_kernel;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 0, kernel, l.smem));
+        break;
+      case bw::BwdKernel::kDStatesWg:
+        kernel = bw::bwd_dstates_wg_kernel;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 1, kernel, l.smem));
         break;
       case bw::BwdKernel::kChunk:
         kernel = bw::bwd_chunk_kernel<kSplit>;

@@ -8,6 +8,7 @@
 
 #include "core/problem.h"
 #include "cuda/backward/kernels.cuh"
+#include "cuda/backward/passes_wg.cuh"
 #include "cuda/prefill/host.h"
 
 namespace kda::cuda::bw {
@@ -97,24 +98,33 @@ inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspac
 }
 
 // The launches of a call, in stream order (kernels.cuh). `N == 0` or no chunk slot: only the
-// parameter kernel (zero dA_log / ddt_bias) and, for d_initial_state, the reverse pass.
-enum class BwdKernel { kPrepare, kStates, kDStates, kChunk, kQk, kParams };
+// parameter kernel (zero dA_log / ddt_bias) and, for d_initial_state, the reverse pass. wg: the
+// state passes on wgmma (passes_wg.cuh; Tuning::backward_wgmma), else on mma.sync.
+enum class BwdKernel { kPrepare, kStates, kDStates, kStatesWg, kDStatesWg, kChunk, kQk, kParams };
 struct BwdLaunch {
   BwdKernel kernel;
   int64_t blocks;
   int threads, smem;
 };
-inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[6]) {
+inline int plan_launches(const BwdParams& P, bool wg, BwdLaunch (&out)[6]) {
   const Params& p = P.f;
   int n = 0;
   // No workspace (no sequence or no chunk slot): no chunk to process.
   const int64_t tasks = P.rec != nullptr ? p.num_slots * p.HV : 0;
-  const int64_t pass_blocks = p.N * p.HV * kSlices;
+  const int64_t pass_blocks = p.N * p.HV * (wg ? kWgSlices : kSlices);
+  const BwdLaunch states = wg ? BwdLaunch{BwdKernel::kStatesWg, pass_blocks, kWgThreads,
+                                          kWgStatesSmem}
+                              : BwdLaunch{BwdKernel::kStates, pass_blocks, kPassThreads,
+                                          kPassSmemBytes};
+  const BwdLaunch dstates = wg ? BwdLaunch{BwdKernel::kDStatesWg, pass_blocks, kWgThreads,
+                                           kWgDStatesSmem}
+                               : BwdLaunch{BwdKernel::kDStates, pass_blocks, kPassThreads,
+                                           kPassSmemBytes};
   if (tasks > 0) {
     out[n++] = {BwdKernel::kPrepare, tasks, kPrepThreads, kPrepSmemBytes};
-    out[n++] = {BwdKernel::kStates, pass_blocks, kPassThreads, kPassSmemBytes};
+    out[n++] = states;
   }
-  if (pass_blocks > 0) out[n++] = {BwdKernel::kDStates, pass_blocks, kPassThreads, kPassSmemBytes};
+  if (pass_blocks > 0) out[n++] = dstates;
   if (tasks > 0) {
     out[n++] = {BwdKernel::kChunk, P.chunk_blocks, kChunkThreads, kChunkSmemBytes};
     if (P.dq.data != nullptr || P.dk.data != nullptr)

@@ -16,6 +16,8 @@
 //   5. bwd_qk_kernel        (chunk, q/k head): the group's value heads summed in order, scale and
 //                           l2norm chained, dq and dk written.
 //   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
+// Kernels 2 and 3 have wgmma forms (passes_wg.cuh, Tuning::backward_wgmma, the default) that take
+// their place.
 // Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate)
 // through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
 // argument. Off the diagonal 16 x 16 blocks, Akk / Aqk and their gradients factor the decay

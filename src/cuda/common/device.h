@@ -76,7 +76,8 @@ enum class KernelSlot : int {
   kBwdStates,
   kBwdDStates,
   kBwdChunk,
-  kCount = kBwdPrepare + 8,
+  kBwdWg = kBwdPrepare + 8,  // the state passes on wgmma: + 0 states, + 1 reverse
+  kCount = kBwdWg + 2,
 };
 static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
 

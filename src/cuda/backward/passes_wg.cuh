@@ -1,0 +1,349 @@
+// passes_wg.cuh — the backward's two state passes on wgmma (docs/backward.md section 6, item 3):
+// one warpgroup per (sequence, value head, 64 value columns), the state slice in its registers
+// across the chunks, as the forward recurrence keeps S^T:
+//   bwd_states_wg_kernel:   S at every chunk start, S <- diag(exp(G_L)) S + Kd^T (Ut - W S);
+//   bwd_dstates_wg_kernel:  dS' of every chunk and d_initial_state,
+//                             dU = Aqk^T dO + Kd dS',  dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU.
+// Both run transposed (value columns as the rows M = 64 of the warpgroup): the state slice S^T /
+// dS'^T [64 columns][128 keys] is a 64 x 128 fp32 accumulator (64 registers a thread), U^T / dU^T
+// [64 columns][64 tokens] another, and each accumulator is the A operand of the next product
+// straight from its registers (recurrence_steps.cuh, bf16_hi_lo_operands). Every product is bf16
+// hi + lo on both sides (x = hi + lo, two bf16 terms, ~16 significant bits; the lo x lo term
+// dropped: ~fp32 products like the 3xTF32 of the mma.sync passes, three wgmma per product). The B
+// operands (the chunk's record parts) are converted from the fp32 record into bf16 hi and lo tiles,
+// K-major in the 128-byte swizzle (common.cuh, sw128_offset), by the warpgroup's threads at each
+// step; the record parts of the chunks two steps ahead are prefetched into L2.
+#pragma once
+
+#include "cuda/backward/kernels.cuh"
+#include "cuda/prefill/recurrence_steps.cuh"
+
+namespace kda::cuda::bw {
+
+inline constexpr int kWgThreads = 128;  // one warpgroup
+inline constexpr int kWgCols = 64;      // value columns per block
+inline constexpr int kWgSlices = kD / kWgCols;
+
+// A bf16 tile of `rows` rows and K columns (K-major, 128-byte swizzle): rows * K * 2 bytes.
+__host__ __device__ constexpr int wg_tile_bytes(int rows, int K) { return rows * K * 2; }
+// Shared memory: hi and lo tiles of each B operand, then exp(G_L) [128] fp32. The tiles start at
+// multiples of 1024 bytes (the swizzle's period) from a 1024-byte aligned base.
+// States pass: Wr (rows: 64 tokens, K: 128 keys) and KdT (rows: 128 keys, K: 64 tokens).
+inline constexpr int kWgStWr = 0;
+inline constexpr int kWgStKdT = kWgStWr + 2 * wg_tile_bytes(kC, kD);
+inline constexpr int kWgStGL = kWgStKdT + 2 * wg_tile_bytes(kD, kC);
+inline constexpr int kWgStatesSmem = kWgStGL + kD * 4 + 1024;  // + alignment slack
+// Reverse pass: Kdr (rows: 64 tokens, K: 128 keys), AqkT (rows: 64 tokens s, K: 64 tokens t), QgT
+// and WT (rows: 128 keys, K: 64 tokens).
+inline constexpr int kWgDsKdr = 0;
+inline constexpr int kWgDsAqkT = kWgDsKdr + 2 * wg_tile_bytes(kC, kD);
+inline constexpr int kWgDsQgT = kWgDsAqkT + 2 * wg_tile_bytes(kC, kC);
+inline constexpr int kWgDsWT = kWgDsQgT + 2 * wg_tile_bytes(kD, kC);
+inline constexpr int kWgDsGL = kWgDsWT + 2 * wg_tile_bytes(kD, kC);
+inline constexpr int kWgDStatesSmem = kWgDsGL + kD * 4 + 1024;
+// The states pass fits two blocks per SM (2 x (smem + 1 KB reserved) within the SM's 228 KB), the
+// reverse pass one (its 4 KB over half would need the tiles restaged between its two products).
+static_assert(2 * (kWgStatesSmem + 1024) <= 233472 && kWgDStatesSmem <= 232448,
+              "pass blocks per SM");
+static_assert(kWgStKdT % 1024 == 0 && kWgDsAqkT % 1024 == 0 && kWgDsQgT % 1024 == 0 &&
+                  kWgDsWT % 1024 == 0,
+              "tiles at the swizzle period");
+
+struct WgTask {
+  int64_t n;
+  int hv, j0;
+  SeqSpan sp;
+  int64_t chunks;
+};
+__device__ __forceinline__ WgTask wg_task(const Params& p) {
+  WgTask t;
+  const int64_t x = blockIdx.x;
+  t.j0 = static_cast<int>(x % kWgSlices) * kWgCols;
+  t.hv = static_cast<int>((x / kWgSlices) % p.HV);
+  t.n = x / kWgSlices / p.HV;
+  t.sp = pf::seq_span(p, t.n);
+  t.chunks = (t.sp.len + kC - 1) / kC;
+  return t;
+}
+
+// x as two bf16 terms hi + lo, eight of them packed as two 16-byte rows.
+__device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo) {
+  uint32_t h[4], l[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    h[i] = pf::pack_bf16(x[2 * i], x[2 * i + 1]);
+    l[i] = pf::pack_bf16(x[2 * i] - pf::lo_f32<false>(h[i]), x[2 * i + 1] - pf::hi_f32<false>(h[i]));
+  }
+  *hi = make_uint4(h[0], h[1], h[2], h[3]);
+  *lo = make_uint4(l[0], l[1], l[2], l[3]);
+}
+
+// B operand tile (rows x K, element (n, k) = src[n * rs + k * ks], fp32 in device memory) into
+// the bf16 hi tile at `hi` and the lo tile right after it. A thread per (row, 8 columns) unit:
+// with ks == 1 the units of a row go to consecutive threads (contiguous 32-byte reads), otherwise
+// the rows do (rs == 1: consecutive threads read consecutive addresses).
+template <int kRows, int kK, bool kKContiguous>
+__device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks) {
+  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
+  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
+#pragma unroll 2
+  for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += kWgThreads) {
+    const int n = kKContiguous ? u / kGroups : u % kRows;
+    const int kb = kKContiguous ? u % kGroups : u / kRows;
+    float x[8];
+    if constexpr (kKContiguous) {
+      const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
+      const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = src[n * rs + (8 * kb + i) * ks];
+    }
+    uint4 h, l;
+    split8(x, &h, &l);
+    const int off = pf::sw128_offset(kRows, n, 16 * kb);
+    *reinterpret_cast<uint4*>(hi + off) = h;
+    *reinterpret_cast<uint4*>(lo + off) = l;
+  }
+}
+
+// Descriptor of k16 step q of the tile at byte offset `off` (rows rows) from the 1024-byte
+// aligned base whose wgmma_desc_lo is dlo; the lo tile follows at + tile bytes.
+__device__ __forceinline__ uint64_t wg_desc(uint32_t dlo, int off, int rows, int q) {
+  return pf::rec_desc(dlo, off, rows, 32 * q);
+}
+
+// D (+)= A B with A = hi + lo (registers), B = hi + lo (tiles at off, off + tile bytes): the
+// three terms hi hi, lo hi, hi lo, over k16 steps q0 .. q0 + NQ - 1 of B and of the A fragments.
+template <int NJ, int kScale, int NQ>
+__device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&ah)[NQ][4],
+                                           const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
+                                           int rows, int K) {
+  const int lo = off + wg_tile_bytes(rows, K);
+#pragma unroll
+  for (int q = 0; q < NQ; ++q) {
+    wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, off, rows, q), 1);
+    wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
+    wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
+  }
+}
+
+// Element (column 16 w + g + 8 (e >> 1), key / token 8 j + 2 c + (e & 1)) of a thread's
+// accumulator tile j, register e (w: warp, g = lane / 4, c = lane % 4).
+__device__ __forceinline__ int acc_row(int e) {
+  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  return 16 * w + (lane >> 2) + 8 * (e >> 1);
+}
+__device__ __forceinline__ int acc_col(int j, int e) {
+  return 8 * j + 2 * (threadIdx.x & 3) + (e & 1);
+}
+
+// A state slice (columns j0.., all keys) of row n, head hv of a state tensor into / from the
+// transposed accumulator acc[key tile][e]; absent: zero / nothing.
+__device__ __forceinline__ void load_state_t(float (&acc)[16][4], const StateView& s, bool kfirst,
+                                             int64_t n, int hv, int j0) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      acc[j][e] = s.data != nullptr ? load_any(s.data, s.dtype,
+                                               state_off(s, kfirst, n, hv, acc_col(j, e),
+                                                         j0 + acc_row(e)))
+                                    : 0.f;
+}
+__device__ __forceinline__ void store_state_t(const float (&acc)[16][4], const StateView& s,
+                                              bool kfirst, int64_t n, int hv, int j0) {
+  if (s.data == nullptr) return;
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+      store_any(s.data, s.dtype, state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)),
+                acc[j][e]);
+}
+// The slice into the workspace's [128 key][128 value] fp32 state of a chunk.
+__device__ __forceinline__ void store_ws_t(const float (&acc)[16][4], float* out, int j0) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[acc_col(j, e) * kD + j0 + acc_row(e)] = acc[j][e];
+}
+
+// S at every chunk start.
+__global__ void __launch_bounds__(kWgThreads, 2)
+    bwd_states_wg_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                           ~static_cast<uintptr_t>(1023));
+  const Params& p = P.f;
+  const WgTask t = wg_task(p);
+  const int tid = threadIdx.x, lane = tid & 31;
+  float* gl = reinterpret_cast<float*>(sb + kWgStGL);
+  const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
+  auto prefetch_chunk = [&](int64_t ch) {
+    if (ch >= t.chunks) return;
+    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+    prefetch_floats(rec + kRecW, 2 * kTile, 0);
+    prefetch_floats(rec + kRecKd, kTile, 2);
+    prefetch_floats(rec + kRecGL, kD, 3);
+  };
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(ch);
+  float accS[16][4];
+  load_state_t(accS, p.initial_state, p.kfirst, t.n, t.hv, t.j0);
+  for (int64_t ch = 0; ch < t.chunks; ++ch) {
+    const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
+    const float* rec = P.rec + rs * kRecFloats;
+    prefetch_chunk(ch + kPassPrefetch);
+    store_ws_t(accS, P.states + rs * kStateFloats, t.j0);
+    // U^T starts as Ut^T (this block's columns).
+    float accU[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + t.j0 + acc_row(e)];
+    __syncthreads();  // the previous step's products have completed: the tiles are free
+    stage_tile<kC, kD, true>(sb + kWgStWr, rec + kRecW, kD, 1);
+    stage_tile<kD, kC, false>(sb + kWgStKdT, rec + kRecKd, 1, kD);
+    if (tid < kD / 4)
+      reinterpret_cast<float4*>(gl)[tid] = reinterpret_cast<const float4*>(rec + kRecGL)[tid];
+    fence_proxy_async();
+    __syncthreads();
+    // U^T = Ut^T - S^T W^T  (K: 128 keys)
+    uint32_t sh[8][4], sl[8][4];
+    pf::bf16_hi_lo_operands(accS, sh, sl);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(sh);
+    wgmma_fence_acc(sl);
+    wgmma_fence();
+    wg_product<8, -1>(accU, sh, sl, dlo, kWgStWr, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(accU);
+    // S^T <- S^T diag(exp(G_L)) + U^T Kd  (K: 64 tokens)
+    uint32_t uh[4][4], ul[4][4];
+    pf::bf16_hi_lo_operands(accU, uh, ul);
+    pf::decay_state(accS, gl, lane);
+    wgmma_fence_acc(accS);
+    wgmma_fence_acc(uh);
+    wgmma_fence_acc(ul);
+    wgmma_fence();
+    wg_product<16, 1>(accS, uh, ul, dlo, kWgStKdT, kD, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(accS);
+  }
+}
+
+// dS' of every chunk (stored before the chunk is reversed) and d_initial_state.
+__global__ void __launch_bounds__(kWgThreads, 1)
+    bwd_dstates_wg_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                           ~static_cast<uintptr_t>(1023));
+  const Params& p = P.f;
+  const WgTask t = wg_task(p);
+  const int tid = threadIdx.x, lane = tid & 31;
+  float* gl = reinterpret_cast<float*>(sb + kWgDsGL);
+  const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
+  const bool has_do = P.d_out.data != nullptr;
+  auto prefetch_chunk = [&](int64_t ch) {
+    if (ch < 0) return;
+    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+    prefetch_floats(rec + kRecQg, 2 * kTile + kC * kC, 0);
+    prefetch_floats(rec + kRecW, kTile, 3);
+    prefetch_floats(rec + kRecGL, kD, 4);
+    const int r = tid - 32;  // a thread per token row: lanes of warps 1 and 2
+    if (has_do && r >= 0 && r < kC && ch * kC + r < t.sp.len) {
+      const int esize = P.d_out.dtype == kF32 ? 4 : 2;
+      const uint8_t* row = static_cast<const uint8_t*>(P.d_out.data) +
+                           (P.d_out.offset(t.sp.b, t.sp.bos + ch * kC + r, t.hv) + t.j0) * esize;
+      prefetch_lines(row, kWgCols * esize);
+    }
+  };
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(t.chunks - 1 - ch);
+  float accD[16][4];
+  load_state_t(accD, P.d_final_state, p.kfirst, t.n, t.hv, t.j0);
+  for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
+    const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
+    const float* rec = P.rec + rs * kRecFloats;
+    const int64_t tok0 = t.sp.bos + ch * kC;
+    const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
+    prefetch_chunk(ch - kPassPrefetch);
+    store_ws_t(accD, P.dstates + rs * kStateFloats, t.j0);
+    // dO^T as A operands (rows: this block's columns; k: the chunk's tokens), hi + lo: a k16 step
+    // q holds tokens 16 q + 2 c (+ 1) and 16 q + 8 + 2 c (+ 1) of columns g and g + 8.
+    uint32_t oh[4][4], ol[4][4];
+    {
+      float x[4][4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int i = 0; i < 2; ++i) {
+            const int tok = 16 * q + 8 * (r >> 1) + 2 * (lane & 3) + i;
+            const int col = t.j0 + acc_row(2 * (r & 1));
+            x[q][r][i] = has_do && tok < L ? load_any(P.d_out.data, P.d_out.dtype,
+                                                      P.d_out.offset(t.sp.b, tok0 + tok, t.hv) +
+                                                          col)
+                                           : 0.f;
+          }
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          const uint32_t h = pf::pack_bf16(x[q][r][0], x[q][r][1]);
+          oh[q][r] = h;
+          ol[q][r] = pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h),
+                                   x[q][r][1] - pf::hi_f32<false>(h));
+        }
+    }
+    __syncthreads();  // the previous step's products have completed: the tiles are free
+    stage_tile<kC, kD, true>(sb + kWgDsKdr, rec + kRecKd, kD, 1);
+    stage_tile<kC, kC, false>(sb + kWgDsAqkT, rec + kRecAqk, 1, kC);
+    stage_tile<kD, kC, false>(sb + kWgDsQgT, rec + kRecQg, 1, kD);
+    stage_tile<kD, kC, false>(sb + kWgDsWT, rec + kRecW, 1, kD);
+    if (tid < kD / 4)
+      reinterpret_cast<float4*>(gl)[tid] = reinterpret_cast<const float4*>(rec + kRecGL)[tid];
+    fence_proxy_async();
+    __syncthreads();
+    // dU^T = dO^T Aqk + dS'^T Kd^T  (K: 64 tokens, then 128 keys)
+    float accU[8][4];
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+    uint32_t dh[8][4], dl[8][4];
+    pf::bf16_hi_lo_operands(accD, dh, dl);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(oh);
+    wgmma_fence_acc(ol);
+    wgmma_fence_acc(dh);
+    wgmma_fence_acc(dl);
+    wgmma_fence();
+    wg_product<8, 1>(accU, oh, ol, dlo, kWgDsAqkT, kC, kC);
+    wg_product<8, 1>(accU, dh, dl, dlo, kWgDsKdr, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(accU);
+    // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
+    uint32_t uh[4][4], ul[4][4];
+    pf::bf16_hi_lo_operands(accU, uh, ul);
+    pf::decay_state(accD, gl, lane);
+    wgmma_fence_acc(accD);
+    wgmma_fence_acc(uh);
+    wgmma_fence_acc(ul);
+    wgmma_fence();
+    wg_product<16, 1>(accD, oh, ol, dlo, kWgDsQgT, kD, kC);
+    wg_product<16, -1>(accD, uh, ul, dlo, kWgDsWT, kD, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(accD);
+  }
+  store_state_t(accD, P.d_initial_state, p.kfirst, t.n, t.hv, t.j0);
+}
+
+}  // namespace kda::cuda::bw
