@@ -277,6 +277,20 @@ TEST(GpuBackward, WeakDecayFinalStateOnly) {
   expect_grads(g, ref, c.name(), false);
 }
 
+// The mma.sync state passes and chunk products (KDA_CUDA_BACKWARD_WGMMA=0), on a varlen, grouped
+// case with an upstream final-state gradient: the same tolerances as the wgmma kernels.
+TEST(GpuBackward, MmaSyncPassesAndProducts) {
+  KDA_SKIP_WITHOUT_SM90();
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.backward_wgmma = false; }));
+  PrefillCase c = base_case();
+  c.gate = GateForm::kLowerBound;
+  c.H = 1;
+  c.HV = 2;
+  c.seqlens = {70, 0, 130};
+  c.varlen = true;
+  check_case(c);
+}
+
 // Single tf32 products (KDA_CUDA_BACKWARD_SPLIT=0): the same gradients within the error of one
 // tf32 rounding per operand, summed with cancellation into dA_log / ddt_bias (measured up to
 // 3.5e-3 in emulation): an allowance of 8e-3.

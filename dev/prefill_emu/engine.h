@@ -184,9 +184,9 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
 template <bool kSplit>
 static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
   bw::BwdParams P;
-  bw::make_params(bp, wsp, 132, &P);
-  bw::BwdLaunch plan[6];
-  const int count = bw::plan_launches(P, detail::tuning().backward_wgmma, plan);
+  bw::make_params(bp, wsp, 132, detail::tuning().backward_wgmma, &P);
+  bw::BwdLaunch plan[bw::kMaxBwdLaunches];
+  const int count = bw::plan_launches(P, plan);
   for (int i = 0; i < count; ++i) {
     const bw::BwdLaunch& l = plan[i];
     switch (l.kernel) {
@@ -205,8 +205,14 @@ static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
       case bw::BwdKernel::kDStatesWg:
         launch(bw::bwd_dstates_wg_kernel, l.blocks, l.threads, l.smem, P);
         break;
+      case bw::BwdKernel::kSProd:
+        launch(bw::bwd_sprod_kernel, l.blocks, l.threads, l.smem, P);
+        break;
       case bw::BwdKernel::kChunk:
-        launch(bw::bwd_chunk_kernel<kSplit>, l.blocks, l.threads, l.smem, P);
+        if (P.wg)
+          launch(bw::bwd_chunk_kernel<kSplit, true>, l.blocks, l.threads, l.smem, P);
+        else
+          launch(bw::bwd_chunk_kernel<kSplit, false>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kQk:
         launch(bw::bwd_qk_kernel, l.blocks, l.threads, l.smem, P);

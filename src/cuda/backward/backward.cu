@@ -28,8 +28,8 @@ template <bool kSplit>
 Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) {
   using S = KernelSlot;
   const int off = kSplit ? 0 : 4;
-  bw::BwdLaunch plan[6];
-  const int count = bw::plan_launches(P, detail::tuning().backward_wgmma, plan);
+  bw::BwdLaunch plan[bw::kMaxBwdLaunches];
+  const int count = bw::plan_launches(P, plan);
   for (int i = 0; i < count; ++i) {
     const bw::BwdLaunch& l = plan[i];
     void (*kernel)(bw::BwdParams) = nullptr;
@@ -54,9 +54,14 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
         kernel = bw::bwd_dstates_wg_kernel;
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 1, kernel, l.smem));
         break;
+      case bw::BwdKernel::kSProd:
+        kernel = bw::bwd_sprod_kernel;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 2, kernel, l.smem));
+        break;
       case bw::BwdKernel::kChunk:
-        kernel = bw::bwd_chunk_kernel<kSplit>;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdChunk, off, kernel, l.smem));
+        kernel = P.wg ? bw::bwd_chunk_kernel<kSplit, true> : bw::bwd_chunk_kernel<kSplit, false>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, P.wg ? S::kBwdWg : S::kBwdChunk,
+                                       P.wg ? 3 + (kSplit ? 0 : 1) : off, kernel, l.smem));
         break;
       case bw::BwdKernel::kQk:
         kernel = bw::bwd_qk_kernel;
@@ -97,7 +102,7 @@ Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOpti
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
   bw::BwdParams P;
-  bw::make_params(bp, exec.workspace, d->sms, &P);
+  bw::make_params(bp, exec.workspace, d->sms, detail::tuning().backward_wgmma, &P);
   const cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
   return detail::tuning().backward_split ? launch<true>(P, *d, stream)
                                          : launch<false>(P, *d, stream);

@@ -13,9 +13,12 @@
 
 namespace kda::cuda::bw {
 
-// Workspace: [records][states][dstates][dq^ dk^][partials][scratch], each part 256-byte aligned.
+// Workspace: [records][states][dstates][dq^ dk^][partials][U dU dW][scratch], each part 256-byte
+// aligned. The U dU dW part (96 KB per chunk slot and value head) is used by bwd_sprod_kernel
+// (Tuning::backward_wgmma); it is part of the size either way, so that the size does not depend
+// on the tuning.
 struct WorkspaceLayout {
-  size_t rec = 0, states = 0, dstates = 0, dqk = 0, part = 0, scratch = 0, total = 0;
+  size_t rec = 0, states = 0, dstates = 0, dqk = 0, part = 0, uw = 0, scratch = 0, total = 0;
   int64_t chunk_blocks = 0;
 };
 inline size_t align256(size_t x) { return (x + 255) & ~static_cast<size_t>(255); }
@@ -38,7 +41,8 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int nu
   w.dstates = align256(w.states + t * kStateFloats * 4);
   w.dqk = align256(w.dstates + t * kStateFloats * 4);
   w.part = align256(w.dqk + t * 2 * kTile * 4);
-  w.scratch = align256(w.part + t * kPartFloats * 4);
+  w.uw = align256(w.part + t * kPartFloats * 4);
+  w.scratch = align256(w.uw + t * 3 * kTile * 4);
   w.total = align256(w.scratch + static_cast<size_t>(w.chunk_blocks) * kScratchFloats * 4) + 256;
   return w;
 }
@@ -56,9 +60,10 @@ inline Status check_supported(const detail::PrefillBackwardProblem& bp) {
 inline StridedView grad_view(const TensorView& t) { return strided_view(t); }
 
 // Kernel parameters of a validated, supported problem with its workspace at `workspace` (at
-// least workspace_layout(...).total bytes; the pointers only point into it).
+// least workspace_layout(...).total bytes; the pointers only point into it). wg: the wgmma
+// kernels of passes_wg.cuh (Tuning::backward_wgmma).
 inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspace, int num_sms,
-                        BwdParams* out) {
+                        bool wg, BwdParams* out) {
   const detail::PrefillProblem& pr = bp.fwd;
   BwdParams& P = *out;
   P = BwdParams{};
@@ -93,39 +98,52 @@ inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspac
   P.dstates = reinterpret_cast<float*>(base + w.dstates);
   P.dqk = reinterpret_cast<float*>(base + w.dqk);
   P.part = reinterpret_cast<float*>(base + w.part);
+  P.uw = reinterpret_cast<float*>(base + w.uw);
+  P.wg = wg;
   P.scratch = reinterpret_cast<float*>(base + w.scratch);
   P.chunk_blocks = w.chunk_blocks;
 }
 
 // The launches of a call, in stream order (kernels.cuh). `N == 0` or no chunk slot: only the
-// parameter kernel (zero dA_log / ddt_bias) and, for d_initial_state, the reverse pass. wg: the
-// state passes on wgmma (passes_wg.cuh; Tuning::backward_wgmma), else on mma.sync.
-enum class BwdKernel { kPrepare, kStates, kDStates, kStatesWg, kDStatesWg, kChunk, kQk, kParams };
+// parameter kernel (zero dA_log / ddt_bias) and, for d_initial_state, the reverse pass. P.wg: the
+// state passes and the state products on wgmma (passes_wg.cuh), else all on mma.sync.
+enum class BwdKernel {
+  kPrepare,
+  kStates,
+  kDStates,
+  kStatesWg,
+  kDStatesWg,
+  kSProd,
+  kChunk,
+  kQk,
+  kParams
+};
+inline constexpr int kMaxBwdLaunches = 7;
 struct BwdLaunch {
   BwdKernel kernel;
   int64_t blocks;
   int threads, smem;
 };
-inline int plan_launches(const BwdParams& P, bool wg, BwdLaunch (&out)[6]) {
+inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[kMaxBwdLaunches]) {
   const Params& p = P.f;
+  const bool wg = P.wg;
   int n = 0;
   // No workspace (no sequence or no chunk slot): no chunk to process.
   const int64_t tasks = P.rec != nullptr ? p.num_slots * p.HV : 0;
   const int64_t pass_blocks = p.N * p.HV * (wg ? kWgSlices : kSlices);
-  const BwdLaunch states = wg ? BwdLaunch{BwdKernel::kStatesWg, pass_blocks, kWgThreads,
-                                          kWgStatesSmem}
-                              : BwdLaunch{BwdKernel::kStates, pass_blocks, kPassThreads,
-                                          kPassSmemBytes};
-  const BwdLaunch dstates = wg ? BwdLaunch{BwdKernel::kDStatesWg, pass_blocks, kWgThreads,
-                                           kWgDStatesSmem}
-                               : BwdLaunch{BwdKernel::kDStates, pass_blocks, kPassThreads,
-                                           kPassSmemBytes};
+  const BwdLaunch states =
+      wg ? BwdLaunch{BwdKernel::kStatesWg, pass_blocks, kWgThreads, kWgStatesSmem}
+         : BwdLaunch{BwdKernel::kStates, pass_blocks, kPassThreads, kPassSmemBytes};
+  const BwdLaunch dstates =
+      wg ? BwdLaunch{BwdKernel::kDStatesWg, pass_blocks, kWgThreads, kWgDStatesSmem}
+         : BwdLaunch{BwdKernel::kDStates, pass_blocks, kPassThreads, kPassSmemBytes};
   if (tasks > 0) {
     out[n++] = {BwdKernel::kPrepare, tasks, kPrepThreads, kPrepSmemBytes};
     out[n++] = states;
   }
   if (pass_blocks > 0) out[n++] = dstates;
   if (tasks > 0) {
+    if (wg) out[n++] = {BwdKernel::kSProd, tasks, kSpThreads, kSprodSmem};
     out[n++] = {BwdKernel::kChunk, P.chunk_blocks, kChunkThreads, kChunkSmemBytes};
     if (P.dq.data != nullptr || P.dk.data != nullptr)
       out[n++] = {BwdKernel::kQk, p.num_slots * p.H, kQkThreads, 0};

@@ -93,6 +93,10 @@ struct BwdParams {
   float* dstates = nullptr;  // [slots][HV][kStateFloats]: gradient of the state leaving it
   float* dqk = nullptr;      // [slots][HV][2][64][128]: dq^, dk^ of the chunk's tokens
   float* part = nullptr;     // [slots][HV][kPartFloats]
+  float* uw = nullptr;       // [slots][HV][3][64][128]: U, dU, dW of the chunk (bwd_sprod_kernel)
+  // The wgmma kernels (passes_wg.cuh) run: the state passes, and bwd_sprod_kernel, whose products
+  // bwd_chunk_kernel then reads from uw and dqk instead of computing them.
+  bool wg = false;
   float* scratch = nullptr;  // [chunk_blocks][kScratchFloats]
   int64_t chunk_blocks = 0;
 };
@@ -820,7 +824,8 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
-template <bool kSplit>
+// kWg: bwd_sprod_kernel ran (BwdParams::wg); U, dU, dW, dQg, dKd are read, not computed.
+template <bool kSplit, bool kWg>
 __global__ void __launch_bounds__(kChunkThreads, 1)
     bwd_chunk_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -843,13 +848,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  float* sV = scr;           // v, then Kc
-  float* sdO = sV + kTile;   // dO, then Qr / Kr
-  float* sU = sdO + kTile;   // U
-  float* sdU = sU + kTile;   // dU
-  float* sdW = sdU + kTile;  // dW
-  float* sKb = sdW + kTile;  // b exp(G) k^, then dKb
-  float* sVb = sKb + kTile;  // b v, then dVb
+  float* sV = scr;             // v, then Kc
+  float* sdO = sV + kTile;     // dO, then Qr / Kr
+  float* sU0 = sdO + kTile;    // U
+  float* sdU0 = sU0 + kTile;   // dU
+  float* sdW0 = sdU0 + kTile;  // dW
+  float* sKb = sdW0 + kTile;   // b exp(G) k^, then dKb
+  float* sVb = sKb + kTile;    // b v, then dVb
 
   const int64_t tasks = p.num_slots * p.HV;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -867,6 +872,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     const float* D = P.dstates + task * kStateFloats;
     float* dqh = P.dqk + task * (2 * kTile);  // dq^ (first dQg)
     float* dkh = dqh + kTile;                 // dk^ (first dKd)
+    // U, dU, dW: this task's part of uw when bwd_sprod_kernel computed them, else the scratch.
+    float* sU = kWg ? P.uw + task * (3 * kTile) : sU0;
+    float* sdU = kWg ? sU + kTile : sdU0;
+    float* sdW = kWg ? sdU + kTile : sdW0;
 
     // L2 prefetch of what the task reads from the workspace, about in the order of use: the
     // record's W and Ut, S, the record's Kd .. exp(G_L), dS' (272 KB, the task's own footprint).
@@ -901,17 +910,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
     __syncthreads();
 
-    // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
-    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1, [&](int m, int n, float v) {
-      sU[m * kD + n] = rec[kRecUt + m * kD + n] - v;
-    });
-    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
-                      [&](int m, int n, float v) { sdU[m * kD + n] = v; });
-    gemm_tf32<kSplit>(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
-                      [&](int m, int n, float v) { sdU[m * kD + n] += v; });
-    // dQg = dO S^T.
-    gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
-                      [&](int m, int n, float v) { dqh[m * kD + n] = v; });
+    if constexpr (!kWg) {
+      // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
+      gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1, [&](int m, int n, float v) {
+        sU[m * kD + n] = rec[kRecUt + m * kD + n] - v;
+      });
+      gemm_tf32<kSplit>(kC, kD, kC, rec + kRecAqk, 1, kC, sdO, kD, 1,
+                        [&](int m, int n, float v) { sdU[m * kD + n] = v; });
+      gemm_tf32<kSplit>(kC, kD, kD, rec + kRecKd, kD, 1, D, kD, 1,
+                        [&](int m, int n, float v) { sdU[m * kD + n] += v; });
+      // dQg = dO S^T.
+      gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
+                        [&](int m, int n, float v) { dqh[m * kD + n] = v; });
+    }
     // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
     for (int i = warp; i < kD; i += kChunkThreads / 32) {
       float s = 0.f;
@@ -924,10 +935,12 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
                       [&](int m, int n, float v) { dAqk[sw(m, n, kC)] = n <= m ? v : 0.f; });
-    gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD,
-                      [&](int m, int n, float v) { dkh[m * kD + n] = v; });
-    gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
-                      [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
+    if constexpr (!kWg) {
+      gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD,
+                        [&](int m, int n, float v) { dkh[m * kD + n] = v; });
+      gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
+                        [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
+    }
     __syncthreads();
     // dX = dW Kb^T + dU Vb^T.
     gemm_tf32<kSplit>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,

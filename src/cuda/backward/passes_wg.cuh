@@ -72,7 +72,8 @@ __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
     h[i] = pf::pack_bf16(x[2 * i], x[2 * i + 1]);
-    l[i] = pf::pack_bf16(x[2 * i] - pf::lo_f32<false>(h[i]), x[2 * i + 1] - pf::hi_f32<false>(h[i]));
+    l[i] =
+        pf::pack_bf16(x[2 * i] - pf::lo_f32<false>(h[i]), x[2 * i + 1] - pf::hi_f32<false>(h[i]));
   }
   *hi = make_uint4(h[0], h[1], h[2], h[3]);
   *lo = make_uint4(l[0], l[1], l[2], l[3]);
@@ -87,14 +88,15 @@ __device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs
   constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
   uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
 #pragma unroll 2
-  for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += kWgThreads) {
+  for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += static_cast<int>(blockDim.x)) {
     const int n = kKContiguous ? u / kGroups : u % kRows;
     const int kb = kKContiguous ? u % kGroups : u / kRows;
     float x[8];
     if constexpr (kKContiguous) {
       const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
       const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
-      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
+      x[7] = b.w;
     } else {
 #pragma unroll
       for (int i = 0; i < 8; ++i) x[i] = src[n * rs + (8 * kb + i) * ks];
@@ -131,7 +133,7 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
 // Element (column 16 w + g + 8 (e >> 1), key / token 8 j + 2 c + (e & 1)) of a thread's
 // accumulator tile j, register e (w: warp, g = lane / 4, c = lane % 4).
 __device__ __forceinline__ int acc_row(int e) {
-  const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
   return 16 * w + (lane >> 2) + 8 * (e >> 1);
 }
 __device__ __forceinline__ int acc_col(int j, int e) {
@@ -146,10 +148,10 @@ __device__ __forceinline__ void load_state_t(float (&acc)[16][4], const StateVie
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e)
-      acc[j][e] = s.data != nullptr ? load_any(s.data, s.dtype,
-                                               state_off(s, kfirst, n, hv, acc_col(j, e),
-                                                         j0 + acc_row(e)))
-                                    : 0.f;
+      acc[j][e] = s.data != nullptr
+                      ? load_any(s.data, s.dtype,
+                                 state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)))
+                      : 0.f;
 }
 __device__ __forceinline__ void store_state_t(const float (&acc)[16][4], const StateView& s,
                                               bool kfirst, int64_t n, int hv, int j0) {
@@ -161,12 +163,41 @@ __device__ __forceinline__ void store_state_t(const float (&acc)[16][4], const S
       store_any(s.data, s.dtype, state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)),
                 acc[j][e]);
 }
-// The slice into the workspace's [128 key][128 value] fp32 state of a chunk.
-__device__ __forceinline__ void store_ws_t(const float (&acc)[16][4], float* out, int j0) {
+// A transposed accumulator (rows: columns j0.. of `out`, columns: its rows) into the fp32 matrix
+// `out` of row stride kD: out[acc_col * kD + j0 + acc_row] (the workspace's [128 key][128 value]
+// states of a chunk, and the [64 token][128] products of bwd_sprod_kernel).
+template <int NJ>
+__device__ __forceinline__ void store_ws_t(const float (&acc)[NJ][4], float* out, int j0) {
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < NJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) out[acc_col(j, e) * kD + j0 + acc_row(e)] = acc[j][e];
+}
+
+// A operands (bf16 hi + lo, k16 steps 0 .. NQ - 1) of the warp's 16 rows from a ( m, k ) -> float
+// function: step q, register r holds rows 16 w + g (+ 8 for odd r), k = 16 q + 2 c (+ 8 for r >=
+// 2) and the next k (w: warp in the warpgroup, g = lane / 4, c = lane % 4).
+template <int NQ, typename F>
+__device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
+  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
+  float x[NQ][4][2];
+#pragma unroll
+  for (int q = 0; q < NQ; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int i = 0; i < 2; ++i)
+        x[q][r][i] =
+            f(16 * w + (lane >> 2) + 8 * (r & 1), 16 * q + 8 * (r >> 1) + 2 * (lane & 3) + i);
+#pragma unroll
+  for (int q = 0; q < NQ; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t h = pf::pack_bf16(x[q][r][0], x[q][r][1]);
+      hi[q][r] = h;
+      lo[q][r] =
+          pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h), x[q][r][1] - pf::hi_f32<false>(h));
+    }
 }
 
 // S at every chunk start.
@@ -201,8 +232,7 @@ __global__ void __launch_bounds__(kWgThreads, 2)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + t.j0 + acc_row(e)];
+      for (int e = 0; e < 4; ++e) accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + t.j0 + acc_row(e)];
     __syncthreads();  // the previous step's products have completed: the tiles are free
     stage_tile<kC, kD, true>(sb + kWgStWr, rec + kRecW, kD, 1);
     stage_tile<kD, kC, false>(sb + kWgStKdT, rec + kRecKd, 1, kD);
@@ -276,31 +306,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     // dO^T as A operands (rows: this block's columns; k: the chunk's tokens), hi + lo: a k16 step
     // q holds tokens 16 q + 2 c (+ 1) and 16 q + 8 + 2 c (+ 1) of columns g and g + 8.
     uint32_t oh[4][4], ol[4][4];
-    {
-      float x[4][4][2];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int i = 0; i < 2; ++i) {
-            const int tok = 16 * q + 8 * (r >> 1) + 2 * (lane & 3) + i;
-            const int col = t.j0 + acc_row(2 * (r & 1));
-            x[q][r][i] = has_do && tok < L ? load_any(P.d_out.data, P.d_out.dtype,
-                                                      P.d_out.offset(t.sp.b, tok0 + tok, t.hv) +
-                                                          col)
-                                           : 0.f;
-          }
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const uint32_t h = pf::pack_bf16(x[q][r][0], x[q][r][1]);
-          oh[q][r] = h;
-          ol[q][r] = pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h),
-                                   x[q][r][1] - pf::hi_f32<false>(h));
-        }
-    }
+    load_a(
+        [&](int m, int tok) {
+          return has_do && tok < L ? load_any(P.d_out.data, P.d_out.dtype,
+                                              P.d_out.offset(t.sp.b, tok0 + tok, t.hv) + t.j0 + m)
+                                   : 0.f;
+        },
+        oh, ol);
     __syncthreads();  // the previous step's products have completed: the tiles are free
     stage_tile<kC, kD, true>(sb + kWgDsKdr, rec + kRecKd, kD, 1);
     stage_tile<kC, kC, false>(sb + kWgDsAqkT, rec + kRecAqk, 1, kC);
@@ -344,6 +356,183 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence_acc(accD);
   }
   store_state_t(accD, P.d_initial_state, p.kfirst, t.n, t.hv, t.j0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The chunk gradients' products with a state operand, on wgmma: bwd_sprod_kernel
+// ---------------------------------------------------------------------------------------------
+// Per (chunk slot, value head), before bwd_chunk_kernel (which then skips them, BwdParams::sprod):
+//   U = Ut - W S,  dU = Aqk^T dO + Kd dS'     (into the workspace's uw part),
+//   dQg = dO S^T,  dKd = U dS'^T              (into dqk, as bwd_chunk_kernel's own products),
+//   dW = -dU S^T                              (into uw).
+// Two warpgroups. Each product runs transposed so that the states are A operands read from device
+// memory into registers (hi + lo) and the B operands are bf16 hi + lo tiles: first U^T and dU^T
+// (M: the warpgroup's 64 value columns) against the record's W, Kd, Aqk^T and the dO tile; then,
+// with U and dU written as tiles over W and Kd, dQg^T, dW^T and dKd^T (M: the warpgroup's 64
+// keys). docs/backward.md section 6, "the chunk kernel's products on wgmma".
+inline constexpr int kSpThreads = 256;
+inline constexpr int kSpW = 0;                                     // rows: tokens, K: keys
+inline constexpr int kSpKd = kSpW + 2 * wg_tile_bytes(kC, kD);     // rows: tokens, K: keys
+inline constexpr int kSpAqkT = kSpKd + 2 * wg_tile_bytes(kC, kD);  // rows: s, K: t
+inline constexpr int kSpDO = kSpAqkT + 2 * wg_tile_bytes(kC, kC);  // rows: tokens, K: values
+inline constexpr int kSpU = kSpW, kSpDU = kSpKd;                   // rows: tokens, K: values
+inline constexpr int kSprodSmem = kSpDO + 2 * wg_tile_bytes(kC, kD) + 1024;
+static_assert(kSprodSmem <= 232448 && kSpAqkT % 1024 == 0 && kSpDO % 1024 == 0, "sprod smem");
+
+// A transposed accumulator (rows: values col0 + acc_row, columns: tokens) as the bf16 hi + lo
+// tile (rows: tokens, K: 128 values) at `hi` (lo after it).
+__device__ __forceinline__ void store_tile_t(const float (&acc)[8][4], uint8_t* hi, int col0) {
+  uint8_t* lo = hi + wg_tile_bytes(kC, kD);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = acc[j][e];
+      const uint16_t h = pf::out_bits<false>(x);
+      const uint16_t l = pf::out_bits<false>(x - __uint_as_float(static_cast<uint32_t>(h) << 16));
+      const int off = pf::sw128_offset(kC, acc_col(j, e), 2 * (col0 + acc_row(e)));
+      *reinterpret_cast<uint16_t*>(hi + off) = h;
+      *reinterpret_cast<uint16_t*>(lo + off) = l;
+    }
+}
+
+__global__ void __launch_bounds__(kSpThreads, 1)
+    bwd_sprod_kernel(const __grid_constant__ BwdParams P) {
+  pdl_prologue();
+  extern __shared__ __align__(128) uint8_t smem_raw[];
+  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
+                                           ~static_cast<uintptr_t>(1023));
+  const Params& p = P.f;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+  const ChunkTask c = chunk_task(p, slot);
+  if (!c.valid) return;
+  const int64_t task = slot * p.HV + hv;
+  const float* rec = P.rec + task * kRecFloats;
+  const float* S = P.states + task * kStateFloats;
+  const float* D = P.dstates + task * kStateFloats;
+  float* uU = P.uw + task * (3 * kTile);
+  float* udU = uU + kTile;
+  float* udW = udU + kTile;
+  float* dqh = P.dqk + task * (2 * kTile);
+  float* dkh = dqh + kTile;
+  const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
+  const bool has_do = P.d_out.data != nullptr;
+  const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
+
+  // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
+  stage_tile<kC, kD, true>(sb + kSpW, rec + kRecW, kD, 1);
+  stage_tile<kC, kD, true>(sb + kSpKd, rec + kRecKd, kD, 1);
+  stage_tile<kC, kC, false>(sb + kSpAqkT, rec + kRecAqk, 1, kC);
+  for (int u = tid; u < kC * kD / 8; u += kSpThreads) {
+    const int tok = u / (kD / 8), kb = u % (kD / 8);
+    float x[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i)
+      x[i] = has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                            P.d_out.offset(c.b, c.t0 + tok, hv) + 8 * kb + i)
+                                 : 0.f;
+    uint4 h, l;
+    split8(x, &h, &l);
+    const int off = pf::sw128_offset(kC, tok, 16 * kb);
+    *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
+    *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
+  }
+  fence_proxy_async();
+  __syncthreads();
+
+  // U^T = Ut^T - S^T W^T (rows: values j0..; K: 128 keys).
+  float accU[8][4], accV[8][4];
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + j0 + acc_row(e)];
+      accV[j][e] = 0.f;
+    }
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return S[k * kD + j0 + m]; }, ah, al);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, -1>(accU, ah, al, dlo, kSpW, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();  // its A registers are free only then
+  }
+  // dU^T = dO^T Aqk + dS'^T Kd^T (K: 64 tokens, then 128 keys).
+  {
+    uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
+    load_a(
+        [&](int m, int tok) {
+          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                                P.d_out.offset(c.b, c.t0 + tok, hv) + j0 + m)
+                                     : 0.f;
+        },
+        oh, ol);
+    load_a([&](int m, int k) { return D[k * kD + j0 + m]; }, ah, al);
+    wgmma_fence_acc(accV);
+    wgmma_fence_acc(oh);
+    wgmma_fence_acc(ol);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
+    wg_product<8, 1>(accV, ah, al, dlo, kSpKd, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_ws_t(accU, uU, j0);
+  store_ws_t(accV, udU, j0);
+  __syncthreads();  // both warpgroups' products are complete: W and Kd are free
+  store_tile_t(accU, sb + kSpU, j0);
+  store_tile_t(accV, sb + kSpDU, j0);
+  fence_proxy_async();
+  __syncthreads();
+
+  // dQg^T = S dO^T, dW^T = -S dU^T, dKd^T = dS' U^T (rows: keys j0..; K: 128 values).
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return S[(j0 + m) * kD + k]; }, ah, al);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(accV);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accU, ah, al, dlo, kSpDO, kC, kD);
+    wg_product<8, -1>(accV, ah, al, dlo, kSpDU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_ws_t(accU, dqh, j0);
+  store_ws_t(accV, udW, j0);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return D[(j0 + m) * kD + k]; }, ah, al);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accU, ah, al, dlo, kSpU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  store_ws_t(accU, dkh, j0);
 }
 
 }  // namespace kda::cuda::bw
