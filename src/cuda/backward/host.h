@@ -13,10 +13,10 @@
 
 namespace kda::cuda::bw {
 
-// Workspace: [records][states][dstates][dq^ dk^][partials][U dU dW][scratch], each part 256-byte
-// aligned. The U dU dW part (96 KB per chunk slot and value head) is used by bwd_sprod_kernel
-// (Tuning::backward_wgmma); it is part of the size either way, so that the size does not depend
-// on the tuning.
+// Workspace: [records][states][dstates][dq^ dk^][partials][uw][scratch], each part 256-byte
+// aligned. The uw part (kUwFloats, ~145 KB per chunk slot and value head) holds bwd_sprod_kernel's
+// results (Tuning::backward_wgmma); it is part of the size either way, so that the size does not
+// depend on the tuning.
 struct WorkspaceLayout {
   size_t rec = 0, states = 0, dstates = 0, dqk = 0, part = 0, uw = 0, scratch = 0, total = 0;
   int64_t chunk_blocks = 0;
@@ -42,7 +42,7 @@ inline WorkspaceLayout workspace_layout(const detail::PrefillProblem& pr, int nu
   w.dqk = align256(w.dstates + t * kStateFloats * 4);
   w.part = align256(w.dqk + t * 2 * kTile * 4);
   w.uw = align256(w.part + t * kPartFloats * 4);
-  w.scratch = align256(w.uw + t * 3 * kTile * 4);
+  w.scratch = align256(w.uw + t * kUwFloats * 4);
   w.total = align256(w.scratch + static_cast<size_t>(w.chunk_blocks) * kScratchFloats * 4) + 256;
   return w;
 }

@@ -57,6 +57,14 @@ inline constexpr int kStateFloats = kD * kD;       // S or dS': [128 key][128 va
 inline constexpr int kPartFloats = kD + 4;         // ddt_bias partial [128], dA_log partial
 inline constexpr int kScratchTiles = 7;            // bwd_chunk_kernel's per-block tiles
 inline constexpr int kScratchFloats = kScratchTiles * kTile;
+// The workspace's part of bwd_sprod_kernel's results per (chunk slot, value head), fp32:
+inline constexpr int kUwDU = 0;                 // [64][128] dU
+inline constexpr int kUwDW = kUwDU + kTile;     // [64][128] dW
+inline constexpr int kUwDKb = kUwDW + kTile;    // [64][128] dKb = X^T dW
+inline constexpr int kUwDVb = kUwDKb + kTile;   // [64][128] dVb = X^T dU
+inline constexpr int kUwDAqk = kUwDVb + kTile;  // [64][64]  dAqk = dO U^T (all of it)
+inline constexpr int kUwDgl = kUwDAqk + kC * kC;  // [128] exp(G_L) * rowsum(S * dS')
+inline constexpr int kUwFloats = kUwDgl + kD;
 
 inline constexpr int kPrepThreads = 512, kChunkThreads = 512, kPassThreads = 128, kQkThreads = 256;
 inline constexpr int kParamThreads = 128;
@@ -93,7 +101,7 @@ struct BwdParams {
   float* dstates = nullptr;  // [slots][HV][kStateFloats]: gradient of the state leaving it
   float* dqk = nullptr;      // [slots][HV][2][64][128]: dq^, dk^ of the chunk's tokens
   float* part = nullptr;     // [slots][HV][kPartFloats]
-  float* uw = nullptr;       // [slots][HV][3][64][128]: U, dU, dW of the chunk (bwd_sprod_kernel)
+  float* uw = nullptr;       // [slots][HV][kUwFloats]: bwd_sprod_kernel's results
   // The wgmma kernels (passes_wg.cuh) run: the state passes, and bwd_sprod_kernel, whose products
   // bwd_chunk_kernel then reads from uw and dqk instead of computing them.
   bool wg = false;
@@ -824,7 +832,8 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
-// kWg: bwd_sprod_kernel ran (BwdParams::wg); U, dU, dW, dQg, dKd are read, not computed.
+// kWg: bwd_sprod_kernel ran (BwdParams::wg); dU, dW, dQg, dKd, dAqk, dKb, dVb and exp(G_L) *
+// rowsum(S * dS') are read, not computed.
 template <bool kSplit, bool kWg>
 __global__ void __launch_bounds__(kChunkThreads, 1)
     bwd_chunk_kernel(const __grid_constant__ BwdParams P) {
@@ -872,10 +881,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     const float* D = P.dstates + task * kStateFloats;
     float* dqh = P.dqk + task * (2 * kTile);  // dq^ (first dQg)
     float* dkh = dqh + kTile;                 // dk^ (first dKd)
-    // U, dU, dW: this task's part of uw when bwd_sprod_kernel computed them, else the scratch.
-    float* sU = kWg ? P.uw + task * (3 * kTile) : sU0;
-    float* sdU = kWg ? sU + kTile : sdU0;
-    float* sdW = kWg ? sdU + kTile : sdW0;
+    // dU, dW: this task's part of uw when bwd_sprod_kernel computed them, else the scratch;
+    // dKb, dVb: uw, else computed over the Kb / Vb tiles.
+    const float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
+    float* sU = sU0;
+    float* sdU = kWg ? const_cast<float*>(uw) + kUwDU : sdU0;
+    float* sdW = kWg ? const_cast<float*>(uw) + kUwDW : sdW0;
+    const float* dKbp = kWg ? uw + kUwDKb : sKb;
+    const float* dVbp = kWg ? uw + kUwDVb : sVb;
 
     // L2 prefetch of what the task reads from the workspace, about in the order of use: the
     // record's W and Ut, S, the record's Kd .. exp(G_L), dS' (272 KB, the task's own footprint).
@@ -923,19 +936,27 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
                         [&](int m, int n, float v) { dqh[m * kD + n] = v; });
     }
-    // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
-    for (int i = warp; i < kD; i += kChunkThreads / 32) {
-      float s = 0.f;
+    if constexpr (kWg) {
+      for (int i = tid; i < kD; i += kChunkThreads) dgl[i] = uw[kUwDgl + i];
+      for (int e = tid; e < kC * kC; e += kChunkThreads) {
+        const int m = e / kC, n = e % kC;
+        dAqk[sw(m, n, kC)] = n <= m ? uw[kUwDAqk + e] : 0.f;
+      }
+    } else {
+      // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
+      for (int i = warp; i < kD; i += kChunkThreads / 32) {
+        float s = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s += S[i * kD + lane + 32 * e] * D[i * kD + lane + 32 * e];
-      s = warp_sum(s);
-      if (lane == 0) dgl[i] = s * rec[kRecGL + i];
+        for (int e = 0; e < 4; ++e) s += S[i * kD + lane + 32 * e] * D[i * kD + lane + 32 * e];
+        s = warp_sum(s);
+        if (lane == 0) dgl[i] = s * rec[kRecGL + i];
+      }
     }
     __syncthreads();
-    // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
-    gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
-                      [&](int m, int n, float v) { dAqk[sw(m, n, kC)] = n <= m ? v : 0.f; });
     if constexpr (!kWg) {
+      // dAqk = dO U^T (s <= t);  dKd = U dS'^T;  dW = -dU S^T.
+      gemm_tf32<kSplit>(kC, kC, kD, sdO, kD, 1, sU, 1, kD,
+                        [&](int m, int n, float v) { dAqk[sw(m, n, kC)] = n <= m ? v : 0.f; });
       gemm_tf32<kSplit>(kC, kD, kD, sU, kD, 1, D, 1, kD,
                         [&](int m, int n, float v) { dkh[m * kD + n] = v; });
       gemm_tf32<kSplit>(kC, kD, kD, sdU, kD, 1, S, 1, kD,
@@ -949,10 +970,12 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
                       [&](int m, int n, float v) { dX[sw(m, n, kC)] += v; });
     __syncthreads();
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
-    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
-                      [&](int m, int n, float v) { sKb[m * kD + n] = v; });
-    gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
-                      [&](int m, int n, float v) { sVb[m * kD + n] = v; });
+    if constexpr (!kWg) {
+      gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
+                        [&](int m, int n, float v) { sKb[m * kD + n] = v; });
+      gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
+                        [&](int m, int n, float v) { sVb[m * kD + n] = v; });
+    }
     gemm_tf32<kSplit, true, false>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
                                    [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
     __syncthreads();
@@ -972,8 +995,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
-        s += sVb[t * kD + i] * sV[t * kD + i] +
-             sKb[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
+        s += dVbp[t * kD + i] * sV[t * kD + i] +
+             dKbp[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
       }
       s = warp_sum(s);
       if (lane == 0) db[t] = s;
@@ -987,7 +1010,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = lane + 32 * e;
-          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j, b * sVb[t * kD + j]);
+          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j, b * dVbp[t * kD + j]);
         }
     }
     // The record and states are no longer read: L2 prefetch of what the block's next task reads
@@ -1014,7 +1037,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       for (int t = part_t * kRows; t < part_t * kRows + kRows; ++t) {
         const int e = t * kD + i;
         const float eg = expf(G[e]), el = expf(gLi - G[e]);
-        const float dKt = bv[t] * sKb[e];
+        const float dKt = bv[t] * dKbp[e];
         const float dQg = dqh[e], dKd = dkh[e];
         const float kdk = el * kh[e] * dKd;
         dG[e] = eg * qh[e] * dQg + eg * kh[e] * dKt - kdk;

@@ -361,28 +361,36 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 // ---------------------------------------------------------------------------------------------
 // The chunk gradients' products with a state operand, on wgmma: bwd_sprod_kernel
 // ---------------------------------------------------------------------------------------------
-// Per (chunk slot, value head), before bwd_chunk_kernel (which then skips them, BwdParams::sprod):
-//   U = Ut - W S,  dU = Aqk^T dO + Kd dS'     (into the workspace's uw part),
+// Per (chunk slot, value head), before bwd_chunk_kernel (which then skips them, BwdParams::wg):
+//   U = Ut - W S,  dU = Aqk^T dO + Kd dS'     (dU into the workspace's uw part),
 //   dQg = dO S^T,  dKd = U dS'^T              (into dqk, as bwd_chunk_kernel's own products),
-//   dW = -dU S^T                              (into uw).
-// Two warpgroups. Each product runs transposed so that the states are A operands read from device
-// memory into registers (hi + lo) and the B operands are bf16 hi + lo tiles: first U^T and dU^T
-// (M: the warpgroup's 64 value columns) against the record's W, Kd, Aqk^T and the dO tile; then,
-// with U and dU written as tiles over W and Kd, dQg^T, dW^T and dKd^T (M: the warpgroup's 64
-// keys). docs/backward.md section 6, "the chunk kernel's products on wgmma".
+//   dW = -dU S^T,  dAqk = dO U^T,  dKb = X^T dW,  dVb = X^T dU,  exp(G_L) rowsum(S * dS')  (uw).
+// Two warpgroups. The products with a state operand run transposed so that the states are A
+// operands read from device memory into registers (hi + lo) and the B operands are bf16 hi + lo
+// tiles: first U^T and dU^T (M: the warpgroup's 64 value columns) against the record's W, Kd,
+// Aqk^T and the dO tile; then, with U and dU written as tiles over W and Kd (and dU^T beside them),
+// dQg^T, dW^T and dKd^T (M: the warpgroup's 64 keys); then, with dW^T written as a tile, dKb and
+// dVb (the warpgroup's 64 keys / values) and, on warpgroup 0, dAqk. docs/backward.md section 6,
+// "the chunk kernel's products on wgmma".
 inline constexpr int kSpThreads = 256;
 inline constexpr int kSpW = 0;                                     // rows: tokens, K: keys
 inline constexpr int kSpKd = kSpW + 2 * wg_tile_bytes(kC, kD);     // rows: tokens, K: keys
 inline constexpr int kSpAqkT = kSpKd + 2 * wg_tile_bytes(kC, kD);  // rows: s, K: t
 inline constexpr int kSpDO = kSpAqkT + 2 * wg_tile_bytes(kC, kC);  // rows: tokens, K: values
 inline constexpr int kSpU = kSpW, kSpDU = kSpKd;                   // rows: tokens, K: values
-inline constexpr int kSprodSmem = kSpDO + 2 * wg_tile_bytes(kC, kD) + 1024;
-static_assert(kSprodSmem <= 232448 && kSpAqkT % 1024 == 0 && kSpDO % 1024 == 0, "sprod smem");
+inline constexpr int kSpDUT = kSpDO + 2 * wg_tile_bytes(kC, kD);  // rows: values, K: tokens
+inline constexpr int kSpDWT = kSpDUT + 2 * wg_tile_bytes(kD, kC);  // rows: keys, K: tokens
+inline constexpr int kSprodSmem = kSpDWT + 2 * wg_tile_bytes(kD, kC) + 1024;
+static_assert(kSprodSmem <= 232448 && kSpAqkT % 1024 == 0 && kSpDO % 1024 == 0 &&
+                  kSpDUT % 1024 == 0 && kSpDWT % 1024 == 0,
+              "sprod smem");
 
-// A transposed accumulator (rows: values col0 + acc_row, columns: tokens) as the bf16 hi + lo
-// tile (rows: tokens, K: 128 values) at `hi` (lo after it).
-__device__ __forceinline__ void store_tile_t(const float (&acc)[8][4], uint8_t* hi, int col0) {
-  uint8_t* lo = hi + wg_tile_bytes(kC, kD);
+// An accumulator of this warpgroup (rows m = row0 + acc_row, columns n = acc_col) as the bf16 hi +
+// lo tile at `hi` (lo after it) of kRows rows and K columns: kTransposed, element (n, m) (rows: the
+// accumulator's columns), else (m, n).
+template <int kRows, int kK, bool kTransposed>
+__device__ __forceinline__ void store_tile(const float (&acc)[8][4], uint8_t* hi, int row0) {
+  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -390,10 +398,20 @@ __device__ __forceinline__ void store_tile_t(const float (&acc)[8][4], uint8_t* 
       const float x = acc[j][e];
       const uint16_t h = pf::out_bits<false>(x);
       const uint16_t l = pf::out_bits<false>(x - __uint_as_float(static_cast<uint32_t>(h) << 16));
-      const int off = pf::sw128_offset(kC, acc_col(j, e), 2 * (col0 + acc_row(e)));
+      const int m = row0 + acc_row(e), n = acc_col(j, e);
+      const int off =
+          kTransposed ? pf::sw128_offset(kRows, n, 2 * m) : pf::sw128_offset(kRows, m, 2 * n);
       *reinterpret_cast<uint16_t*>(hi + off) = h;
       *reinterpret_cast<uint16_t*>(lo + off) = l;
     }
+}
+// An accumulator (rows m = acc_row, columns n = acc_col) into out[m * ld + col0 + n].
+__device__ __forceinline__ void store_rows(const float (&acc)[8][4], float* out, int ld,
+                                           int col0) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) out[acc_row(e) * ld + col0 + acc_col(j, e)] = acc[j][e];
 }
 
 __global__ void __launch_bounds__(kSpThreads, 1)
@@ -412,9 +430,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   const float* rec = P.rec + task * kRecFloats;
   const float* S = P.states + task * kStateFloats;
   const float* D = P.dstates + task * kStateFloats;
-  float* uU = P.uw + task * (3 * kTile);
-  float* udU = uU + kTile;
-  float* udW = udU + kTile;
+  float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
   float* dqh = P.dqk + task * (2 * kTile);
   float* dkh = dqh + kTile;
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
@@ -486,11 +502,11 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   }
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accV);
-  store_ws_t(accU, uU, j0);
-  store_ws_t(accV, udU, j0);
+  store_ws_t(accV, uw + kUwDU, j0);
+  store_tile<kD, kC, false>(accV, sb + kSpDUT, j0);  // dU^T: rows values, K tokens
   __syncthreads();  // both warpgroups' products are complete: W and Kd are free
-  store_tile_t(accU, sb + kSpU, j0);
-  store_tile_t(accV, sb + kSpDU, j0);
+  store_tile<kC, kD, true>(accU, sb + kSpU, j0);  // U: rows tokens, K values
+  store_tile<kC, kD, true>(accV, sb + kSpDU, j0);
   fence_proxy_async();
   __syncthreads();
 
@@ -515,7 +531,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accV);
   store_ws_t(accU, dqh, j0);
-  store_ws_t(accV, udW, j0);
+  store_ws_t(accV, uw + kUwDW, j0);
+  store_tile<kD, kC, false>(accV, sb + kSpDWT, j0);  // dW^T: rows keys, K tokens
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -533,6 +550,64 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   }
   wgmma_fence_acc(accU);
   store_ws_t(accU, dkh, j0);
+  fence_proxy_async();
+  __syncthreads();  // the dW^T tile
+
+  // dKb = X^T dW, dVb = X^T dU (rows: tokens; the warpgroup's 64 keys / values; K: 64 tokens).
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
+  {
+    uint32_t xh[4][4], xl[4][4];
+    load_a([&](int m, int k) { return rec[kRecX + k * kC + m]; }, xh, xl);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(accV);
+    wgmma_fence_acc(xh);
+    wgmma_fence_acc(xl);
+    wgmma_fence();
+    wg_product<8, 1>(accU, xh, xl, dlo, kSpDWT + j0 * 128, kD, kC);
+    wg_product<8, 1>(accV, xh, xl, dlo, kSpDUT + j0 * 128, kD, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_rows(accU, uw + kUwDKb, kD, j0);
+  store_rows(accV, uw + kUwDVb, kD, j0);
+  if (wg == 0) {  // dAqk = dO U^T (rows t, columns s; all of it: the chunk kernel masks s > t)
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+    uint32_t oh[8][4], ol[8][4];
+    load_a(
+        [&](int tok, int k) {
+          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                                P.d_out.offset(c.b, c.t0 + tok, hv) + k)
+                                     : 0.f;
+        },
+        oh, ol);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(oh);
+    wgmma_fence_acc(ol);
+    wgmma_fence();
+    wg_product<8, 1>(accU, oh, ol, dlo, kSpU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(accU);
+    store_rows(accU, uw + kUwDAqk, kC, 0);
+  } else {  // exp(G_L) * rowsum(S * dS'): a thread per key
+    const int i = tid - 128;
+    float s = 0.f;
+#pragma unroll 4
+    for (int j = 0; j < kD; j += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(S + i * kD + j);
+      const float4 b = *reinterpret_cast<const float4*>(D + i * kD + j);
+      s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+    }
+    uw[kUwDgl + i] = s * rec[kRecGL + i];
+  }
 }
 
 }  // namespace kda::cuda::bw
