@@ -58,11 +58,11 @@ inline constexpr int kPartFloats = kD + 4;         // ddt_bias partial [128], dA
 inline constexpr int kScratchTiles = 7;            // bwd_chunk_kernel's per-block tiles
 inline constexpr int kScratchFloats = kScratchTiles * kTile;
 // The workspace's part of bwd_sprod_kernel's results per (chunk slot, value head), fp32:
-inline constexpr int kUwDU = 0;                 // [64][128] dU
-inline constexpr int kUwDW = kUwDU + kTile;     // [64][128] dW
-inline constexpr int kUwDKb = kUwDW + kTile;    // [64][128] dKb = X^T dW
-inline constexpr int kUwDVb = kUwDKb + kTile;   // [64][128] dVb = X^T dU
-inline constexpr int kUwDAqk = kUwDVb + kTile;  // [64][64]  dAqk = dO U^T (all of it)
+inline constexpr int kUwDU = 0;                   // [64][128] dU
+inline constexpr int kUwDW = kUwDU + kTile;       // [64][128] dW
+inline constexpr int kUwDKb = kUwDW + kTile;      // [64][128] dKb = X^T dW
+inline constexpr int kUwDVb = kUwDKb + kTile;     // [64][128] dVb = X^T dU
+inline constexpr int kUwDAqk = kUwDVb + kTile;    // [64][64]  dAqk = dO U^T (all of it)
 inline constexpr int kUwDgl = kUwDAqk + kC * kC;  // [128] exp(G_L) * rowsum(S * dS')
 inline constexpr int kUwFloats = kUwDgl + kD;
 
@@ -637,12 +637,15 @@ struct PassTask {
   SeqSpan sp;
   int64_t chunks;
 };
+// The block's (sequence, value head, kCols value columns).
+template <int kCols = kSlice>
 __device__ __forceinline__ PassTask pass_task(const Params& p) {
+  constexpr int kCount = kD / kCols;
   PassTask t;
   const int64_t x = blockIdx.x;
-  t.j0 = static_cast<int>(x % kSlices) * kSlice;
-  t.hv = static_cast<int>((x / kSlices) % p.HV);
-  t.n = x / kSlices / p.HV;
+  t.j0 = static_cast<int>(x % kCount) * kCols;
+  t.hv = static_cast<int>((x / kCount) % p.HV);
+  t.n = x / kCount / p.HV;
   t.sp = pf::seq_span(p, t.n);
   t.chunks = (t.sp.len + kC - 1) / kC;
   return t;
@@ -1010,7 +1013,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int j = lane + 32 * e;
-          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j, b * dVbp[t * kD + j]);
+          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j,
+                    b * dVbp[t * kD + j]);
         }
     }
     // The record and states are no longer read: L2 prefetch of what the block's next task reads

@@ -49,23 +49,6 @@ static_assert(kWgStKdT % 1024 == 0 && kWgDsAqkT % 1024 == 0 && kWgDsQgT % 1024 =
                   kWgDsWT % 1024 == 0,
               "tiles at the swizzle period");
 
-struct WgTask {
-  int64_t n;
-  int hv, j0;
-  SeqSpan sp;
-  int64_t chunks;
-};
-__device__ __forceinline__ WgTask wg_task(const Params& p) {
-  WgTask t;
-  const int64_t x = blockIdx.x;
-  t.j0 = static_cast<int>(x % kWgSlices) * kWgCols;
-  t.hv = static_cast<int>((x / kWgSlices) % p.HV);
-  t.n = x / kWgSlices / p.HV;
-  t.sp = pf::seq_span(p, t.n);
-  t.chunks = (t.sp.len + kC - 1) / kC;
-  return t;
-}
-
 // x as two bf16 terms hi + lo, eight of them packed as two 16-byte rows.
 __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo) {
   uint32_t h[4], l[4];
@@ -128,6 +111,29 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
     wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
   }
+}
+
+// Between a pass step's two commit groups: waits for the first (U^T or dU^T in acc), builds its
+// hi + lo A operands and decays the state by exp(G_L), fenced for the second group.
+__device__ __forceinline__ void wg_between(float (&acc)[8][4], float (&state)[16][4],
+                                           const float* gl, uint32_t (&h)[4][4],
+                                           uint32_t (&l)[4][4]) {
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(acc);
+  pf::bf16_hi_lo_operands(acc, h, l);
+  pf::decay_state(state, gl, static_cast<int>(threadIdx.x & 31));
+  wgmma_fence_acc(state);
+  wgmma_fence_acc(h);
+  wgmma_fence_acc(l);
+  wgmma_fence();
+}
+
+// The dynamic shared memory's first 1024-byte aligned byte (the tiles' swizzle period; the
+// kernels' sizes include 1 KB of slack).
+__device__ __forceinline__ uint8_t* align1024(uint8_t* p) {
+  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + 1023) &
+                                    ~static_cast<uintptr_t>(1023));
 }
 
 // Element (column 16 w + g + 8 (e >> 1), key / token 8 j + 2 c + (e & 1)) of a thread's
@@ -205,11 +211,10 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     bwd_states_wg_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                           ~static_cast<uintptr_t>(1023));
+  uint8_t* sb = align1024(smem_raw);
   const Params& p = P.f;
-  const WgTask t = wg_task(p);
-  const int tid = threadIdx.x, lane = tid & 31;
+  const PassTask t = pass_task<kWgCols>(p);
+  const int tid = threadIdx.x;
   float* gl = reinterpret_cast<float*>(sb + kWgStGL);
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   auto prefetch_chunk = [&](int64_t ch) {
@@ -248,17 +253,9 @@ __global__ void __launch_bounds__(kWgThreads, 2)
     wgmma_fence_acc(sl);
     wgmma_fence();
     wg_product<8, -1>(accU, sh, sl, dlo, kWgStWr, kC, kD);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_acc(accU);
     // S^T <- S^T diag(exp(G_L)) + U^T Kd  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
-    pf::bf16_hi_lo_operands(accU, uh, ul);
-    pf::decay_state(accS, gl, lane);
-    wgmma_fence_acc(accS);
-    wgmma_fence_acc(uh);
-    wgmma_fence_acc(ul);
-    wgmma_fence();
+    wg_between(accU, accS, gl, uh, ul);
     wg_product<16, 1>(accS, uh, ul, dlo, kWgStKdT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();
@@ -271,11 +268,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     bwd_dstates_wg_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                           ~static_cast<uintptr_t>(1023));
+  uint8_t* sb = align1024(smem_raw);
   const Params& p = P.f;
-  const WgTask t = wg_task(p);
-  const int tid = threadIdx.x, lane = tid & 31;
+  const PassTask t = pass_task<kWgCols>(p);
+  const int tid = threadIdx.x;
   float* gl = reinterpret_cast<float*>(sb + kWgDsGL);
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
@@ -338,17 +334,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence();
     wg_product<8, 1>(accU, oh, ol, dlo, kWgDsAqkT, kC, kC);
     wg_product<8, 1>(accU, dh, dl, dlo, kWgDsKdr, kC, kD);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_acc(accU);
     // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
-    pf::bf16_hi_lo_operands(accU, uh, ul);
-    pf::decay_state(accD, gl, lane);
-    wgmma_fence_acc(accD);
-    wgmma_fence_acc(uh);
-    wgmma_fence_acc(ul);
-    wgmma_fence();
+    wg_between(accU, accD, gl, uh, ul);
     wg_product<16, 1>(accD, oh, ol, dlo, kWgDsQgT, kD, kC);
     wg_product<16, -1>(accD, uh, ul, dlo, kWgDsWT, kD, kC);
     wgmma_commit();
@@ -378,7 +366,7 @@ inline constexpr int kSpKd = kSpW + 2 * wg_tile_bytes(kC, kD);     // rows: toke
 inline constexpr int kSpAqkT = kSpKd + 2 * wg_tile_bytes(kC, kD);  // rows: s, K: t
 inline constexpr int kSpDO = kSpAqkT + 2 * wg_tile_bytes(kC, kC);  // rows: tokens, K: values
 inline constexpr int kSpU = kSpW, kSpDU = kSpKd;                   // rows: tokens, K: values
-inline constexpr int kSpDUT = kSpDO + 2 * wg_tile_bytes(kC, kD);  // rows: values, K: tokens
+inline constexpr int kSpDUT = kSpDO + 2 * wg_tile_bytes(kC, kD);   // rows: values, K: tokens
 inline constexpr int kSpDWT = kSpDUT + 2 * wg_tile_bytes(kD, kC);  // rows: keys, K: tokens
 inline constexpr int kSprodSmem = kSpDWT + 2 * wg_tile_bytes(kD, kC) + 1024;
 static_assert(kSprodSmem <= 232448 && kSpAqkT % 1024 == 0 && kSpDO % 1024 == 0 &&
@@ -406,8 +394,7 @@ __device__ __forceinline__ void store_tile(const float (&acc)[8][4], uint8_t* hi
     }
 }
 // An accumulator (rows m = acc_row, columns n = acc_col) into out[m * ld + col0 + n].
-__device__ __forceinline__ void store_rows(const float (&acc)[8][4], float* out, int ld,
-                                           int col0) {
+__device__ __forceinline__ void store_rows(const float (&acc)[8][4], float* out, int ld, int col0) {
 #pragma unroll
   for (int j = 0; j < 8; ++j)
 #pragma unroll
@@ -418,8 +405,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     bwd_sprod_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
-  uint8_t* sb = reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(smem_raw) + 1023) &
-                                           ~static_cast<uintptr_t>(1023));
+  uint8_t* sb = align1024(smem_raw);
   const Params& p = P.f;
   const int tid = threadIdx.x, wg = tid >> 7;
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
