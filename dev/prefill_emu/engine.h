@@ -184,7 +184,7 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
 template <bool kSplit>
 static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
   bw::BwdParams P;
-  bw::make_params(bp, wsp, 132, detail::tuning().backward_wgmma, &P);
+  bw::make_params(bp, wsp, 132, detail::tuning(), &P);
   bw::BwdLaunch plan[bw::kMaxBwdLaunches];
   const int count = bw::plan_launches(P, plan);
   for (int i = 0; i < count; ++i) {

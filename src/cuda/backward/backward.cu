@@ -102,7 +102,7 @@ Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOpti
                 (exec.workspace == nullptr ? std::string("nullptr")
                                            : std::to_string(exec.workspace_bytes) + " bytes")};
   bw::BwdParams P;
-  bw::make_params(bp, exec.workspace, d->sms, detail::tuning().backward_wgmma, &P);
+  bw::make_params(bp, exec.workspace, d->sms, detail::tuning(), &P);
   const cudaStream_t stream = static_cast<cudaStream_t>(exec.stream);
   return detail::tuning().backward_split ? launch<true>(P, *d, stream)
                                          : launch<false>(P, *d, stream);

@@ -7,6 +7,7 @@
 #include <string>
 
 #include "core/problem.h"
+#include "core/tuning.h"
 #include "cuda/backward/kernels.cuh"
 #include "cuda/backward/passes_wg.cuh"
 #include "cuda/prefill/host.h"
@@ -60,10 +61,11 @@ inline Status check_supported(const detail::PrefillBackwardProblem& bp) {
 inline StridedView grad_view(const TensorView& t) { return strided_view(t); }
 
 // Kernel parameters of a validated, supported problem with its workspace at `workspace` (at
-// least workspace_layout(...).total bytes; the pointers only point into it). wg: the wgmma
-// kernels of passes_wg.cuh (Tuning::backward_wgmma).
+// least workspace_layout(...).total bytes; the pointers only point into it). The wgmma kernels
+// of passes_wg.cuh as the tuning says: the state products (Tuning::backward_wgmma), the state
+// passes (Tuning::backward_wg_passes).
 inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspace, int num_sms,
-                        bool wg, BwdParams* out) {
+                        const detail::Tuning& tuning, BwdParams* out) {
   const detail::PrefillProblem& pr = bp.fwd;
   BwdParams& P = *out;
   P = BwdParams{};
@@ -99,14 +101,15 @@ inline void make_params(const detail::PrefillBackwardProblem& bp, void* workspac
   P.dqk = reinterpret_cast<float*>(base + w.dqk);
   P.part = reinterpret_cast<float*>(base + w.part);
   P.uw = reinterpret_cast<float*>(base + w.uw);
-  P.wg = wg;
+  P.wg = tuning.backward_wgmma;
+  P.wg_passes = tuning.backward_wg_passes;
   P.scratch = reinterpret_cast<float*>(base + w.scratch);
   P.chunk_blocks = w.chunk_blocks;
 }
 
 // The launches of a call, in stream order (kernels.cuh). `N == 0` or no chunk slot: only the
 // parameter kernel (zero dA_log / ddt_bias) and, for d_initial_state, the reverse pass. P.wg: the
-// state passes and the state products on wgmma (passes_wg.cuh), else all on mma.sync.
+// state products on wgmma, P.wg_passes: the state passes on wgmma (passes_wg.cuh).
 enum class BwdKernel {
   kPrepare,
   kStates,
@@ -126,7 +129,7 @@ struct BwdLaunch {
 };
 inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[kMaxBwdLaunches]) {
   const Params& p = P.f;
-  const bool wg = P.wg;
+  const bool wg = P.wg_passes;
   int n = 0;
   // No workspace (no sequence or no chunk slot): no chunk to process.
   const int64_t tasks = P.rec != nullptr ? p.num_slots * p.HV : 0;
@@ -143,7 +146,7 @@ inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[kMaxBwdLaunches]) 
   }
   if (pass_blocks > 0) out[n++] = dstates;
   if (tasks > 0) {
-    if (wg) out[n++] = {BwdKernel::kSProd, tasks, kSpThreads, kSprodSmem};
+    if (P.wg) out[n++] = {BwdKernel::kSProd, tasks, kSpThreads, kSprodSmem};
     out[n++] = {BwdKernel::kChunk, P.chunk_blocks, kChunkThreads, kChunkSmemBytes};
     if (P.dq.data != nullptr || P.dk.data != nullptr)
       out[n++] = {BwdKernel::kQk, p.num_slots * p.H, kQkThreads, 0};

@@ -102,9 +102,10 @@ struct BwdParams {
   float* dqk = nullptr;      // [slots][HV][2][64][128]: dq^, dk^ of the chunk's tokens
   float* part = nullptr;     // [slots][HV][kPartFloats]
   float* uw = nullptr;       // [slots][HV][kUwFloats]: bwd_sprod_kernel's results
-  // The wgmma kernels (passes_wg.cuh) run: the state passes, and bwd_sprod_kernel, whose products
-  // bwd_chunk_kernel then reads from uw and dqk instead of computing them.
+  // bwd_sprod_kernel (passes_wg.cuh) runs, and bwd_chunk_kernel reads its products from uw and dqk
+  // instead of computing them.
   bool wg = false;
+  bool wg_passes = false;    // the state passes on wgmma (passes_wg.cuh)
   float* scratch = nullptr;  // [chunk_blocks][kScratchFloats]
   int64_t chunk_blocks = 0;
 };
