@@ -49,13 +49,13 @@ Status prefill_backward_workspace_size(const detail::PrefillBackwardProblem& bp,
   *bytes = 0;
   Status s = bw::check_supported(bp);
   if (!s.ok()) return s;
-  *bytes = bw::workspace_layout(bp.fwd, 132).total;
+  *bytes = bw::workspace_layout(bp.fwd, emu_run::emu_sms()).total;
   return Status::Ok();
 }
 Status prefill_backward(const detail::PrefillBackwardProblem& bp, const ExecOptions& exec) {
   Status s = bw::check_supported(bp);
   if (!s.ok()) return s;
-  const size_t need = bw::workspace_layout(bp.fwd, 132).total;
+  const size_t need = bw::workspace_layout(bp.fwd, emu_run::emu_sms()).total;
   if (need > 0 && (exec.workspace == nullptr || exec.workspace_bytes < need))
     return {StatusCode::kInvalidArgument, "workspace", "too small (emulated)"};
   if (need) std::memset(exec.workspace, 0xff, exec.workspace_bytes);  // unwritten parts are NaN

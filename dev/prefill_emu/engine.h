@@ -179,12 +179,20 @@ static Status emu_prefill(const PrefillParams& prm, int vs_override, bool fp16) 
   return Status::Ok();
 }
 
+// SMs of the emulated GPU for the backward's persistent kernels (EMU_SMS, default 132): fewer
+// than the tasks make their blocks take several tasks each.
+inline int emu_sms() {
+  const char* s = std::getenv("EMU_SMS");
+  const int v = s != nullptr ? std::atoi(s) : 0;
+  return v > 0 ? v : 132;
+}
+
 // Runs the emulated CUDA prefill backward (kernels of cuda/backward/kernels.cuh in the launch
 // order of bw::plan_launches) on host tensors, with the workspace at `wsp`.
 template <bool kSplit>
 static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
   bw::BwdParams P;
-  bw::make_params(bp, wsp, 132, detail::tuning(), &P);
+  bw::make_params(bp, wsp, emu_sms(), detail::tuning(), &P);
   bw::BwdLaunch plan[bw::kMaxBwdLaunches];
   const int count = bw::plan_launches(P, plan);
   for (int i = 0; i < count; ++i) {
