@@ -146,7 +146,7 @@ inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[kMaxBwdLaunches]) 
   }
   if (pass_blocks > 0) out[n++] = dstates;
   if (tasks > 0) {
-    if (P.wg) out[n++] = {BwdKernel::kSProd, P.chunk_blocks, kSpThreads, kSprodSmem};
+    if (P.wg) out[n++] = {BwdKernel::kSProd, tasks, kSpThreads, kSprodSmem};
     out[n++] = {BwdKernel::kChunk, P.chunk_blocks, kChunkThreads, kChunkSmemBytes};
     if (P.dq.data != nullptr || P.dk.data != nullptr)
       out[n++] = {BwdKernel::kQk, p.num_slots * p.H, kQkThreads, 0};

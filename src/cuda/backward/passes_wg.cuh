@@ -408,209 +408,191 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   uint8_t* sb = align1024(smem_raw);
   const Params& p = P.f;
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int64_t tasks = p.num_slots * p.HV;
-  // Persistent: the block's tasks in turn, the next one's device-memory operands prefetched into
-  // L2 (~270 KB a task, one task ahead per SM) while this one computes.
-  auto prefetch_task = [&](int64_t task) {
-    if (task >= tasks) return;
-    const ChunkTask nc = chunk_task(p, task / p.HV);
-    if (!nc.valid) return;
-    const float* r = P.rec + task * kRecFloats;
-    prefetch_floats(r + kRecW, 2 * kTile, 0);             // W, Ut
-    prefetch_floats(r + kRecKd, kTile + 3 * kC * kC, 2);  // Kd, Aqk, Akk, X
-    prefetch_floats(P.states + task * kStateFloats, kStateFloats, 5);
-    prefetch_floats(P.dstates + task * kStateFloats, kStateFloats, 7);
-    prefetch_rows(p, nc, static_cast<int>(task % p.HV), &P.d_out);
-  };
-  prefetch_task(blockIdx.x);
-  for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
-    __syncthreads();  // the previous task's products have completed: the tiles are free
-    prefetch_task(task + gridDim.x);
-    const int hv = static_cast<int>(task % p.HV);
-    const int64_t slot = task / p.HV;
-    const ChunkTask c = chunk_task(p, slot);
-    if (!c.valid) continue;
-    const float* rec = P.rec + task * kRecFloats;
-    const float* S = P.states + task * kStateFloats;
-    const float* D = P.dstates + task * kStateFloats;
-    float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
-    float* dqh = P.dqk + task * (2 * kTile);
-    float* dkh = dqh + kTile;
-    const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
-    const bool has_do = P.d_out.data != nullptr;
-    const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
+  const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
+  const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
+  const ChunkTask c = chunk_task(p, slot);
+  if (!c.valid) return;
+  const int64_t task = slot * p.HV + hv;
+  const float* rec = P.rec + task * kRecFloats;
+  const float* S = P.states + task * kStateFloats;
+  const float* D = P.dstates + task * kStateFloats;
+  float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
+  float* dqh = P.dqk + task * (2 * kTile);
+  float* dkh = dqh + kTile;
+  const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
+  const bool has_do = P.d_out.data != nullptr;
+  const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
 
-    // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
-    stage_tile<kC, kD, true>(sb + kSpW, rec + kRecW, kD, 1);
-    stage_tile<kC, kD, true>(sb + kSpKd, rec + kRecKd, kD, 1);
-    stage_tile<kC, kC, false>(sb + kSpAqkT, rec + kRecAqk, 1, kC);
-    for (int u = tid; u < kC * kD / 8; u += kSpThreads) {
-      const int tok = u / (kD / 8), kb = u % (kD / 8);
-      float x[8];
+  // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
+  stage_tile<kC, kD, true>(sb + kSpW, rec + kRecW, kD, 1);
+  stage_tile<kC, kD, true>(sb + kSpKd, rec + kRecKd, kD, 1);
+  stage_tile<kC, kC, false>(sb + kSpAqkT, rec + kRecAqk, 1, kC);
+  for (int u = tid; u < kC * kD / 8; u += kSpThreads) {
+    const int tok = u / (kD / 8), kb = u % (kD / 8);
+    float x[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i)
-        x[i] = has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                              P.d_out.offset(c.b, c.t0 + tok, hv) + 8 * kb + i)
-                                   : 0.f;
-      uint4 h, l;
-      split8(x, &h, &l);
-      const int off = pf::sw128_offset(kC, tok, 16 * kb);
-      *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
-      *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
-    }
-    fence_proxy_async();
-    __syncthreads();
+    for (int i = 0; i < 8; ++i)
+      x[i] = has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                            P.d_out.offset(c.b, c.t0 + tok, hv) + 8 * kb + i)
+                                 : 0.f;
+    uint4 h, l;
+    split8(x, &h, &l);
+    const int off = pf::sw128_offset(kC, tok, 16 * kb);
+    *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
+    *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
+  }
+  fence_proxy_async();
+  __syncthreads();
 
-    // U^T = Ut^T - S^T W^T (rows: values j0..; K: 128 keys).
-    float accU[8][4], accV[8][4];
+  // U^T = Ut^T - S^T W^T (rows: values j0..; K: 128 keys).
+  float accU[8][4], accV[8][4];
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + j0 + acc_row(e)];
-        accV[j][e] = 0.f;
-      }
-    {
-      uint32_t ah[8][4], al[8][4];
-      load_a([&](int m, int k) { return S[k * kD + j0 + m]; }, ah, al);
-      wgmma_fence_acc(accU);
-      wgmma_fence_acc(ah);
-      wgmma_fence_acc(al);
-      wgmma_fence();
-      wg_product<8, -1>(accU, ah, al, dlo, kSpW, kC, kD);
-      wgmma_commit();
-      wgmma_wait<0>();  // its A registers are free only then
+    for (int e = 0; e < 4; ++e) {
+      accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + j0 + acc_row(e)];
+      accV[j][e] = 0.f;
     }
-    // dU^T = dO^T Aqk + dS'^T Kd^T (K: 64 tokens, then 128 keys).
-    {
-      uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
-      load_a(
-          [&](int m, int tok) {
-            return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                                  P.d_out.offset(c.b, c.t0 + tok, hv) + j0 + m)
-                                       : 0.f;
-          },
-          oh, ol);
-      load_a([&](int m, int k) { return D[k * kD + j0 + m]; }, ah, al);
-      wgmma_fence_acc(accV);
-      wgmma_fence_acc(oh);
-      wgmma_fence_acc(ol);
-      wgmma_fence_acc(ah);
-      wgmma_fence_acc(al);
-      wgmma_fence();
-      wg_product<8, 1>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
-      wg_product<8, 1>(accV, ah, al, dlo, kSpKd, kC, kD);
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return S[k * kD + j0 + m]; }, ah, al);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, -1>(accU, ah, al, dlo, kSpW, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();  // its A registers are free only then
+  }
+  // dU^T = dO^T Aqk + dS'^T Kd^T (K: 64 tokens, then 128 keys).
+  {
+    uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
+    load_a(
+        [&](int m, int tok) {
+          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                                P.d_out.offset(c.b, c.t0 + tok, hv) + j0 + m)
+                                     : 0.f;
+        },
+        oh, ol);
+    load_a([&](int m, int k) { return D[k * kD + j0 + m]; }, ah, al);
+    wgmma_fence_acc(accV);
+    wgmma_fence_acc(oh);
+    wgmma_fence_acc(ol);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
+    wg_product<8, 1>(accV, ah, al, dlo, kSpKd, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_ws_t(accV, uw + kUwDU, j0);
+  store_tile<kD, kC, false>(accV, sb + kSpDUT, j0);  // dU^T: rows values, K tokens
+  __syncthreads();  // both warpgroups' products are complete: W and Kd are free
+  store_tile<kC, kD, true>(accU, sb + kSpU, j0);  // U: rows tokens, K values
+  store_tile<kC, kD, true>(accV, sb + kSpDU, j0);
+  fence_proxy_async();
+  __syncthreads();
+
+  // dQg^T = S dO^T, dW^T = -S dU^T, dKd^T = dS' U^T (rows: keys j0..; K: 128 values).
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return S[(j0 + m) * kD + k]; }, ah, al);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(accV);
-    store_ws_t(accV, uw + kUwDU, j0);
-    store_tile<kD, kC, false>(accV, sb + kSpDUT, j0);  // dU^T: rows values, K tokens
-    __syncthreads();  // both warpgroups' products are complete: W and Kd are free
-    store_tile<kC, kD, true>(accU, sb + kSpU, j0);  // U: rows tokens, K values
-    store_tile<kC, kD, true>(accV, sb + kSpDU, j0);
-    fence_proxy_async();
-    __syncthreads();
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accU, ah, al, dlo, kSpDO, kC, kD);
+    wg_product<8, -1>(accV, ah, al, dlo, kSpDU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_ws_t(accU, dqh, j0);
+  store_ws_t(accV, uw + kUwDW, j0);
+  store_tile<kD, kC, false>(accV, sb + kSpDWT, j0);  // dW^T: rows keys, K tokens
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+  {
+    uint32_t ah[8][4], al[8][4];
+    load_a([&](int m, int k) { return D[(j0 + m) * kD + k]; }, ah, al);
+    wgmma_fence_acc(accU);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(accU, ah, al, dlo, kSpU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  store_ws_t(accU, dkh, j0);
+  fence_proxy_async();
+  __syncthreads();  // the dW^T tile
 
-    // dQg^T = S dO^T, dW^T = -S dU^T, dKd^T = dS' U^T (rows: keys j0..; K: 128 values).
+  // dKb = X^T dW, dVb = X^T dU (rows: tokens; the warpgroup's 64 keys / values; K: 64 tokens).
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
-    {
-      uint32_t ah[8][4], al[8][4];
-      load_a([&](int m, int k) { return S[(j0 + m) * kD + k]; }, ah, al);
-      wgmma_fence_acc(accU);
-      wgmma_fence_acc(accV);
-      wgmma_fence_acc(ah);
-      wgmma_fence_acc(al);
-      wgmma_fence();
-      wg_product<8, 1>(accU, ah, al, dlo, kSpDO, kC, kD);
-      wg_product<8, -1>(accV, ah, al, dlo, kSpDU, kC, kD);
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
+    for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
+  {
+    uint32_t xh[4][4], xl[4][4];
+    load_a([&](int m, int k) { return rec[kRecX + k * kC + m]; }, xh, xl);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(accV);
-    store_ws_t(accU, dqh, j0);
-    store_ws_t(accV, uw + kUwDW, j0);
-    store_tile<kD, kC, false>(accV, sb + kSpDWT, j0);  // dW^T: rows keys, K tokens
+    wgmma_fence_acc(xh);
+    wgmma_fence_acc(xl);
+    wgmma_fence();
+    wg_product<8, 1>(accU, xh, xl, dlo, kSpDWT + j0 * 128, kD, kC);
+    wg_product<8, 1>(accV, xh, xl, dlo, kSpDUT + j0 * 128, kD, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+  }
+  wgmma_fence_acc(accU);
+  wgmma_fence_acc(accV);
+  store_rows(accU, uw + kUwDKb, kD, j0);
+  store_rows(accV, uw + kUwDVb, kD, j0);
+  if (wg == 0) {  // dAqk = dO U^T (rows t, columns s; all of it: the chunk kernel masks s > t)
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
-    {
-      uint32_t ah[8][4], al[8][4];
-      load_a([&](int m, int k) { return D[(j0 + m) * kD + k]; }, ah, al);
-      wgmma_fence_acc(accU);
-      wgmma_fence_acc(ah);
-      wgmma_fence_acc(al);
-      wgmma_fence();
-      wg_product<8, 1>(accU, ah, al, dlo, kSpU, kC, kD);
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
+    uint32_t oh[8][4], ol[8][4];
+    load_a(
+        [&](int tok, int k) {
+          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
+                                                P.d_out.offset(c.b, c.t0 + tok, hv) + k)
+                                     : 0.f;
+        },
+        oh, ol);
     wgmma_fence_acc(accU);
-    store_ws_t(accU, dkh, j0);
-    fence_proxy_async();
-    __syncthreads();  // the dW^T tile
-
-    // dKb = X^T dW, dVb = X^T dU (rows: tokens; the warpgroup's 64 keys / values; K: 64 tokens).
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
-    {
-      uint32_t xh[4][4], xl[4][4];
-      load_a([&](int m, int k) { return rec[kRecX + k * kC + m]; }, xh, xl);
-      wgmma_fence_acc(accU);
-      wgmma_fence_acc(accV);
-      wgmma_fence_acc(xh);
-      wgmma_fence_acc(xl);
-      wgmma_fence();
-      wg_product<8, 1>(accU, xh, xl, dlo, kSpDWT + j0 * 128, kD, kC);
-      wg_product<8, 1>(accV, xh, xl, dlo, kSpDUT + j0 * 128, kD, kC);
-      wgmma_commit();
-      wgmma_wait<0>();
-    }
+    wgmma_fence_acc(oh);
+    wgmma_fence_acc(ol);
+    wgmma_fence();
+    wg_product<8, 1>(accU, oh, ol, dlo, kSpU, kC, kD);
+    wgmma_commit();
+    wgmma_wait<0>();
     wgmma_fence_acc(accU);
-    wgmma_fence_acc(accV);
-    store_rows(accU, uw + kUwDKb, kD, j0);
-    store_rows(accV, uw + kUwDVb, kD, j0);
-    if (wg == 0) {  // dAqk = dO U^T (rows t, columns s; all of it: the chunk kernel masks s > t)
-#pragma unroll
-      for (int j = 0; j < 8; ++j)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
-      uint32_t oh[8][4], ol[8][4];
-      load_a(
-          [&](int tok, int k) {
-            return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                                  P.d_out.offset(c.b, c.t0 + tok, hv) + k)
-                                       : 0.f;
-          },
-          oh, ol);
-      wgmma_fence_acc(accU);
-      wgmma_fence_acc(oh);
-      wgmma_fence_acc(ol);
-      wgmma_fence();
-      wg_product<8, 1>(accU, oh, ol, dlo, kSpU, kC, kD);
-      wgmma_commit();
-      wgmma_wait<0>();
-      wgmma_fence_acc(accU);
-      store_rows(accU, uw + kUwDAqk, kC, 0);
-    } else {  // exp(G_L) * rowsum(S * dS'): a thread per key
-      const int i = tid - 128;
-      float s = 0.f;
+    store_rows(accU, uw + kUwDAqk, kC, 0);
+  } else {  // exp(G_L) * rowsum(S * dS'): a thread per key
+    const int i = tid - 128;
+    float s = 0.f;
 #pragma unroll 4
-      for (int j = 0; j < kD; j += 4) {
-        const float4 a = *reinterpret_cast<const float4*>(S + i * kD + j);
-        const float4 b = *reinterpret_cast<const float4*>(D + i * kD + j);
-        s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
-      }
-      uw[kUwDgl + i] = s * rec[kRecGL + i];
+    for (int j = 0; j < kD; j += 4) {
+      const float4 a = *reinterpret_cast<const float4*>(S + i * kD + j);
+      const float4 b = *reinterpret_cast<const float4*>(D + i * kD + j);
+      s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
     }
+    uw[kUwDgl + i] = s * rec[kRecGL + i];
   }
 }
 
