@@ -16,8 +16,9 @@
 //   5. bwd_qk_kernel        (chunk, q/k head): the group's value heads summed in order, scale and
 //                           l2norm chained, dq and dk written.
 //   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
-// Kernels 2 and 3 have wgmma forms (passes_wg.cuh, Tuning::backward_wgmma, the default) that take
-// their place.
+// passes_wg.cuh holds the wgmma kernels: bwd_sprod_kernel, which computes the chunk gradients'
+// products with a state operand before kernel 4 (Tuning::backward_wgmma, the default), and wgmma
+// forms of kernels 2 and 3 (Tuning::backward_wg_passes, off).
 // Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate)
 // through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
 // argument. Off the diagonal 16 x 16 blocks, Akk / Aqk and their gradients factor the decay
@@ -652,6 +653,35 @@ __device__ __forceinline__ PassTask pass_task(const Params& p) {
   return t;
 }
 
+// L2 prefetches of what a pass step reads from device memory at chunk ch (a hint; nothing past the
+// sequence): the states pass, W and Ut (adjacent), Kd, exp(G_L); the reverse pass, Qg, Kd, Aqk
+// (adjacent), W, exp(G_L) and the chunk's rows of dO (kCols columns from t.j0; a thread per row:
+// the lanes of warps 1 and 2).
+__device__ __forceinline__ void prefetch_states_step(const BwdParams& P, const PassTask& t,
+                                                     int64_t ch) {
+  if (ch >= t.chunks) return;
+  const float* rec = P.rec + ((t.sp.base + ch) * P.f.HV + t.hv) * kRecFloats;
+  prefetch_floats(rec + kRecW, 2 * kTile, 0);
+  prefetch_floats(rec + kRecKd, kTile, 2);
+  prefetch_floats(rec + kRecGL, kD, 3);
+}
+template <int kCols>
+__device__ __forceinline__ void prefetch_dstates_step(const BwdParams& P, const PassTask& t,
+                                                      int64_t ch) {
+  if (ch < 0) return;
+  const float* rec = P.rec + ((t.sp.base + ch) * P.f.HV + t.hv) * kRecFloats;
+  prefetch_floats(rec + kRecQg, 2 * kTile + kC * kC, 0);
+  prefetch_floats(rec + kRecW, kTile, 3);
+  prefetch_floats(rec + kRecGL, kD, 4);
+  const int r = static_cast<int>(threadIdx.x) - 32;
+  if (P.d_out.data != nullptr && r >= 0 && r < kC && ch * kC + r < t.sp.len) {
+    const int esize = P.d_out.dtype == kF32 ? 4 : 2;
+    const uint8_t* row = static_cast<const uint8_t*>(P.d_out.data) +
+                         (P.d_out.offset(t.sp.b, t.sp.bos + ch * kC + r, t.hv) + t.j0) * esize;
+    prefetch_lines(row, kCols * esize);
+  }
+}
+
 // Both passes: two blocks per SM fit in shared memory (2 x (112.5 + 1) KB of 228 KB), hence the
 // launch bound's minimum of 2, which gives ptxas up to 255 registers (with the maximum alone it
 // spilled at 72). Each step starts its record copies into shared memory as cp.async (all in
@@ -672,15 +702,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   float* gl = U + 2 * kC * kSlice;            // [128]
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
-  // The record parts of a chunk that a step reads: W and Ut (adjacent), Kd, exp(G_L).
-  auto prefetch_chunk = [&](int64_t ch) {
-    if (ch >= t.chunks) return;
-    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
-    prefetch_floats(rec + kRecW, 2 * kTile, 0);
-    prefetch_floats(rec + kRecKd, kTile, 2);
-    prefetch_floats(rec + kRecGL, kD, 3);
-  };
-  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(ch);
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_states_step(P, t, ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
     S[sw(i, e % kSlice, kSlice)] =
@@ -693,7 +715,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
     const float* rec = P.rec + rs * kRecFloats;
     float* out = P.states + rs * kStateFloats;
-    prefetch_chunk(ch + kPassPrefetch);  // into L2 while the steps before it compute
+    prefetch_states_step(P, t, ch + kPassPrefetch);  // into L2 while the steps before it compute
     __syncthreads();
     copy_in(Ws, rec + kRecW, kTile, kD);
     copy_in(Kds, rec + kRecKd, kTile, kD);
@@ -732,23 +754,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
   const StateView& df = P.d_final_state;
-  // What a step reads from global memory: the record parts Qg, Kd, Aqk (adjacent), W, exp(G_L),
-  // and the chunk's rows of dO (this block's 32 columns).
-  auto prefetch_chunk = [&](int64_t ch) {
-    if (ch < 0) return;
-    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
-    prefetch_floats(rec + kRecQg, 2 * kTile + kC * kC, 0);
-    prefetch_floats(rec + kRecW, kTile, 3);
-    prefetch_floats(rec + kRecGL, kD, 4);
-    const int r = tid - 32;  // a thread per row: lanes of warp 1 and 2
-    if (P.d_out.data != nullptr && r >= 0 && r < kC && ch * kC + r < t.sp.len) {
-      const int esize = P.d_out.dtype == kF32 ? 4 : 2;
-      const uint8_t* row = static_cast<const uint8_t*>(P.d_out.data) +
-                           (P.d_out.offset(t.sp.b, t.sp.bos + ch * kC + r, t.hv) + t.j0) * esize;
-      prefetch_lines(row, kSlice * esize);
-    }
-  };
-  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(t.chunks - 1 - ch);
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_dstates_step<kSlice>(P, t, t.chunks - 1 - ch);
   for (int e = tid; e < kD * kSlice; e += kPassThreads) {
     const int i = e / kSlice, j = t.j0 + e % kSlice;
     D[sw(i, e % kSlice, kSlice)] =
@@ -761,7 +767,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     float* out = P.dstates + rs * kStateFloats;
     const int64_t tok0 = t.sp.bos + ch * kC;
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
-    prefetch_chunk(ch - kPassPrefetch);  // into L2 while the steps before it compute
+    prefetch_dstates_step<kSlice>(P, t, ch - kPassPrefetch);  // while the steps before it compute
     __syncthreads();
     copy_in(Qgs, rec + kRecQg, kTile, kD);
     copy_in(Kds, rec + kRecKd, kTile, kD);
@@ -863,8 +869,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
   float* sV = scr;             // v, then Kc
   float* sdO = sV + kTile;     // dO, then Qr / Kr
-  float* sU0 = sdO + kTile;    // U
-  float* sdU0 = sU0 + kTile;   // dU
+  float* sU = sdO + kTile;     // U
+  float* sdU0 = sU + kTile;    // dU
   float* sdW0 = sdU0 + kTile;  // dW
   float* sKb = sdW0 + kTile;   // b exp(G) k^, then dKb
   float* sVb = sKb + kTile;    // b v, then dVb
@@ -887,22 +893,27 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     float* dkh = dqh + kTile;                 // dk^ (first dKd)
     // dU, dW: this task's part of uw when bwd_sprod_kernel computed them, else the scratch;
     // dKb, dVb: uw, else computed over the Kb / Vb tiles.
-    const float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
-    float* sU = sU0;
-    float* sdU = kWg ? const_cast<float*>(uw) + kUwDU : sdU0;
-    float* sdW = kWg ? const_cast<float*>(uw) + kUwDW : sdW0;
+    float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
+    float* sdU = kWg ? uw + kUwDU : sdU0;
+    float* sdW = kWg ? uw + kUwDW : sdW0;
     const float* dKbp = kWg ? uw + kUwDKb : sKb;
     const float* dVbp = kWg ? uw + kUwDVb : sVb;
 
     // L2 prefetch of what the task reads from the workspace, about in the order of use: the
     // record's W and Ut, S, the record's Kd .. exp(G_L), dS' (272 KB, the task's own footprint).
-    // W, Ut and S were prefetched by the block's previous task (below): L2 hits then.
-    prefetch_floats(rec + kRecW, 2 * kTile, 0);
-    prefetch_floats(S, kStateFloats, 2);
-    prefetch_floats(rec + kRecKd, kRecFloats - kRecKd, 4);
-    prefetch_floats(D, kStateFloats, 7);
+    // W, Ut and S were prefetched by the block's previous task (below): L2 hits then. kWg: of
+    // the record only Akk .. exp(G_L) (the rest was bwd_sprod_kernel's).
+    if constexpr (kWg) {
+      prefetch_floats(rec + kRecAkk, kRecFloats - kRecAkk, 0);
+    } else {
+      prefetch_floats(rec + kRecW, 2 * kTile, 0);
+      prefetch_floats(S, kStateFloats, 2);
+      prefetch_floats(rec + kRecKd, kRecFloats - kRecKd, 4);
+      prefetch_floats(D, kStateFloats, 7);
+    }
     load_chunk(p, c, hv, qh, kh, G, bv);
-    // v, dO: a thread's loads of eight elements issued before their stores.
+    // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's): a thread's loads of eight
+    // elements issued before their stores.
     for (int e0 = tid; e0 < kTile; e0 += 8 * kChunkThreads) {
       float xv[8], xo[8];
 #pragma unroll
@@ -910,7 +921,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         const int e = e0 + u * kChunkThreads, t = e / kD, j = e % kD;
         const bool live = t < c.L;
         xv[u] = live ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
-        xo[u] = live && P.d_out.data != nullptr
+        xo[u] = !kWg && live && P.d_out.data != nullptr
                     ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(c.b, c.t0 + t, hv) + j)
                     : 0.f;
       }
@@ -919,7 +930,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         const int e = e0 + u * kChunkThreads, t = e / kD;
         sV[e] = xv[u];
         sVb[e] = bv[t] * xv[u];
-        sdO[e] = xo[u];
+        if constexpr (!kWg) sdO[e] = xo[u];
         sKb[e] = bv[t] * expf(G[e]) * kh[e];
         dG[e] = 0.f;
       }
@@ -927,7 +938,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
     __syncthreads();
 
-    if constexpr (!kWg) {
+    if constexpr (kWg) {
+      for (int i = tid; i < kD; i += kChunkThreads) dgl[i] = uw[kUwDgl + i];
+      for (int e = tid; e < kC * kC; e += kChunkThreads) {
+        const int m = e / kC, n = e % kC;
+        dAqk[sw(m, n, kC)] = n <= m ? uw[kUwDAqk + e] : 0.f;
+      }
+    } else {
       // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
       gemm_tf32<kSplit>(kC, kD, kD, rec + kRecW, kD, 1, S, kD, 1, [&](int m, int n, float v) {
         sU[m * kD + n] = rec[kRecUt + m * kD + n] - v;
@@ -939,14 +956,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       // dQg = dO S^T.
       gemm_tf32<kSplit>(kC, kD, kD, sdO, kD, 1, S, 1, kD,
                         [&](int m, int n, float v) { dqh[m * kD + n] = v; });
-    }
-    if constexpr (kWg) {
-      for (int i = tid; i < kD; i += kChunkThreads) dgl[i] = uw[kUwDgl + i];
-      for (int e = tid; e < kC * kC; e += kChunkThreads) {
-        const int m = e / kC, n = e % kC;
-        dAqk[sw(m, n, kC)] = n <= m ? uw[kUwDAqk + e] : 0.f;
-      }
-    } else {
       // exp(G_L) * rowsum(S * dS'): a warp per 16 key rows.
       for (int i = warp; i < kD; i += kChunkThreads / 32) {
         float s = 0.f;
@@ -1026,8 +1035,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       const int64_t next = task + gridDim.x;
       const ChunkTask nc = chunk_task(p, next / p.HV);
       if (nc.valid) {
-        prefetch_floats(P.rec + next * kRecFloats + kRecW, 2 * kTile, 0);
-        prefetch_floats(P.states + next * kStateFloats, kStateFloats, 2);
+        if constexpr (!kWg) {
+          prefetch_floats(P.rec + next * kRecFloats + kRecW, 2 * kTile, 0);
+          prefetch_floats(P.states + next * kStateFloats, kStateFloats, 2);
+        }
         prefetch_rows(p, nc, static_cast<int>(next % p.HV), &P.d_out);
       }
     }

@@ -217,20 +217,13 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   const int tid = threadIdx.x;
   float* gl = reinterpret_cast<float*>(sb + kWgStGL);
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
-  auto prefetch_chunk = [&](int64_t ch) {
-    if (ch >= t.chunks) return;
-    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
-    prefetch_floats(rec + kRecW, 2 * kTile, 0);
-    prefetch_floats(rec + kRecKd, kTile, 2);
-    prefetch_floats(rec + kRecGL, kD, 3);
-  };
-  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(ch);
+  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_states_step(P, t, ch);
   float accS[16][4];
   load_state_t(accS, p.initial_state, p.kfirst, t.n, t.hv, t.j0);
   for (int64_t ch = 0; ch < t.chunks; ++ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
     const float* rec = P.rec + rs * kRecFloats;
-    prefetch_chunk(ch + kPassPrefetch);
+    prefetch_states_step(P, t, ch + kPassPrefetch);
     store_ws_t(accS, P.states + rs * kStateFloats, t.j0);
     // U^T starts as Ut^T (this block's columns).
     float accU[8][4];
@@ -275,21 +268,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   float* gl = reinterpret_cast<float*>(sb + kWgDsGL);
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
-  auto prefetch_chunk = [&](int64_t ch) {
-    if (ch < 0) return;
-    const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
-    prefetch_floats(rec + kRecQg, 2 * kTile + kC * kC, 0);
-    prefetch_floats(rec + kRecW, kTile, 3);
-    prefetch_floats(rec + kRecGL, kD, 4);
-    const int r = tid - 32;  // a thread per token row: lanes of warps 1 and 2
-    if (has_do && r >= 0 && r < kC && ch * kC + r < t.sp.len) {
-      const int esize = P.d_out.dtype == kF32 ? 4 : 2;
-      const uint8_t* row = static_cast<const uint8_t*>(P.d_out.data) +
-                           (P.d_out.offset(t.sp.b, t.sp.bos + ch * kC + r, t.hv) + t.j0) * esize;
-      prefetch_lines(row, kWgCols * esize);
-    }
-  };
-  for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_chunk(t.chunks - 1 - ch);
+  for (int ch = 0; ch < kPassPrefetch; ++ch)
+    prefetch_dstates_step<kWgCols>(P, t, t.chunks - 1 - ch);
   float accD[16][4];
   load_state_t(accD, P.d_final_state, p.kfirst, t.n, t.hv, t.j0);
   for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
@@ -297,7 +277,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const float* rec = P.rec + rs * kRecFloats;
     const int64_t tok0 = t.sp.bos + ch * kC;
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
-    prefetch_chunk(ch - kPassPrefetch);
+    prefetch_dstates_step<kWgCols>(P, t, ch - kPassPrefetch);
     store_ws_t(accD, P.dstates + rs * kStateFloats, t.j0);
     // dO^T as A operands (rows: this block's columns; k: the chunk's tokens), hi + lo: a k16 step
     // q holds tokens 16 q + 2 c (+ 1) and 16 q + 8 + 2 c (+ 1) of columns g and g + 8.

@@ -223,7 +223,7 @@ struct Params {
   // does not (0 where it ran). With warm_flags set, passes 1 and 2 and the scan run only the
   // (sequence, value head) pairs with a flag set.
   int64_t warm_max_chunks = 0;
-  float warm_log2_bound = 12.f;
+  float warm_log2_bound = static_cast<float>(detail::Tuning{}.prefill_warm_bits);
   int32_t* warm_flags = nullptr;  // [seg_slots][HV]
 };
 
