@@ -75,7 +75,9 @@ inline constexpr int kSlices = kD / kSlice;
 inline constexpr int kPassPrefetch = 2;
 
 // Shared memory (floats) of the kernels.
-inline constexpr int kPrepSmemFloats = 3 * kTile + 3 * kC * kC + 12288 + 2 * kC;
+// bwd_prepare_kernel's tiles of q^, k^ and G have a padded row stride (load_chunk).
+inline constexpr int kPrepLd = kD + 4;
+inline constexpr int kPrepSmemFloats = 3 * kC * kPrepLd + 2 * kC * kC + 2 * kTile + 3 * 256 + kC;
 inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
 // bwd_chunk_kernel's row groups of the elementwise pass (a thread per key column in each).
 inline constexpr int kChunkRowGroups = kChunkThreads / kD;
@@ -258,6 +260,30 @@ constexpr bool swizzle_ok(int R) {
 }
 static_assert(swizzle_ok(32) && swizzle_ok(64) && swizzle_ok(128), "swizzle bank mapping");
 
+// One k8 step of a warp's m16n8 tile on tf32 mma.sync: A's fragment av (rows g, g + 8, columns
+// c, c + 4) split into tf32 hi and lo terms once (split_a), then per n8 tile with B's b0, b1 (rows
+// c, c + 4, column g): kSplit, the three products lo hi, hi lo, hi hi in that order (3xTF32),
+// else hi hi.
+__device__ __forceinline__ void split_a(const float (&av)[4], uint32_t (&af)[4],
+                                        uint32_t (&al)[4]) {
+#pragma unroll
+  for (int e = 0; e < 4; ++e) {
+    af[e] = f32_to_tf32(av[e]);
+    al[e] = f32_to_tf32(av[e] - __uint_as_float(af[e]));
+  }
+}
+template <bool kSplit>
+__device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&af)[4],
+                                          const uint32_t (&al)[4], float b0, float b1) {
+  const uint32_t b0h = f32_to_tf32(b0), b1h = f32_to_tf32(b1);
+  if constexpr (kSplit) {
+    mma_tf32(acc, al, b0h, b1h);
+    mma_tf32(acc, af, f32_to_tf32(b0 - __uint_as_float(b0h)),
+             f32_to_tf32(b1 - __uint_as_float(b1h)));
+  }
+  mma_tf32(acc, af, b0h, b1h);
+}
+
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
 template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
@@ -321,23 +347,10 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
     };
     auto step = [&](const float(&av)[4], const float(&bv)[4][2]) {
       uint32_t af[4], al[4];
+      split_a(av, af, al);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        af[e] = f32_to_tf32(av[e]);
-        al[e] = f32_to_tf32(av[e] - __uint_as_float(af[e]));
-      }
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        if (j < nj) {
-          const uint32_t b0h = f32_to_tf32(bv[j][0]), b1h = f32_to_tf32(bv[j][1]);
-          if constexpr (kSplit) {
-            mma_tf32(acc[j], al, b0h, b1h);
-            mma_tf32(acc[j], af, f32_to_tf32(bv[j][0] - __uint_as_float(b0h)),
-                     f32_to_tf32(bv[j][1] - __uint_as_float(b1h)));
-          }
-          mma_tf32(acc[j], af, b0h, b1h);
-        }
-      }
+      for (int j = 0; j < 4; ++j)
+        if (j < nj) mma_split<kSplit>(acc[j], af, al, bv[j][0], bv[j][1]);
     };
     // Step k reads set (k / 8) % kGemmStages, after the load of step k + 8 (kGemmStages - 1) into
     // the set that step k - 8 freed.
@@ -371,9 +384,12 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
 }
 
 // Per-token preprocessing (spec section 2) of a chunk's tokens for value head hv, into shared
-// memory: qh, kh [64][128] (l2norm; q scaled), G [64][128] the cumulative log decay from the
+// memory: qh, kh [64][kLd] (l2norm; q scaled), G [64][kLd] the cumulative log decay from the
 // chunk's start, bv[64] the activated beta. Rows t >= L: qh = kh = 0, bv = 0, G = G_{L-1}.
-// One warp per token row, four channels per lane; a warp's loads of two rows issued together.
+// One warp per token row, four channels per lane; a warp's loads of kRows rows issued together
+// (kRows = 4 with 512 threads: every row of the chunk in one round). kLd: the row stride, kD or
+// kD + 4 (the padded stride keeps a warp's tf32 fragment loads from the tiles on 32 banks).
+template <int kLd = kD, int kRows = 2>
 __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, int hv, float* qh,
                                            float* kh, float* G, float* bv) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -384,7 +400,6 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
 #pragma unroll
   for (int e = 0; e < 4; ++e)
     bias[e] = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + lane + 32 * e] : 0.f;
-  constexpr int kRows = 2;
   for (int t0 = warp; t0 < kC; t0 += kRows * nwarps) {
     float xq[kRows][4], xk[kRows][4], xg[kRows][4], xb[kRows];
 #pragma unroll
@@ -415,7 +430,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
         sk += xk[r][e] * xk[r][e];
         float a = 0.f;
         if (live) a = detail::log_decay<float>(p.gate, xg[r][e], expA, bias[e], p.lower_bound);
-        G[t * kD + i] = a;
+        G[t * kLd + i] = a;
       }
       sq = warp_sum(sq);
       sk = warp_sum(sk);
@@ -425,22 +440,33 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
           p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        qh[t * kD + lane + 32 * e] = xq[r][e] * fq;
-        kh[t * kD + lane + 32 * e] = xk[r][e] * fk;
+        qh[t * kLd + lane + 32 * e] = xq[r][e] * fq;
+        kh[t * kLd + lane + 32 * e] = xk[r][e] * fk;
       }
       if (lane == 0)
         bv[t] = live ? detail::activate_beta<float>(p.beta_logits, p.allow_neg_eigval, xb[r]) : 0.f;
     }
   }
   __syncthreads();
-  // Cumulative sum per channel, in token order.
-  for (int i = threadIdx.x; i < kD; i += blockDim.x) {
+  // Cumulative sum per channel in token order, in blockDim / 128 groups of consecutive tokens:
+  // each group's running sum, then the totals of the groups before it added.
+  const int groups = static_cast<int>(blockDim.x) / kD;
+  const int i = static_cast<int>(threadIdx.x) % kD, grp = static_cast<int>(threadIdx.x) / kD;
+  const int per = kC / groups, first = grp * per;
+  float off = 0.f;
+  if (grp < groups) {
     float run = 0.f;
-    for (int t = 0; t < kC; ++t) {
-      run += G[t * kD + i];
-      G[t * kD + i] = run;
+    for (int t = first; t < first + per; ++t) {
+      run += G[t * kLd + i];
+      G[t * kLd + i] = run;
     }
   }
+  __syncthreads();
+  if (grp < groups)
+    for (int q = 0; q < grp; ++q) off += G[(q * per + per - 1) * kLd + i];
+  __syncthreads();
+  if (grp > 0 && grp < groups)
+    for (int t = first; t < first + per; ++t) G[t * kLd + i] += off;
   __syncthreads();
 }
 
@@ -481,114 +507,31 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
-  float* qh = reinterpret_cast<float*>(smem);
-  float* kh = qh + kTile;
-  float* G = kh + kTile;
-  float* Akk = G + kTile;
-  float* Aqk = Akk + kC * kC;
-  float* X = Aqk + kC * kC;
-  float* sc = X + kC * kC;  // 12288 floats of staging
-  float* bv = sc + 12288;
+  float* qh = reinterpret_cast<float*>(smem);  // [64][kPrepLd] (load_chunk)
+  float* kh = qh + kC * kPrepLd;
+  float* G = kh + kC * kPrepLd;
+  float* Akk = G + kC * kPrepLd;  // [64][64]
+  float* X = Akk + kC * kC;       // [64][64], swizzled (gemm_tf32)
+  float* Kb = X + kC * kC;        // [64][128] b exp(G) k^, swizzled
+  float* Vb = Kb + kTile;         // [64][128] b v, swizzled
+  float* T = Vb + kTile;          // [3][16][16] the inversion's block sums
+  float* bv = T + 3 * 256;        // [64]
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, cq = lane & 3;
   const int hv = static_cast<int>(blockIdx.x % static_cast<unsigned>(p.HV));
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.HV);
   const ChunkTask c = chunk_task(p, slot);
   if (!c.valid) return;
   float* rec = P.rec + (slot * p.HV + hv) * static_cast<int64_t>(kRecFloats);
 
-  prefetch_rows(p, c, hv, nullptr);  // for load_chunk and (later) v
-  load_chunk(p, c, hv, qh, kh, G, bv);
+  prefetch_rows(p, c, hv, nullptr);  // for load_chunk and v
+  load_chunk<kPrepLd, 4>(p, c, hv, qh, kh, G, bv);
 
-  // Diagonal 16 x 16 blocks of Aqk (s <= t) and Akk (s < t): a warp per pair, lanes over keys.
-  for (int task = warp; task < 4 * 136; task += kPrepThreads / 32) {
-    const int J = task / 136;
-    int tt, ss;
-    tri_pair(task % 136, &tt, &ss);
-    const int t = 16 * J + tt, s = 16 * J + ss;
-    float aq = 0.f, ak = 0.f;
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      const int i = lane + 32 * e;
-      const float x = expf(G[t * kD + i] - G[s * kD + i]) * kh[s * kD + i];
-      aq += qh[t * kD + i] * x;
-      ak += kh[t * kD + i] * x;
-    }
-    aq = warp_sum(aq);
-    ak = warp_sum(ak);
-    if (lane == 0) {
-      Aqk[t * kC + s] = aq;
-      Akk[t * kC + s] = s < t ? ak : 0.f;
-    }
-  }
-  // Above the diagonal blocks: zero; at and above the diagonal of Akk, above it of Aqk: zero.
-  for (int e = tid; e < kC * kC; e += kPrepThreads) {
-    const int t = e / kC, s = e % kC;
-    if (s / 16 > t / 16) {
-      Aqk[e] = 0.f;
-      Akk[e] = 0.f;
-    } else if (s / 16 == t / 16 && s > t) {
-      Aqk[e] = 0.f;
-      Akk[e] = 0.f;
-    }
-  }
-  // Off-diagonal blocks of row block J (rows r .. r + 15, columns s < r): exp(G_t - G_r) q^_t
-  // against exp(G_r - G_s) k^_s, both factors <= 1.
-  float* Qr = sc;            // [16][128]
-  float* Kr = sc + 16 * kD;  // [16][128]
-  float* Kc = sc + 32 * kD;  // [48][128]
-  for (int J = 1; J < 4; ++J) {
-    const int r = 16 * J;
-    __syncthreads();
-    stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
-    __syncthreads();
-    gemm_tf32<kSplit, true, true>(16, r, kD, Qr, kD, 1, Kc, 1, kD,
-                                  [&](int m, int n, float v) { Aqk[(r + m) * kC + n] = v; });
-    gemm_tf32<kSplit, true, true>(16, r, kD, Kr, kD, 1, Kc, 1, kD,
-                                  [&](int m, int n, float v) { Akk[(r + m) * kC + n] = v; });
-  }
-  __syncthreads();
-
-  // X = (I + diag(b) Akk)^-1, unit lower triangular, by forward substitution (fp32):
-  // X[t][j] = [t == j] - b_t sum_{j <= s < t} Akk[t][s] X[s][j], each sum in s order. Column
-  // oriented: once row s is final, every (t > s, j <= s) adds its term to a running sum in a
-  // register (thread tid: column tid % 64, rows tid / 64 + kGroups l), and row s + 1 is
-  // complete; a barrier per row, the work of a row spread over the block.
-  constexpr int kGroups = kPrepThreads / kC;
-  static_assert(kPrepThreads % kC == 0 && kC % kGroups == 0, "forward substitution row groups");
-  // X is a swizzled tile (gemm_tf32).
-  for (int e = tid; e < kC * kC; e += kPrepThreads)
-    X[sw(e / kC, e % kC, kC)] = (e / kC == e % kC) ? 1.f : 0.f;
-  __syncthreads();
-  {
-    const int j = tid % kC, t0 = tid / kC;
-    float run[kC / kGroups];
-#pragma unroll
-    for (int l = 0; l < kC / kGroups; ++l) run[l] = 0.f;
-    for (int s = 0; s + 1 < kC; ++s) {
-      const float xs = X[sw(s, j, kC)];  // final: row s, column j <= s
-#pragma unroll
-      for (int l = 0; l < kC / kGroups; ++l) {
-        const int t = t0 + kGroups * l;
-        if (t > s && j <= s) run[l] += Akk[t * kC + s] * xs;
-        if (t == s + 1 && j <= s) X[sw(t, j, kC)] = -bv[t] * run[l];
-      }
-      __syncthreads();
-    }
-  }
-
-  // W = X (b exp(G) k^), Ut = X (b v).
-  float* Kb = sc;  // [64][128], swizzled
-  for (int e = tid; e < kTile; e += kPrepThreads) {
-    const int t = e / kD;
-    Kb[sw(t, e % kD, kD)] = bv[t] * expf(G[e]) * kh[e];
-  }
-  __syncthreads();
-  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
-                                [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
-  __syncthreads();
-  float* Vb = sc;
-  for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {  // eight loads issued, then stored
+  // Kb = b exp(G) k^, Vb = b v (a thread's eight loads of v issued first); the record's
+  // exp(G) q^, exp(G_L - G) k^ and exp(G_L).
+  const float* GL = G + (kC - 1) * kPrepLd;  // rows >= L repeat G_{L-1}
+  for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {
     float xv[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -597,26 +540,152 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * kPrepThreads;
-      Vb[sw(e / kD, e % kD, kD)] = bv[e / kD] * xv[u];  // swizzled
+      const int e = e0 + u * kPrepThreads, t = e / kD, i = e % kD, f = t * kPrepLd + i;
+      const float eg = expf(G[f]);
+      Kb[sw(t, i, kD)] = bv[t] * eg * kh[f];
+      rec[kRecQg + e] = eg * qh[f];
+      rec[kRecKd + e] = expf(GL[i] - G[f]) * kh[f];
+      Vb[sw(t, i, kD)] = bv[t] * xv[u];
+    }
+  }
+  for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
+  // Zeros of Aqk above the diagonal and of Akk at and above it, outside the diagonal pairs below.
+  for (int e = tid; e < kC * kC; e += kPrepThreads) {
+    const int t = e / kC, s = e % kC;
+    if (s / 16 > t / 16 || (s / 16 == t / 16 && s > t)) {
+      rec[kRecAqk + e] = 0.f;
+      Akk[e] = 0.f;
+    }
+  }
+
+  // Off the diagonal blocks, Aqk and Akk of row block J (rows r .. r + 15, columns s < r): the
+  // products of exp(G_t - G_r) q^_t, k^_t and exp(G_r - G_s) k^_s (both factors <= 1), their
+  // fragments formed from the tiles as they are read. A warp per (J, 8 columns): 12 units on
+  // warps 0..11. The diagonal blocks per element, exp(G_t - G_s) (s <= t): four (t, s) pairs of
+  // a block at once per warp, lanes over keys, on every warp.
+  if (warp < 12) {
+    const int J = warp < 2 ? 1 : warp < 6 ? 2 : 3;
+    const int r = 16 * J, n0 = 8 * (warp - (J == 1 ? 0 : J == 2 ? 2 : 6)), s = n0 + g;
+    const float* Gr = G + r * kPrepLd;
+    float aq[4] = {0.f, 0.f, 0.f, 0.f}, ak[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll 2
+    for (int k0 = 0; k0 < kD; k0 += 8) {
+      float fq[4], fk[4];
+#pragma unroll
+      for (int x = 0; x < 4; ++x) {
+        const int t = r + g + 8 * (x & 1), i = k0 + cq + 4 * (x >> 1), f = t * kPrepLd + i;
+        const float E = expf(G[f] - Gr[i]);
+        fq[x] = qh[f] * E;
+        fk[x] = kh[f] * E;
+      }
+      const int i0 = k0 + cq, i1 = i0 + 4;
+      const float b0 = kh[s * kPrepLd + i0] * expf(Gr[i0] - G[s * kPrepLd + i0]);
+      const float b1 = kh[s * kPrepLd + i1] * expf(Gr[i1] - G[s * kPrepLd + i1]);
+      uint32_t ah[4], al[4];
+      split_a(fq, ah, al);
+      mma_split<kSplit>(aq, ah, al, b0, b1);
+      split_a(fk, ah, al);
+      mma_split<kSplit>(ak, ah, al, b0, b1);
+    }
+#pragma unroll
+    for (int x = 0; x < 4; ++x) {
+      const int e = (r + g + 8 * (x >> 1)) * kC + n0 + 2 * cq + (x & 1);
+      rec[kRecAqk + e] = aq[x];
+      Akk[e] = ak[x];
+    }
+  }
+  for (int q0 = 4 * warp; q0 < 4 * 136; q0 += 4 * (kPrepThreads / 32)) {
+    float sq[4], sk[4];
+    int tq[4], sq_s[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const int J = q0 / 136;  // q0 is a multiple of 4 and 136 of 4: one block for all four
+      int tt, ss;
+      tri_pair(q0 % 136 + u, &tt, &ss);
+      const int t = 16 * J + tt, s = 16 * J + ss;
+      tq[u] = t;
+      sq_s[u] = s;
+      float a = 0.f, b = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int i = lane + 32 * e;
+        const float x = expf(G[t * kPrepLd + i] - G[s * kPrepLd + i]) * kh[s * kPrepLd + i];
+        a += qh[t * kPrepLd + i] * x;
+        b += kh[t * kPrepLd + i] * x;
+      }
+      sq[u] = a;
+      sk[u] = b;
+    }
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      sq[u] = warp_sum(sq[u]);
+      sk[u] = warp_sum(sk[u]);
+    }
+    if (lane == 0)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) {
+        rec[kRecAqk + tq[u] * kC + sq_s[u]] = sq[u];
+        Akk[tq[u] * kC + sq_s[u]] = sq_s[u] < tq[u] ? sk[u] : 0.f;
+      }
+  }
+  __syncthreads();
+
+  // X = (I + M)^-1, M = diag(b) Akk strictly lower triangular, by 16 x 16 blocks (fp32 FMA):
+  // the diagonal blocks X_II = (I + M_II)^-1 by forward substitution (a warp per block, a lane per
+  // column: X[t][j] = -b_t sum_{s < t} Akk[t][s] X[s][j], in s order), then by distance d = J - I
+  // the blocks below, X_JI = -X_JJ diag(b_J) sum_{I <= L < J} Akk_JL X_LI: three levels, two
+  // barriers each.
+  if (warp < 4 && lane < 16) {
+    const int o = 16 * warp, j = lane;
+    float x[16];
+#pragma unroll
+    for (int t = 0; t < 16; ++t) {
+      float sum = 0.f;
+#pragma unroll
+      for (int s2 = 0; s2 < t; ++s2) sum += Akk[(o + t) * kC + o + s2] * x[s2];
+      x[t] = t == j ? 1.f : t > j ? -bv[o + t] * sum : 0.f;
+    }
+#pragma unroll
+    for (int t = 0; t < 16; ++t) X[sw(o + t, o + j, kC)] = x[t];
+  } else if (warp >= 4) {
+    for (int e = tid - 128; e < kC * kC; e += kPrepThreads - 128) {  // above the blocks: zero
+      const int t = e / kC, s2 = e % kC;
+      if (s2 / 16 > t / 16) X[sw(t, s2, kC)] = 0.f;
     }
   }
   __syncthreads();
+  for (int d = 1; d < 4; ++d) {
+    const int pairs = 4 - d;  // (J, I) = (I + d, I), I = 0 .. pairs - 1
+    for (int e = tid; e < pairs * 256; e += kPrepThreads) {
+      const int I = e / 256, u = (e / 16) % 16, j = e % 16, J = I + d;
+      float sum = 0.f;
+      for (int L = I; L < J; ++L)
+#pragma unroll
+        for (int s2 = 0; s2 < 16; ++s2)
+          sum += Akk[(16 * J + u) * kC + 16 * L + s2] * X[sw(16 * L + s2, 16 * I + j, kC)];
+      T[e] = bv[16 * J + u] * sum;
+    }
+    __syncthreads();
+    for (int e = tid; e < pairs * 256; e += kPrepThreads) {
+      const int I = e / 256, t = (e / 16) % 16, j = e % 16, J = I + d;
+      float sum = 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u)
+        sum += X[sw(16 * J + t, 16 * J + u, kC)] * T[I * 256 + u * 16 + j];
+      X[sw(16 * J + t, 16 * I + j, kC)] = -sum;
+    }
+    __syncthreads();
+  }
+
+  // W = X (b exp(G) k^), Ut = X (b v); Akk and X into the record.
+  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
+                                [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
   gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
                                 [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
-
-  const float* GL = G + (kC - 1) * kD;  // rows >= L repeat G_{L-1}
-  for (int e = tid; e < kTile; e += kPrepThreads) {
-    const int i = e % kD;
-    rec[kRecQg + e] = expf(G[e]) * qh[e];
-    rec[kRecKd + e] = expf(GL[i] - G[e]) * kh[e];
-  }
   for (int e = tid; e < kC * kC; e += kPrepThreads) {
-    rec[kRecAqk + e] = Aqk[e];
     rec[kRecAkk + e] = Akk[e];
     rec[kRecX + e] = X[sw(e / kC, e % kC, kC)];
   }
-  for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
 }
 
 // ---------------------------------------------------------------------------------------------
