@@ -81,8 +81,9 @@ inline constexpr int kPrepSmemFloats = 3 * kC * kPrepLd + 2 * kC * kC + 2 * kTil
 inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
 // bwd_chunk_kernel's row groups of the elementwise pass (a thread per key column in each).
 inline constexpr int kChunkRowGroups = kChunkThreads / kD;
+inline constexpr int kChunkLd = kD + 4;  // row stride of its q^, k^, G, dG tiles
 inline constexpr int kChunkSmemFloats =
-    4 * kTile + 4 * kC * kC + (2 + kChunkRowGroups) * kD + 2 * kC;
+    4 * kC * kChunkLd + 4 * kC * kC + (2 + kChunkRowGroups) * kD + 2 * kC;
 inline constexpr int kPrepSmemBytes = kPrepSmemFloats * 4;
 inline constexpr int kPassSmemBytes = kPassSmemFloats * 4;
 inline constexpr int kChunkSmemBytes = kChunkSmemFloats * 4;
@@ -477,24 +478,6 @@ __device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
   while ((t + 1) * (t + 2) / 2 <= p) ++t;
   *tt = t;
   *ss = p - t * (t + 1) / 2;
-}
-
-// The operands of row block r / 16 against the columns s < r, every factor <= 1:
-// Qr, Kr [16][128] = exp(G_t - G_r) q^_t, k^_t (t = r .. r + 15); Kc [r][128] = exp(G_r - G_s)
-// k^_s; all three swizzled (gemm_tf32).
-__device__ __forceinline__ void stage_row_block(const float* qh, const float* kh, const float* G,
-                                                int r, float* Qr, float* Kr, float* Kc) {
-  const int n = static_cast<int>(blockDim.x);
-  for (int e = static_cast<int>(threadIdx.x); e < 16 * kD; e += n) {
-    const int t = r + e / kD, i = e % kD;
-    const float f = expf(G[t * kD + i] - G[r * kD + i]);
-    Qr[sw(e / kD, i, kD)] = qh[t * kD + i] * f;
-    Kr[sw(e / kD, i, kD)] = kh[t * kD + i] * f;
-  }
-  for (int e = static_cast<int>(threadIdx.x); e < r * kD; e += n) {
-    const int s = e / kD, i = e % kD;
-    Kc[sw(s, i, kD)] = kh[s * kD + i] * expf(G[r * kD + i] - G[s * kD + i]);
-  }
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -919,12 +902,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
+  // q^, k^, G and dG [64][kChunkLd] (padded rows: the intra-chunk products form their tf32
+  // fragments from them as they are read).
   float* qh = reinterpret_cast<float*>(smem);
-  float* kh = qh + kTile;
-  float* G = kh + kTile;
-  float* dG = G + kTile;
+  float* kh = qh + kC * kChunkLd;
+  float* G = kh + kC * kChunkLd;
+  float* dG = G + kC * kChunkLd;
   // Swizzled tiles (gemm_tf32): dAqk, dAkk, dX, T1.
-  float* dAqk = dG + kTile;                  // [64][64]
+  float* dAqk = dG + kC * kChunkLd;          // [64][64]
   float* dAkk = dAqk + kC * kC;              // [64][64] (dM first)
   float* dX = dAkk + kC * kC;                // [64][64]
   float* T1 = dX + kC * kC;                  // [64][64]
@@ -936,8 +921,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  float* sV = scr;             // v, then Kc
-  float* sdO = sV + kTile;     // dO, then Qr / Kr
+  float* sV = scr;             // v
+  float* sdO = sV + kTile;     // dO
   float* sU = sdO + kTile;     // U
   float* sdU0 = sU + kTile;    // dU
   float* sdW0 = sdU0 + kTile;  // dW
@@ -980,7 +965,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       prefetch_floats(rec + kRecKd, kRecFloats - kRecKd, 4);
       prefetch_floats(D, kStateFloats, 7);
     }
-    load_chunk(p, c, hv, qh, kh, G, bv);
+    load_chunk<kChunkLd>(p, c, hv, qh, kh, G, bv);
     // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's): a thread's loads of eight
     // elements issued before their stores.
     for (int e0 = tid; e0 < kTile; e0 += 8 * kChunkThreads) {
@@ -996,12 +981,12 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const int e = e0 + u * kChunkThreads, t = e / kD;
+        const int e = e0 + u * kChunkThreads, t = e / kD, f = t * kChunkLd + e % kD;
         sV[e] = xv[u];
         sVb[e] = bv[t] * xv[u];
         if constexpr (!kWg) sdO[e] = xo[u];
-        sKb[e] = bv[t] * expf(G[e]) * kh[e];
-        dG[e] = 0.f;
+        sKb[e] = bv[t] * expf(G[f]) * kh[f];
+        dG[f] = 0.f;
       }
     }
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
@@ -1078,7 +1063,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
         s += dVbp[t * kD + i] * sV[t * kD + i] +
-             dKbp[t * kD + i] * expf(G[t * kD + i]) * kh[t * kD + i];
+             dKbp[t * kD + i] * expf(G[t * kChunkLd + i]) * kh[t * kChunkLd + i];
       }
       s = warp_sum(s);
       if (lane == 0) db[t] = s;
@@ -1117,15 +1102,15 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     {
       const int i = tid & (kD - 1), part_t = tid >> 7;
       constexpr int kRows = kC / kChunkRowGroups;
-      const float gLi = G[(kC - 1) * kD + i];
+      const float gLi = G[(kC - 1) * kChunkLd + i];
       float acc = 0.f;
       for (int t = part_t * kRows; t < part_t * kRows + kRows; ++t) {
-        const int e = t * kD + i;
-        const float eg = expf(G[e]), el = expf(gLi - G[e]);
+        const int e = t * kD + i, f = t * kChunkLd + i;
+        const float eg = expf(G[f]), el = expf(gLi - G[f]);
         const float dKt = bv[t] * dKbp[e];
         const float dQg = dqh[e], dKd = dkh[e];
-        const float kdk = el * kh[e] * dKd;
-        dG[e] = eg * qh[e] * dQg + eg * kh[e] * dKt - kdk;
+        const float kdk = el * kh[f] * dKd;
+        dG[f] = eg * qh[f] * dQg + eg * kh[f] * dKt - kdk;
         acc += kdk;
         dqh[e] = eg * dQg;
         dkh[e] = eg * dKt + el * dKd;
@@ -1143,14 +1128,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       for (int l = 0; l < 16; ++l) akm[l] = 0.f;
 #pragma unroll
       for (int tt = 0; tt < 16; ++tt) {
-        const int t = r + tt;
-        const float gt = G[t * kD + i], qt = qh[t * kD + i], kt = kh[t * kD + i];
+        const int t = r + tt, f = t * kChunkLd + i;
+        const float gt = G[f], qt = qh[f], kt = kh[f];
         float aq = 0.f, akp = 0.f;
 #pragma unroll
         for (int ss = 0; ss <= tt; ++ss) {
           const int s = r + ss;
-          const float E = expf(gt - G[s * kD + i]);
-          const float ks = kh[s * kD + i] * E;
+          const float E = expf(gt - G[s * kChunkLd + i]);
+          const float ks = kh[s * kChunkLd + i] * E;
           const float wq = dAqk[sw(t, s, kC)];
           aq += wq * ks;
           akm[ss] += wq * qt * E;
@@ -1163,85 +1148,182 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         const int e = t * kD + i;
         dqh[e] += aq;
         dkh[e] += akp;
-        dG[e] += qt * aq + kt * akp;
+        dG[f] += qt * aq + kt * akp;
       }
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
-        const int e = (r + l) * kD + i;
+        const int e = (r + l) * kD + i, f = (r + l) * kChunkLd + i;
         dkh[e] += akm[l];
-        dG[e] -= kh[e] * akm[l];
+        dG[f] -= kh[f] * akm[l];
       }
     }
-    // Off-diagonal blocks of row block J: rows r..r+15 against columns s < r.
-    float* Kc = sV;   // [48][128] exp(G_r - G_s) k^_s
-    float* Qr = sdO;  // [16][128] exp(G_t - G_r) q^_t
-    float* Kr = sdO + 16 * kD;
-    for (int J = 1; J < 4; ++J) {
-      const int r = 16 * J;
-      __syncthreads();
-      stage_row_block(qh, kh, G, r, Qr, Kr, Kc);
-      __syncthreads();
-      // Rows t: dq^ += f_t (dAqk Kc), dk^ += f_t (dAkk Kc), dG += q^ (..) + k^ (..) (w = 0, 1).
+    __syncthreads();
+    // Off the diagonal blocks (docs/backward.md section 5), a warp per (row block, 32 keys): 12
+    // units of 16 x 32, their tf32 fragments formed from the tiles as they are read, every decay
+    // factor <= 1. Rows t of block J (r = 16 J) against the columns s < r:
+    //   x_q = exp(G_t - G_r) (dAqk Kc), x_k = exp(G_t - G_r) (dAkk Kc), Kc_s = exp(G_r - G_s) k^_s;
+    //   dq^ += x_q, dk^ += x_k, dG += q^ x_q + k^ x_k.
+    const int g = lane >> 2, cq = lane & 3;
+    if (warp < 12) {
+      const int J = 1 + warp / 4, r = 16 * J, n0 = 32 * (warp % 4);
+      const float* Gr = G + r * kChunkLd;
+      float aq[4][4], ak[4][4];
 #pragma unroll
-      for (int w = 0; w < 2; ++w) {
-        const float* dA = w == 0 ? dAqk : dAkk;
-        float* acc = w == 0 ? dqh : dkh;
-        const float* f = w == 0 ? qh : kh;
-        gemm_tf32<kSplit, true, true>(16, kD, r, dA + r * kC, kC, 1, Kc, kD, 1,
-                                      [&](int m, int n, float v) {
-                                        const int e = (r + m) * kD + n;
-                                        const float x = expf(G[e] - G[r * kD + n]) * v;
-                                        acc[e] += x;
-                                        dG[e] += f[e] * x;
-                                      });
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) aq[j][x] = ak[j][x] = 0.f;
+      for (int k0 = 0; k0 < r; k0 += 8) {
+        float fq[4], fk[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int t = r + g + 8 * (x & 1), s2 = k0 + cq + 4 * (x >> 1);
+          fq[x] = dAqk[sw(t, s2, kC)];
+          fk[x] = dAkk[sw(t, s2, kC)];
+        }
+        uint32_t qhi[4], qlo[4], khi[4], klo[4];
+        split_a(fq, qhi, qlo);
+        split_a(fk, khi, klo);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int n = n0 + 8 * j + g, s0 = k0 + cq, s1 = s0 + 4;
+          const float b0 = kh[s0 * kChunkLd + n] * expf(Gr[n] - G[s0 * kChunkLd + n]);
+          const float b1 = kh[s1 * kChunkLd + n] * expf(Gr[n] - G[s1 * kChunkLd + n]);
+          mma_split<kSplit>(aq[j], qhi, qlo, b0, b1);
+          mma_split<kSplit>(ak[j], khi, klo, b0, b1);
+        }
       }
-      // Columns s: dk^ += f_s (dAqk^T Qr + dAkk^T Kr), dG -= k^ (..).
 #pragma unroll
-      for (int w = 0; w < 2; ++w)
-        gemm_tf32<kSplit, true, true>(r, kD, 16, (w == 0 ? dAqk : dAkk) + r * kC, 1, kC,
-                                      w == 0 ? Qr : Kr, kD, 1, [&](int m, int n, float v) {
-                                        const int e = m * kD + n;
-                                        const float x = expf(G[r * kD + n] - G[e]) * v;
-                                        dkh[e] += x;
-                                        dG[e] -= kh[e] * x;
-                                      });
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+          const int e = t * kD + n, f = t * kChunkLd + n;
+          const float E = expf(G[f] - Gr[n]);
+          const float xq = E * aq[j][x], xk = E * ak[j][x];
+          dqh[e] += xq;
+          dkh[e] += xk;
+          dG[f] += qh[f] * xq + kh[f] * xk;
+        }
+    }
+    __syncthreads();
+    // Columns s of block I against the row blocks J > I (r = 16 J):
+    //   y = sum_J exp(G_r - G_s) (dAqk^T Qr + dAkk^T Kr), Qr_t, Kr_t = exp(G_t - G_r) q^_t, k^_t;
+    //   dk^ += y, dG -= k^ y.
+    if (warp < 12) {
+      const int I = warp / 4, n0 = 32 * (warp % 4);
+      float y[4][4];
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) y[j][x] = 0.f;
+      for (int J = I + 1; J < 4; ++J) {
+        const int r = 16 * J;
+        const float* Gr = G + r * kChunkLd;
+        float acc[4][4];
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) acc[j][x] = 0.f;
+#pragma unroll
+        for (int k0 = 0; k0 < 16; k0 += 8) {
+          float fq[4], fk[4];
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {  // A(s, t) = dA[t][s]
+            const int s2 = 16 * I + g + 8 * (x & 1), t = r + k0 + cq + 4 * (x >> 1);
+            fq[x] = dAqk[sw(t, s2, kC)];
+            fk[x] = dAkk[sw(t, s2, kC)];
+          }
+          uint32_t qhi[4], qlo[4], khi[4], klo[4];
+          split_a(fq, qhi, qlo);
+          split_a(fk, khi, klo);
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const int n = n0 + 8 * j + g, t0 = r + k0 + cq, t1 = t0 + 4;
+            const float e0 = expf(G[t0 * kChunkLd + n] - Gr[n]);
+            const float e1 = expf(G[t1 * kChunkLd + n] - Gr[n]);
+            mma_split<kSplit>(acc[j], qhi, qlo, qh[t0 * kChunkLd + n] * e0,
+                              qh[t1 * kChunkLd + n] * e1);
+            mma_split<kSplit>(acc[j], khi, klo, kh[t0 * kChunkLd + n] * e0,
+                              kh[t1 * kChunkLd + n] * e1);
+          }
+        }
+#pragma unroll
+        for (int j = 0; j < 4; ++j)
+#pragma unroll
+          for (int x = 0; x < 4; ++x) {
+            const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+            y[j][x] += expf(Gr[n] - G[s2 * kChunkLd + n]) * acc[j][x];
+          }
+      }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+          dkh[s2 * kD + n] += y[j][x];
+          dG[s2 * kChunkLd + n] -= kh[s2 * kChunkLd + n] * y[j][x];
+        }
     }
     __syncthreads();
 
-    // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t'; the gate chain.
-    if (tid < kD) {
-      const int i = tid;
+    // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t' (a reverse cumulative
+    // sum: per group of 16 tokens its total, then each group from the totals after it); the gate
+    // chain. A thread per (channel i, token group); the groups' A_log / dt_bias partials summed in
+    // group order. T1 (free now) holds the group totals and partials.
+    {
+      constexpr int kPer = kC / kChunkRowGroups;
+      const int i = tid & (kD - 1), grp = tid >> 7, t_lo = grp * kPer;
       const int last = c.L - 1;
       float kdk = 0.f;
 #pragma unroll
-      for (int r = 0; r < kChunkRowGroups; ++r) kdk += pgl[r * kD + i];
-      dG[last * kD + i] += kdk + dgl[i];
+      for (int q = 0; q < kChunkRowGroups; ++q) kdk += pgl[q * kD + i];
+      const float extra = kdk + dgl[i];
+      float graw[kPer];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int t = t_lo + u;
+        graw[u] = t <= last ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t, hv) + i) : 0.f;
+      }
+      float tot = 0.f;
+#pragma unroll
+      for (int u = kPer - 1; u >= 0; --u) {
+        const int t = t_lo + u;
+        if (t <= last) tot += dG[t * kChunkLd + i] + (t == last ? extra : 0.f);
+      }
+      float* gtot = T1;                          // [groups][128]
+      float* gpart = T1 + kChunkRowGroups * kD;  // [groups][2][128]
+      gtot[grp * kD + i] = tot;
+      __syncthreads();
+      float run = 0.f;
+      for (int q = kChunkRowGroups - 1; q > grp; --q) run += gtot[q * kD + i];
       const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
       const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
-      float run = 0.f, ddt = 0.f, dA = 0.f;
-      for (int t0 = last; t0 >= 0; t0 -= 8) {  // the gate inputs of eight tokens loaded at once
-        float graw[8];
+      float ddt = 0.f, dA = 0.f;
 #pragma unroll
-        for (int u = 0; u < 8; ++u)
-          graw[u] = t0 - u >= 0
-                        ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t0 - u, hv) + i)
-                        : 0.f;
-#pragma unroll
-        for (int u = 0; u < 8; ++u) {
-          const int t = t0 - u;
-          if (t < 0) break;
-          run += dG[t * kD + i];
-          float dadg, dadA;
-          gate_derivatives(p, graw[u], expA, bias, &dadg, &dadA);
-          const float dg = run * dadg;
-          ddt += dg;
-          dA += run * dadA;
-          if (P.dg.data != nullptr)
-            store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
-        }
+      for (int u = kPer - 1; u >= 0; --u) {
+        const int t = t_lo + u;
+        if (t > last) continue;
+        run += dG[t * kChunkLd + i] + (t == last ? extra : 0.f);
+        float dadg, dadA;
+        gate_derivatives(p, graw[u], expA, bias, &dadg, &dadA);
+        const float dg = run * dadg;
+        ddt += dg;
+        dA += run * dadA;
+        if (P.dg.data != nullptr)
+          store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
       }
-      part[i] = p.gate == detail::kGatePrecomputed ? 0.f : ddt;
-      misc[i] = dA;
+      gpart[(2 * grp) * kD + i] = ddt;
+      gpart[(2 * grp + 1) * kD + i] = dA;
+      __syncthreads();
+      if (tid < kD) {
+        float sd = 0.f, sa = 0.f;
+        for (int q = kChunkRowGroups - 1; q >= 0; --q) {
+          sd += gpart[(2 * q) * kD + i];
+          sa += gpart[(2 * q + 1) * kD + i];
+        }
+        part[i] = p.gate == detail::kGatePrecomputed ? 0.f : sd;
+        misc[i] = sa;
+      }
     }
     __syncthreads();
     if (warp == 0) {
