@@ -211,10 +211,11 @@ __device__ __forceinline__ void prefetch_rows(const Params& p, const ChunkTask& 
 
 // C(m, n) = sum_k A(m, k) B(k, n) over M x N x Kd (M a multiple of 16, N and Kd of 8), on tf32
 // mma.sync with fp32 accumulation: A(m, k) = a[m * a_rs + k * a_cs], B(k, n) = b[k * b_rs +
-// n * b_cs], shared or global memory. The block's warps take the 16 x 32 output tiles in turn;
-// each output element is handed once to epi(m, n, value) by the thread that owns it, and which
-// thread owns (m, n) depends only on M, N and the block size: two products of the same M x N may
-// update the same elements one after the other without a barrier.
+// n * b_cs], shared or global memory. The block's warps take the 16 x (8 kNj) output tiles in turn
+// (kNj = 2 gives a 64 x 64 product 16 tiles); each output element is handed once to epi(m, n,
+// value) by the thread that owns it, and which thread owns (m, n) depends only on M, N, kNj and
+// the block size: two products of the same M x N and kNj may update the same elements one after
+// the other without a barrier.
 // The k loop is software-pipelined: a ring of kGemmStages register sets of raw fragments, the
 // loads of k-step k + 8 (kGemmStages - 1) issued before the mma of step k, so that a step's loads
 // are in flight while the steps before it compute (the operands are often in global memory: an
@@ -286,25 +287,26 @@ __device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&af)[
 }
 
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
-template <bool kSplit, bool kSwA = false, bool kSwB = false, typename Epi>
+template <bool kSplit, bool kSwA = false, bool kSwB = false, int kNj = 4, typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int g = lane >> 2, c = lane & 3;
-  const int mt = M >> 4, nt = (N + 31) >> 5;
+  constexpr int kTn = 8 * kNj;  // the tile's columns
+  const int mt = M >> 4, nt = (N + kTn - 1) / kTn;
   for (int tile = warp; tile < mt * nt; tile += nwarps) {
-    const int m0 = (tile / nt) << 4, n0 = (tile % nt) << 5;
-    const int nj = (N - n0) >= 32 ? 4 : (N - n0) >> 3;
-    float acc[4][4];
+    const int m0 = (tile / nt) << 4, n0 = (tile % nt) * kTn;
+    const int nj = (N - n0) >= kTn ? kNj : (N - n0) >> 3;
+    float acc[kNj][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+    for (int j = 0; j < kNj; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
     const float* a0 = a + static_cast<int64_t>(m0 + g) * a_rs + static_cast<int64_t>(c) * a_cs;
     const float* a1 = a0 + static_cast<int64_t>(8) * a_rs;
     const float* b0 = b + static_cast<int64_t>(c) * b_rs + static_cast<int64_t>(n0 + g) * b_cs;
     // The raw fp32 fragments of k-step k0: av (A rows g, g + 8, columns c, c + 4), bv[j] (B rows
     // c, c + 4 of n-tile j).
-    auto load = [&](int k0, float(&av)[4], float(&bv)[4][2]) {
+    auto load = [&](int k0, float(&av)[4], float(&bv)[kNj][2]) {
       if constexpr (kSwA) {
         const int r = m0 + g, k = k0 + c;
         if (a_cs == 1) {
@@ -330,7 +332,7 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
         const int k = k0 + c;
         const bool rows_k = b_cs == 1;  // the tile's rows are k
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kNj; ++j) {
           const int n = n0 + 8 * j + g;
           bv[j][0] = j < nj ? b[rows_k ? sw(k, n, b_rs) : sw(n, k, b_cs)] : 0.f;
           bv[j][1] = j < nj ? b[rows_k ? sw(k + 4, n, b_rs) : sw(n, k + 4, b_cs)] : 0.f;
@@ -339,23 +341,23 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
         const float* bk = b0 + static_cast<int64_t>(k0) * b_rs;
         const float* bk4 = bk + static_cast<int64_t>(4) * b_rs;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
+        for (int j = 0; j < kNj; ++j) {
           const int64_t nn = static_cast<int64_t>(8 * j) * b_cs;
           bv[j][0] = j < nj ? bk[nn] : 0.f;
           bv[j][1] = j < nj ? bk4[nn] : 0.f;
         }
       }
     };
-    auto step = [&](const float(&av)[4], const float(&bv)[4][2]) {
+    auto step = [&](const float(&av)[4], const float(&bv)[kNj][2]) {
       uint32_t af[4], al[4];
       split_a(av, af, al);
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < kNj; ++j)
         if (j < nj) mma_split<kSplit>(acc[j], af, al, bv[j][0], bv[j][1]);
     };
     // Step k reads set (k / 8) % kGemmStages, after the load of step k + 8 (kGemmStages - 1) into
     // the set that step k - 8 freed.
-    float fa[kGemmStages][4], fb[kGemmStages][4][2];
+    float fa[kGemmStages][4], fb[kGemmStages][kNj][2];
 #pragma unroll
     for (int s = 0; s + 1 < kGemmStages; ++s)
       if (8 * s < Kd) load(8 * s, fa[s], fb[s]);
@@ -372,7 +374,7 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
       }
     }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < kNj; ++j) {
       if (j < nj) {
         const int n = n0 + 8 * j + 2 * c;
         epi(m0 + g, n, acc[j][0]);
@@ -1031,10 +1033,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     }
     __syncthreads();
     // dX = dW Kb^T + dU Vb^T.
-    gemm_tf32<kSplit>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
-                      [&](int m, int n, float v) { dX[sw(m, n, kC)] = v; });
-    gemm_tf32<kSplit>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
-                      [&](int m, int n, float v) { dX[sw(m, n, kC)] += v; });
+    gemm_tf32<kSplit, false, false, 2>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
+                                       [&](int m, int n, float v) { dX[sw(m, n, kC)] = v; });
+    gemm_tf32<kSplit, false, false, 2>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
+                                       [&](int m, int n, float v) { dX[sw(m, n, kC)] += v; });
     __syncthreads();
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
     if constexpr (!kWg) {
@@ -1043,12 +1045,12 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
                         [&](int m, int n, float v) { sVb[m * kD + n] = v; });
     }
-    gemm_tf32<kSplit, true, false>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
-                                   [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
+    gemm_tf32<kSplit, true, false, 2>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
+                                      [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
     __syncthreads();
     // dM = -X^T T1 (strictly lower part used).
-    gemm_tf32<kSplit, false, true>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
-                                   [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
+    gemm_tf32<kSplit, false, true, 2>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
+                                      [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
     // dAkk = b_t dM (s < t); dv = b_t dVb.
