@@ -852,14 +852,20 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     gemm_tf32<kSplit, true, true>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
                                   [&](int m, int n, float v) { dU[sw(m, n, kSlice)] += v; });
     __syncthreads();
+    // Kd is no longer read: W into its tile (from L2, where the step's prefetch put it) while
+    // Qg^T dO runs.
+    float* Ws = Kds;
+    copy_in(Ws, rec + kRecW, kTile, kD);
     // dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU
     // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
     gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
                                   [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
-    gemm_tf32<kSplit, false, true>(kD, kSlice, kC, rec + kRecW, 1, kD, dU, kSlice, 1,
-                                   [&](int m, int n, float v) { D[sw(m, n, kSlice)] -= v; });
+    cp_async_wait_all();
+    __syncthreads();
+    gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Ws, 1, kD, dU, kSlice, 1,
+                                  [&](int m, int n, float v) { D[sw(m, n, kSlice)] -= v; });
   }
   __syncthreads();
   const StateView& di = P.d_initial_state;
