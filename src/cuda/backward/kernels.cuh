@@ -153,6 +153,19 @@ __device__ __forceinline__ ChunkTask chunk_task(const Params& p, int64_t slot) {
   return c;
 }
 
+// Element `col` of token t's row (head `head`) of a token tensor as raw bits (load_bits_any),
+// loaded whether or not t is live (t >= L reads token 0, which every valid chunk has): a thread's
+// loads carry no branch and issue back to back; convert with token_value at the use. A load whose
+// conversion sits in the branch of `live ? load : 0` waits there, and every later load of the
+// thread waits behind it.
+__device__ __forceinline__ uint32_t token_bits(const StridedView& v, const ChunkTask& c, int t,
+                                               int head, int64_t col) {
+  return load_bits_any(v.data, v.dtype, v.offset(c.b, c.t0 + (t < c.L ? t : 0), head) + col);
+}
+__device__ __forceinline__ float token_value(uint32_t bits, const StridedView& v, bool live) {
+  return live ? bits_to_f32(bits, v.dtype) : 0.f;
+}
+
 // Element (key i, value j) of row `row`, head hv of a state tensor.
 __device__ __forceinline__ int64_t state_off(const StateView& s, bool kfirst, int64_t row, int hv,
                                              int i, int j) {
@@ -404,35 +417,39 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
   for (int e = 0; e < 4; ++e)
     bias[e] = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + lane + 32 * e] : 0.f;
   for (int t0 = warp; t0 < kC; t0 += kRows * nwarps) {
-    float xq[kRows][4], xk[kRows][4], xg[kRows][4], xb[kRows];
+    uint32_t bq[kRows][4], bk[kRows][4], bg[kRows][4], bb[kRows];
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int t = t0 + r * nwarps;
-      const bool live = t < c.L;
-      const int64_t tok = c.t0 + t;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
-        xq[r][e] = live ? load_any(p.q.data, p.q.dtype, p.q.offset(c.b, tok, h) + i) : 0.f;
-        xk[r][e] = live ? load_any(p.k.data, p.k.dtype, p.k.offset(c.b, tok, h) + i) : 0.f;
-        xg[r][e] = live ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, tok, hv) + i) : 0.f;
+        bq[r][e] = token_bits(p.q, c, t, h, i);
+        bk[r][e] = token_bits(p.k, c, t, h, i);
+        bg[r][e] = token_bits(p.g, c, t, hv, i);
       }
-      xb[r] = live && lane == 0 ? load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, tok, hv))
-                                : 0.f;
+      bb[r] = token_bits(p.beta, c, t, hv, 0);
     }
 #pragma unroll
     for (int r = 0; r < kRows; ++r) {
       const int t = t0 + r * nwarps;
       if (t >= kC) break;
       const bool live = t < c.L;
+      float xq[4], xk[4], xg[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        xq[e] = token_value(bq[r][e], p.q, live);
+        xk[e] = token_value(bk[r][e], p.k, live);
+        xg[e] = token_value(bg[r][e], p.g, live);
+      }
       float sq = 0.f, sk = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const int i = lane + 32 * e;
-        sq += xq[r][e] * xq[r][e];
-        sk += xk[r][e] * xk[r][e];
+        sq += xq[e] * xq[e];
+        sk += xk[e] * xk[e];
         float a = 0.f;
-        if (live) a = detail::log_decay<float>(p.gate, xg[r][e], expA, bias[e], p.lower_bound);
+        if (live) a = detail::log_decay<float>(p.gate, xg[e], expA, bias[e], p.lower_bound);
         G[t * kLd + i] = a;
       }
       sq = warp_sum(sq);
@@ -443,11 +460,13 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
           p.use_qk_l2norm ? 1.f / sqrtf(sk + static_cast<float>(detail::kL2NormEps)) : 1.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        qh[t * kLd + lane + 32 * e] = xq[r][e] * fq;
-        kh[t * kLd + lane + 32 * e] = xk[r][e] * fk;
+        qh[t * kLd + lane + 32 * e] = xq[e] * fq;
+        kh[t * kLd + lane + 32 * e] = xk[e] * fk;
       }
       if (lane == 0)
-        bv[t] = live ? detail::activate_beta<float>(p.beta_logits, p.allow_neg_eigval, xb[r]) : 0.f;
+        bv[t] = live ? detail::activate_beta<float>(p.beta_logits, p.allow_neg_eigval,
+                                                    bits_to_f32(bb[r], p.beta.dtype))
+                     : 0.f;
     }
   }
   __syncthreads();
@@ -517,11 +536,11 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   // exp(G) q^, exp(G_L - G) k^ and exp(G_L).
   const float* GL = G + (kC - 1) * kPrepLd;  // rows >= L repeat G_{L-1}
   for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {
-    float xv[8];
+    uint32_t xv[8];
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * kPrepThreads, t = e / kD, j = e % kD;
-      xv[u] = t < c.L ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
+      const int e = e0 + u * kPrepThreads;
+      xv[u] = token_bits(p.v, c, e / kD, hv, e % kD);
     }
 #pragma unroll
     for (int u = 0; u < 8; ++u) {
@@ -530,7 +549,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
       Kb[sw(t, i, kD)] = bv[t] * eg * kh[f];
       rec[kRecQg + e] = eg * qh[f];
       rec[kRecKd + e] = expf(GL[i] - G[f]) * kh[f];
-      Vb[sw(t, i, kD)] = bv[t] * xv[u];
+      Vb[sw(t, i, kD)] = bv[t] * token_value(xv[u], p.v, t < c.L);
     }
   }
   for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
@@ -831,18 +850,20 @@ __global__ void __launch_bounds__(kPassThreads, 2)
       out[(e / kSlice) * kD + t.j0 + e % kSlice] = D[sw(e / kSlice, e % kSlice, kSlice)];
     // dO: a thread's loads all issued before its stores.
     constexpr int kPer = kC * kSlice / kPassThreads;
-    float x[kPer];
+    uint32_t x[kPer] = {};
+    if (P.d_out.data != nullptr) {  // rows r >= L read row 0 (token_bits), stored as zero
 #pragma unroll
-    for (int u = 0; u < kPer; ++u) {
-      const int e = tid + u * kPassThreads, r = e / kSlice, j = t.j0 + e % kSlice;
-      x[u] = P.d_out.data != nullptr && r < L
-                 ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(t.sp.b, tok0 + r, t.hv) + j)
-                 : 0.f;
+      for (int u = 0; u < kPer; ++u) {
+        const int e = tid + u * kPassThreads, r = e / kSlice, j = t.j0 + e % kSlice;
+        x[u] = load_bits_any(P.d_out.data, P.d_out.dtype,
+                             P.d_out.offset(t.sp.b, tok0 + (r < L ? r : 0), t.hv) + j);
+      }
     }
 #pragma unroll
     for (int u = 0; u < kPer; ++u) {
       const int e = tid + u * kPassThreads;
-      dO[sw(e / kSlice, e % kSlice, kSlice)] = x[u];
+      dO[sw(e / kSlice, e % kSlice, kSlice)] =
+          P.d_out.data != nullptr && e / kSlice < L ? bits_to_f32(x[u], P.d_out.dtype) : 0.f;
     }
     cp_async_wait_all();
     __syncthreads();
@@ -977,15 +998,20 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's): a thread's loads of eight
     // elements issued before their stores.
     for (int e0 = tid; e0 < kTile; e0 += 8 * kChunkThreads) {
+      const bool has_do = !kWg && P.d_out.data != nullptr;
+      uint32_t bvv[8], bo[8];
+#pragma unroll
+      for (int u = 0; u < 8; ++u) {
+        const int e = e0 + u * kChunkThreads;
+        bvv[u] = token_bits(p.v, c, e / kD, hv, e % kD);
+        bo[u] = has_do ? token_bits(P.d_out, c, e / kD, hv, e % kD) : 0u;
+      }
       float xv[8], xo[8];
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
-        const int e = e0 + u * kChunkThreads, t = e / kD, j = e % kD;
-        const bool live = t < c.L;
-        xv[u] = live ? load_any(p.v.data, p.v.dtype, p.v.offset(c.b, c.t0 + t, hv) + j) : 0.f;
-        xo[u] = !kWg && live && P.d_out.data != nullptr
-                    ? load_any(P.d_out.data, P.d_out.dtype, P.d_out.offset(c.b, c.t0 + t, hv) + j)
-                    : 0.f;
+        const bool live = (e0 + u * kChunkThreads) / kD < c.L;
+        xv[u] = token_value(bvv[u], p.v, live);
+        xo[u] = token_value(bo[u], P.d_out, has_do && live);
       }
 #pragma unroll
       for (int u = 0; u < 8; ++u) {
@@ -1286,12 +1312,9 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int q = 0; q < kChunkRowGroups; ++q) kdk += pgl[q * kD + i];
       const float extra = kdk + dgl[i];
-      float graw[kPer];
+      uint32_t gbits[kPer];
 #pragma unroll
-      for (int u = 0; u < kPer; ++u) {
-        const int t = t_lo + u;
-        graw[u] = t <= last ? load_any(p.g.data, p.g.dtype, p.g.offset(c.b, c.t0 + t, hv) + i) : 0.f;
-      }
+      for (int u = 0; u < kPer; ++u) gbits[u] = token_bits(p.g, c, t_lo + u, hv, i);
       float tot = 0.f;
 #pragma unroll
       for (int u = kPer - 1; u >= 0; --u) {
@@ -1313,7 +1336,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         if (t > last) continue;
         run += dG[t * kChunkLd + i] + (t == last ? extra : 0.f);
         float dadg, dadA;
-        gate_derivatives(p, graw[u], expA, bias, &dadg, &dadA);
+        gate_derivatives(p, bits_to_f32(gbits[u], p.g.dtype), expA, bias, &dadg, &dadA);
         const float dg = run * dadg;
         ddt += dg;
         dA += run * dadA;

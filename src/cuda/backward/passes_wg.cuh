@@ -284,9 +284,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     uint32_t oh[4][4], ol[4][4];
     load_a(
         [&](int m, int tok) {
-          return has_do && tok < L ? load_any(P.d_out.data, P.d_out.dtype,
-                                              P.d_out.offset(t.sp.b, tok0 + tok, t.hv) + t.j0 + m)
-                                   : 0.f;
+          // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed.
+          const StridedView& src = has_do ? P.d_out : p.v;
+          const float x =
+              load_any(src.data, src.dtype, src.offset(t.sp.b, tok0 + (tok < L ? tok : 0), t.hv) +
+                                                t.j0 + m);
+          return has_do && tok < L ? x : 0.f;
         },
         oh, ol);
     __syncthreads();  // the previous step's products have completed: the tiles are free
@@ -401,6 +404,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   float* dkh = dqh + kTile;
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
+  // dO's loads are branch-free (token_bits): an absent dO reads v (same shape) and is zeroed.
+  const StridedView& dsrc = has_do ? P.d_out : p.v;
   const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
 
   // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
@@ -409,12 +414,12 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   stage_tile<kC, kC, false>(sb + kSpAqkT, rec + kRecAqk, 1, kC);
   for (int u = tid; u < kC * kD / 8; u += kSpThreads) {
     const int tok = u / (kD / 8), kb = u % (kD / 8);
+    uint32_t b[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) b[i] = token_bits(dsrc, c, tok, hv, 8 * kb + i);
     float x[8];
 #pragma unroll
-    for (int i = 0; i < 8; ++i)
-      x[i] = has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                            P.d_out.offset(c.b, c.t0 + tok, hv) + 8 * kb + i)
-                                 : 0.f;
+    for (int i = 0; i < 8; ++i) x[i] = token_value(b[i], dsrc, has_do && tok < c.L);
     uint4 h, l;
     split8(x, &h, &l);
     const int off = pf::sw128_offset(kC, tok, 16 * kb);
@@ -449,9 +454,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
     load_a(
         [&](int m, int tok) {
-          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                                P.d_out.offset(c.b, c.t0 + tok, hv) + j0 + m)
-                                     : 0.f;
+          return token_value(token_bits(dsrc, c, tok, hv, j0 + m), dsrc, has_do && tok < c.L);
         },
         oh, ol);
     load_a([&](int m, int k) { return D[k * kD + j0 + m]; }, ah, al);
@@ -549,9 +552,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     uint32_t oh[8][4], ol[8][4];
     load_a(
         [&](int tok, int k) {
-          return has_do && tok < c.L ? load_any(P.d_out.data, P.d_out.dtype,
-                                                P.d_out.offset(c.b, c.t0 + tok, hv) + k)
-                                     : 0.f;
+          return token_value(token_bits(dsrc, c, tok, hv, k), dsrc, has_do && tok < c.L);
         },
         oh, ol);
     wgmma_fence_acc(accU);
