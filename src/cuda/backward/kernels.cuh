@@ -726,6 +726,33 @@ __device__ __forceinline__ PassTask pass_task(const Params& p) {
   return t;
 }
 
+// The pass block's state slice (all keys, its kSlice values) of a state tensor into the swizzled
+// tile dst, zero where the tensor is absent: a thread's loads issued as a batch before their
+// conversions.
+__device__ __forceinline__ void load_state_slice(float* dst, const StateView& s, bool kfirst,
+                                                 const PassTask& t) {
+  constexpr int kBatch = 8, kN = kD * kSlice;
+  const int n = static_cast<int>(blockDim.x);
+  for (int e0 = static_cast<int>(threadIdx.x); e0 < kN; e0 += kBatch * n) {
+    uint32_t b[kBatch] = {};
+    if (s.data != nullptr)
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int e = e0 + u * n;
+        if (e < kN)
+          b[u] = load_bits_any(s.data, s.dtype,
+                               state_off(s, kfirst, t.n, t.hv, e / kSlice, t.j0 + e % kSlice));
+      }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * n;
+      if (e < kN)
+        dst[sw(e / kSlice, e % kSlice, kSlice)] =
+            s.data != nullptr ? bits_to_f32(b[u], s.dtype) : 0.f;
+    }
+  }
+}
+
 // L2 prefetches of what a pass step reads from device memory at chunk ch (a hint; nothing past the
 // sequence): the states pass, W and Ut (adjacent), Kd, exp(G_L); the reverse pass, Qg, Kd, Aqk
 // (adjacent), W, exp(G_L) and the chunk's rows of dO (kCols columns from t.j0; a thread per row:
@@ -776,14 +803,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_states_step(P, t, ch);
-  for (int e = tid; e < kD * kSlice; e += kPassThreads) {
-    const int i = e / kSlice, j = t.j0 + e % kSlice;
-    S[sw(i, e % kSlice, kSlice)] =
-        p.initial_state.data != nullptr
-            ? load_any(p.initial_state.data, p.initial_state.dtype,
-                       state_off(p.initial_state, p.kfirst, t.n, t.hv, i, j))
-            : 0.f;
-  }
+  load_state_slice(S, p.initial_state, p.kfirst, t);
   for (int64_t ch = 0; ch < t.chunks; ++ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
     const float* rec = P.rec + rs * kRecFloats;
@@ -828,12 +848,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   const int tid = threadIdx.x;
   const StateView& df = P.d_final_state;
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_dstates_step<kSlice>(P, t, t.chunks - 1 - ch);
-  for (int e = tid; e < kD * kSlice; e += kPassThreads) {
-    const int i = e / kSlice, j = t.j0 + e % kSlice;
-    D[sw(i, e % kSlice, kSlice)] =
-        df.data != nullptr ? load_any(df.data, df.dtype, state_off(df, p.kfirst, t.n, t.hv, i, j))
-                           : 0.f;
-  }
+  load_state_slice(D, df, p.kfirst, t);
   for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
     const float* rec = P.rec + rs * kRecFloats;

@@ -150,14 +150,18 @@ __device__ __forceinline__ int acc_col(int j, int e) {
 // transposed accumulator acc[key tile][e]; absent: zero / nothing.
 __device__ __forceinline__ void load_state_t(float (&acc)[16][4], const StateView& s, bool kfirst,
                                              int64_t n, int hv, int j0) {
+  const bool has = s.data != nullptr;  // one branch around all loads (none around each)
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
-    for (int e = 0; e < 4; ++e)
-      acc[j][e] = s.data != nullptr
-                      ? load_any(s.data, s.dtype,
-                                 state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)))
-                      : 0.f;
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  if (has)
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        acc[j][e] =
+            load_any(s.data, s.dtype, state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)));
 }
 __device__ __forceinline__ void store_state_t(const float (&acc)[16][4], const StateView& s,
                                               bool kfirst, int64_t n, int hv, int j0) {
@@ -286,9 +290,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         [&](int m, int tok) {
           // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed.
           const StridedView& src = has_do ? P.d_out : p.v;
-          const float x =
-              load_any(src.data, src.dtype, src.offset(t.sp.b, tok0 + (tok < L ? tok : 0), t.hv) +
-                                                t.j0 + m);
+          const float x = load_any(src.data, src.dtype,
+                                   src.offset(t.sp.b, tok0 + (tok < L ? tok : 0), t.hv) + t.j0 + m);
           return has_do && tok < L ? x : 0.f;
         },
         oh, ol);
