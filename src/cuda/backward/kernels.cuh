@@ -917,6 +917,25 @@ __global__ void __launch_bounds__(kPassThreads, 2)
 // 4. The chunk gradients
 // ---------------------------------------------------------------------------------------------
 
+// A fragments (tf32 hi and lo terms) of a warp's m16 k8 step from the swizzled 64 x 64 tiles dAqk
+// and dAkk: rows m0 + g (+ 8), columns k0 + c (+ 4) of A = dA, or kT: A(m, k) = dA[k][m].
+template <bool kT>
+__device__ __forceinline__ void da_fragments(const float* dAqk, const float* dAkk, int m0, int k0,
+                                             uint32_t (&qhi)[4], uint32_t (&qlo)[4],
+                                             uint32_t (&khi)[4], uint32_t (&klo)[4]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+  float fq[4], fk[4];
+#pragma unroll
+  for (int x = 0; x < 4; ++x) {
+    const int m = m0 + g + 8 * (x & 1), k = k0 + c + 4 * (x >> 1);
+    const int at = kT ? sw(k, m, kC) : sw(m, k, kC);
+    fq[x] = dAqk[at];
+    fk[x] = dAkk[at];
+  }
+  split_a(fq, qhi, qlo);
+  split_a(fk, khi, klo);
+}
+
 // Local derivatives of the gate (spec section 2) at one element: da/dg and da/dA_log.
 __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, float expA,
                                                  float bias, float* dadg, float* dadA) {
@@ -1222,16 +1241,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
         for (int x = 0; x < 4; ++x) aq[j][x] = ak[j][x] = 0.f;
       for (int k0 = 0; k0 < r; k0 += 8) {
-        float fq[4], fk[4];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int t = r + g + 8 * (x & 1), s2 = k0 + cq + 4 * (x >> 1);
-          fq[x] = dAqk[sw(t, s2, kC)];
-          fk[x] = dAkk[sw(t, s2, kC)];
-        }
         uint32_t qhi[4], qlo[4], khi[4], klo[4];
-        split_a(fq, qhi, qlo);
-        split_a(fk, khi, klo);
+        da_fragments<false>(dAqk, dAkk, r, k0, qhi, qlo, khi, klo);
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int n = n0 + 8 * j + g, s0 = k0 + cq, s1 = s0 + 4;
@@ -1275,16 +1286,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           for (int x = 0; x < 4; ++x) acc[j][x] = 0.f;
 #pragma unroll
         for (int k0 = 0; k0 < 16; k0 += 8) {
-          float fq[4], fk[4];
-#pragma unroll
-          for (int x = 0; x < 4; ++x) {  // A(s, t) = dA[t][s]
-            const int s2 = 16 * I + g + 8 * (x & 1), t = r + k0 + cq + 4 * (x >> 1);
-            fq[x] = dAqk[sw(t, s2, kC)];
-            fk[x] = dAkk[sw(t, s2, kC)];
-          }
           uint32_t qhi[4], qlo[4], khi[4], klo[4];
-          split_a(fq, qhi, qlo);
-          split_a(fk, khi, klo);
+          da_fragments<true>(dAqk, dAkk, 16 * I, r + k0, qhi, qlo, khi, klo);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             const int n = n0 + 8 * j + g, t0 = r + k0 + cq, t1 = t0 + 4;
