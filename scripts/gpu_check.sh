@@ -238,7 +238,8 @@ fi
 
 if has srcprofile && command -v ncu >/dev/null; then
   # Per-SASS-instruction stall samples of one kernel (PROFILE_KERNEL regex, default prepare) on
-  # PROFILE_CASES, exported as CSV (source page; the lines map to the source through -lineinfo).
+  # PROFILE_CASES, exported as CSV (source page; dev/sass_stalls.py sums them per source line
+  # through the binary's -lineinfo line table).
   # Cases T1 / T2 run the backward benchmark (e.g. PROFILE_CASES=T1 PROFILE_KERNEL=bwd_chunk).
   for c in ${PROFILE_CASES-P1}; do
     run=(./$B/bench/bench_gpu_prefill --case $c --no-check --iters 20); skip=1
