@@ -600,15 +600,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   for (int q0 = 4 * warp; q0 < 4 * 136; q0 += 4 * (kPrepThreads / 32)) {
     float sq[4], sk[4];
-    int tq[4], sq_s[4];
+    int rows[4], cols[4];  // the pairs (t, s)
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
       const int J = q0 / 136;  // q0 is a multiple of 4 and 136 of 4: one block for all four
       int tt, ss;
       tri_pair(q0 % 136 + u, &tt, &ss);
       const int t = 16 * J + tt, s = 16 * J + ss;
-      tq[u] = t;
-      sq_s[u] = s;
+      rows[u] = t;
+      cols[u] = s;
       float a = 0.f, b = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
@@ -628,8 +628,8 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     if (lane == 0)
 #pragma unroll
       for (int u = 0; u < 4; ++u) {
-        rec[kRecAqk + tq[u] * kC + sq_s[u]] = sq[u];
-        Akk[tq[u] * kC + sq_s[u]] = sq_s[u] < tq[u] ? sk[u] : 0.f;
+        rec[kRecAqk + rows[u] * kC + cols[u]] = sq[u];
+        Akk[rows[u] * kC + cols[u]] = cols[u] < rows[u] ? sk[u] : 0.f;
       }
   }
   __syncthreads();

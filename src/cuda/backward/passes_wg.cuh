@@ -150,18 +150,19 @@ __device__ __forceinline__ int acc_col(int j, int e) {
 // transposed accumulator acc[key tile][e]; absent: zero / nothing.
 __device__ __forceinline__ void load_state_t(float (&acc)[16][4], const StateView& s, bool kfirst,
                                              int64_t n, int hv, int j0) {
-  const bool has = s.data != nullptr;  // one branch around all loads (none around each)
+  // One branch around all the loads, none around each (a load converted inside a branch is
+  // waited for there).
 #pragma unroll
   for (int j = 0; j < 16; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
-  if (has)
+  if (s.data == nullptr) return;
 #pragma unroll
-    for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < 16; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        acc[j][e] =
-            load_any(s.data, s.dtype, state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)));
+    for (int e = 0; e < 4; ++e)
+      acc[j][e] =
+          load_any(s.data, s.dtype, state_off(s, kfirst, n, hv, acc_col(j, e), j0 + acc_row(e)));
 }
 __device__ __forceinline__ void store_state_t(const float (&acc)[16][4], const StateView& s,
                                               bool kfirst, int64_t n, int hv, int j0) {
@@ -288,7 +289,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     uint32_t oh[4][4], ol[4][4];
     load_a(
         [&](int m, int tok) {
-          // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed.
+          // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed
+          // (chosen here: held across the chunk loop it costs a spill).
           const StridedView& src = has_do ? P.d_out : p.v;
           const float x = load_any(src.data, src.dtype,
                                    src.offset(t.sp.b, tok0 + (tok < L ? tok : 0), t.hv) + t.j0 + m);
