@@ -530,6 +530,15 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   float* rec = P.rec + (slot * p.HV + hv) * static_cast<int64_t>(kRecFloats);
 
   prefetch_rows(p, c, hv, nullptr);  // for load_chunk and v
+  // One block per SM: the block that takes this SM next is about P.chunk_blocks (min(tasks, SMs))
+  // ahead; its token rows are prefetched too, so that its loads find them in L2.
+  {
+    const int64_t next = static_cast<int64_t>(blockIdx.x) + P.chunk_blocks;
+    if (P.chunk_blocks > 0 && next < p.num_slots * p.HV) {
+      const ChunkTask nc = chunk_task(p, next / p.HV);
+      if (nc.valid) prefetch_rows(p, nc, static_cast<int>(next % p.HV), nullptr);
+    }
+  }
   load_chunk<kPrepLd, 4>(p, c, hv, qh, kh, G, bv);
 
   // Kb = b exp(G) k^, Vb = b v (a thread's eight loads of v issued first); the record's
@@ -1019,9 +1028,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // L2 prefetch of what the task reads from the workspace, about in the order of use: the
     // record's W and Ut, S, the record's Kd .. exp(G_L), dS' (272 KB, the task's own footprint).
     // W, Ut and S were prefetched by the block's previous task (below): L2 hits then. kWg: of
-    // the record only Akk .. exp(G_L) (the rest was bwd_sprod_kernel's).
+    // the record only Akk .. exp(G_L) (the rest was bwd_sprod_kernel's), then bwd_sprod_kernel's
+    // results (uw, 145 KB: dAqk and the row sums read first, dU, dW, dKb, dVb in dX and db).
     if constexpr (kWg) {
       prefetch_floats(rec + kRecAkk, kRecFloats - kRecAkk, 0);
+      prefetch_floats(uw, kUwFloats, 2);
     } else {
       prefetch_floats(rec + kRecW, 2 * kTile, 0);
       prefetch_floats(S, kStateFloats, 2);
@@ -1319,9 +1330,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
 
     // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t' (a reverse cumulative
-    // sum: per group of 16 tokens its total, then each group from the totals after it); the gate
-    // chain. A thread per (channel i, token group); the groups' A_log / dt_bias partials summed in
-    // group order. T1 (free now) holds the group totals and partials.
+    // sum: per group of 16 tokens its total, then each group from the totals after it, da_t
+    // written over dG_t); the gate chain. A thread per (channel i, token group); the groups'
+    // A_log / dt_bias partials summed in group order. T1 (free now) holds the group totals and
+    // partials, the q^ tile the raw gate inputs. The gate derivatives run in a rolled loop: the
+    // gate forms and the dtype's store inlined once, not once per token (instruction fetch).
     {
       constexpr int kPer = kC / kChunkRowGroups;
       const int i = tid & (kD - 1), grp = tid >> 7, t_lo = grp * kPer;
@@ -1342,22 +1355,32 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       float* gtot = T1;                          // [groups][128]
       float* gpart = T1 + kChunkRowGroups * kD;  // [groups][2][128]
       gtot[grp * kD + i] = tot;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u)
+        qh[(t_lo + u) * kChunkLd + i] = bits_to_f32(gbits[u], p.g.dtype);
       __syncthreads();
       float run = 0.f;
       for (int q = kChunkRowGroups - 1; q > grp; --q) run += gtot[q * kD + i];
+#pragma unroll
+      for (int u = kPer - 1; u >= 0; --u) {
+        const int f = (t_lo + u) * kChunkLd + i;
+        if (t_lo + u > last) continue;
+        run += dG[f] + (t_lo + u == last ? extra : 0.f);
+        dG[f] = run;
+      }
       const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
       const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
       float ddt = 0.f, dA = 0.f;
-#pragma unroll
-      for (int u = kPer - 1; u >= 0; --u) {
-        const int t = t_lo + u;
-        if (t > last) continue;
-        run += dG[t * kChunkLd + i] + (t == last ? extra : 0.f);
+      const int t_hi = t_lo + kPer - 1 < last ? t_lo + kPer - 1 : last;
+#pragma unroll 1
+      for (int t = t_hi; t >= t_lo; --t) {
+        const int f = t * kChunkLd + i;
+        const float da = dG[f];
         float dadg, dadA;
-        gate_derivatives(p, bits_to_f32(gbits[u], p.g.dtype), expA, bias, &dadg, &dadA);
-        const float dg = run * dadg;
+        gate_derivatives(p, qh[f], expA, bias, &dadg, &dadA);
+        const float dg = da * dadg;
         ddt += dg;
-        dA += run * dadA;
+        dA += da * dadA;
         if (P.dg.data != nullptr)
           store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
       }
