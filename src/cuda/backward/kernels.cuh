@@ -411,11 +411,6 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int nwarps = static_cast<int>(blockDim.x >> 5);
   const int h = hv / p.groups;
-  const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
-  float bias[4];
-#pragma unroll
-  for (int e = 0; e < 4; ++e)
-    bias[e] = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + lane + 32 * e] : 0.f;
   for (int t0 = warp; t0 < kC; t0 += kRows * nwarps) {
     uint32_t bq[kRows][4], bk[kRows][4], bg[kRows][4], bb[kRows];
 #pragma unroll
@@ -448,9 +443,7 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
         const int i = lane + 32 * e;
         sq += xq[e] * xq[e];
         sk += xk[e] * xk[e];
-        float a = 0.f;
-        if (live) a = detail::log_decay<float>(p.gate, xg[e], expA, bias[e], p.lower_bound);
-        G[t * kLd + i] = a;
+        G[t * kLd + i] = xg[e];  // the raw gate input (0 where dead); its log decay below
       }
       sq = warp_sum(sq);
       sk = warp_sum(sk);
@@ -470,16 +463,22 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
     }
   }
   __syncthreads();
-  // Cumulative sum per channel in token order, in blockDim / 128 groups of consecutive tokens:
-  // each group's running sum, then the totals of the groups before it added.
+  // The log decay of each live token's gate input (one inlined copy of the gate forms: the
+  // loop is rolled, as code size, not latency, bounds this phase), and its cumulative sum per
+  // channel in token order, in blockDim / 128 groups of consecutive tokens: each group's running
+  // sum, then the totals of the groups before it added.
   const int groups = static_cast<int>(blockDim.x) / kD;
   const int i = static_cast<int>(threadIdx.x) % kD, grp = static_cast<int>(threadIdx.x) / kD;
   const int per = kC / groups, first = grp * per;
   float off = 0.f;
   if (grp < groups) {
+    const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
+    const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
     float run = 0.f;
+#pragma unroll 1
     for (int t = first; t < first + per; ++t) {
-      run += G[t * kLd + i];
+      if (t < c.L)
+        run += detail::log_decay<float>(p.gate, G[t * kLd + i], expA, bias, p.lower_bound);
       G[t * kLd + i] = run;
     }
   }
@@ -530,15 +529,6 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   float* rec = P.rec + (slot * p.HV + hv) * static_cast<int64_t>(kRecFloats);
 
   prefetch_rows(p, c, hv, nullptr);  // for load_chunk and v
-  // One block per SM: the block that takes this SM next is about P.chunk_blocks (min(tasks, SMs))
-  // ahead; its token rows are prefetched too, so that its loads find them in L2.
-  {
-    const int64_t next = static_cast<int64_t>(blockIdx.x) + P.chunk_blocks;
-    if (P.chunk_blocks > 0 && next < p.num_slots * p.HV) {
-      const ChunkTask nc = chunk_task(p, next / p.HV);
-      if (nc.valid) prefetch_rows(p, nc, static_cast<int>(next % p.HV), nullptr);
-    }
-  }
   load_chunk<kPrepLd, 4>(p, c, hv, qh, kh, G, bv);
 
   // Kb = b exp(G) k^, Vb = b v (a thread's eight loads of v issued first); the record's
@@ -609,12 +599,16 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   }
   for (int q0 = 4 * warp; q0 < 4 * 136; q0 += 4 * (kPrepThreads / 32)) {
     float sq[4], sk[4];
-    int rows[4], cols[4];  // the pairs (t, s)
+    int rows[4], cols[4];    // the pairs (t, s)
+    const int J = q0 / 136;  // q0 is a multiple of 4 and 136 of 4: one block for all four
+    int tt, ss;
+    tri_pair(q0 % 136, &tt, &ss);
 #pragma unroll
     for (int u = 0; u < 4; ++u) {
-      const int J = q0 / 136;  // q0 is a multiple of 4 and 136 of 4: one block for all four
-      int tt, ss;
-      tri_pair(q0 % 136 + u, &tt, &ss);
+      if (u > 0 && ++ss > tt) {  // the next pair in row-major order
+        ++tt;
+        ss = 0;
+      }
       const int t = 16 * J + tt, s = 16 * J + ss;
       rows[u] = t;
       cols[u] = s;
@@ -1205,13 +1199,16 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       float akm[16];
 #pragma unroll
       for (int l = 0; l < 16; ++l) akm[l] = 0.f;
-#pragma unroll
+        // Rolled over the rows (code size: the unrolled triangle did not stay in the instruction
+        // caches), the columns unrolled with a uniform exit so that akm stays in registers.
+#pragma unroll 1
       for (int tt = 0; tt < 16; ++tt) {
         const int t = r + tt, f = t * kChunkLd + i;
         const float gt = G[f], qt = qh[f], kt = kh[f];
         float aq = 0.f, akp = 0.f;
 #pragma unroll
-        for (int ss = 0; ss <= tt; ++ss) {
+        for (int ss = 0; ss < 16; ++ss) {
+          if (ss > tt) break;
           const int s = r + ss;
           const float E = expf(gt - G[s * kChunkLd + i]);
           const float ks = kh[s * kChunkLd + i] * E;

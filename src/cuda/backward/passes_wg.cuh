@@ -412,11 +412,6 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   // dO's loads are branch-free (token_bits): an absent dO reads v (same shape) and is zeroed.
   const StridedView& dsrc = has_do ? P.d_out : p.v;
   const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
-  // L2 prefetch of the operands read after the staging below: S, dS', Ut, X (a hint).
-  prefetch_floats(S, kStateFloats, 0);
-  prefetch_floats(D, kStateFloats, 2);
-  prefetch_floats(rec + kRecUt, kTile, 4);
-  prefetch_floats(rec + kRecX, kC * kC, 5);
 
   // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
   stage_tile<kC, kD, true>(sb + kSpW, rec + kRecW, kD, 1);
