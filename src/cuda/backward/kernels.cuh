@@ -939,6 +939,81 @@ __device__ __forceinline__ void da_fragments(const float* dAqk, const float* dAk
   split_a(fk, khi, klo);
 }
 
+// dX = dW Kb^T + dU Vb^T (64 x 64, K = 128 keys / values) with the four operands in device
+// memory ([64][128] row-major): staged by cp.async in 8 slices of 16 columns, double-buffered in
+// two free 16 KB tiles (buf0, buf1: operand o of a slice at o * 1024, element (r, kk) at r * 16 +
+// (kk ^ 4 ((r >> 1) & 3)), which puts a warp's fragment loads on 32 banks), so that the loads of
+// slice + 2 fly while slice is multiplied; from L2 directly, each k-step waited on them. Warp w
+// owns the 16 x 16 output tile (w / 4, w % 4) (16 warps); the mma of each product in k order, as
+// gemm_tf32<kSplit, .., 2> (the same sums), the two products added at the end. Ends with a
+// barrier; dX is swizzled (sw).
+inline constexpr int kDxSlice = 16;
+__device__ __forceinline__ int dx_slot(int r, int kk) {
+  return r * kDxSlice + (kk ^ (((r >> 1) & 3) << 2));
+}
+template <bool kSplit>
+__device__ __forceinline__ void dx_staged(const float* dW, const float* Kb, const float* dU,
+                                          const float* Vb, float* buf0, float* buf1, float* dX) {
+  static_assert(kChunkThreads == 512 && 4 * kC * kDxSlice == kC * kC, "dx_staged layout");
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, c = lane & 3, m0 = 16 * (warp >> 2), n0 = 16 * (warp & 3);
+  // Thread tid copies unit tid of operands 0, 1 (dW, Kb) and of operands 2, 3 (dU, Vb).
+  const int r = (tid >> 2) & (kC - 1), q = tid & 3, o = tid >> 8;
+  const float* src01 = (o == 0 ? dW : Kb) + r * kD + 4 * q;
+  const float* src23 = (o == 0 ? dU : Vb) + r * kD + 4 * q;
+  const int dst = o * kC * kDxSlice + dx_slot(r, 4 * q);
+  auto issue = [&](int slice, float* buf) {
+    cp_async_16(smem_addr(buf + dst), src01 + kDxSlice * slice);
+    cp_async_16(smem_addr(buf + 2 * kC * kDxSlice + dst), src23 + kDxSlice * slice);
+    cp_async_commit();
+  };
+  float acc[2][2][4];
+#pragma unroll
+  for (int p2 = 0; p2 < 2; ++p2)
+#pragma unroll
+    for (int j = 0; j < 2; ++j) acc[p2][j][0] = acc[p2][j][1] = acc[p2][j][2] = acc[p2][j][3] = 0.f;
+  issue(0, buf0);
+  issue(1, buf1);
+  constexpr int kSlices = kD / kDxSlice;
+#pragma unroll 1
+  for (int sl = 0; sl < kSlices; ++sl) {
+    float* buf = (sl & 1) ? buf1 : buf0;
+    if (sl + 1 < kSlices)
+      cp_async_wait<1>();
+    else
+      cp_async_wait<0>();
+    __syncthreads();
+#pragma unroll
+    for (int p2 = 0; p2 < 2; ++p2) {  // dW Kb^T, then dU Vb^T
+      const float* A = buf + (2 * p2) * kC * kDxSlice;
+      const float* B = A + kC * kDxSlice;
+#pragma unroll
+      for (int k0 = 0; k0 < kDxSlice; k0 += 8) {
+        const float av[4] = {A[dx_slot(m0 + g, k0 + c)], A[dx_slot(m0 + g + 8, k0 + c)],
+                             A[dx_slot(m0 + g, k0 + c + 4)], A[dx_slot(m0 + g + 8, k0 + c + 4)]};
+        uint32_t af[4], al[4];
+        split_a(av, af, al);
+#pragma unroll
+        for (int j = 0; j < 2; ++j) {
+          const int n = n0 + 8 * j + g;
+          mma_split<kSplit>(acc[p2][j], af, al, B[dx_slot(n, k0 + c)], B[dx_slot(n, k0 + c + 4)]);
+        }
+      }
+    }
+    __syncthreads();  // every warp's reads of buf are done
+    if (sl + 2 < kSlices) issue(sl + 2, buf);
+  }
+#pragma unroll
+  for (int j = 0; j < 2; ++j) {
+    const int n = n0 + 8 * j + 2 * c;
+    dX[sw(m0 + g, n, kC)] = acc[0][j][0] + acc[1][j][0];
+    dX[sw(m0 + g, n + 1, kC)] = acc[0][j][1] + acc[1][j][1];
+    dX[sw(m0 + g + 8, n, kC)] = acc[0][j][2] + acc[1][j][2];
+    dX[sw(m0 + g + 8, n + 1, kC)] = acc[0][j][3] + acc[1][j][3];
+  }
+  __syncthreads();
+}
+
 // Local derivatives of the gate (spec section 2) at one element: da/dg and da/dA_log.
 __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, float expA,
                                                  float bias, float* dadg, float* dadA) {
@@ -1103,12 +1178,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
                         [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     }
     __syncthreads();
-    // dX = dW Kb^T + dU Vb^T.
-    gemm_tf32<kSplit, false, false, 2>(kC, kC, kD, sdW, kD, 1, sKb, 1, kD,
-                                       [&](int m, int n, float v) { dX[sw(m, n, kC)] = v; });
-    gemm_tf32<kSplit, false, false, 2>(kC, kC, kD, sdU, kD, 1, sVb, 1, kD,
-                                       [&](int m, int n, float v) { dX[sw(m, n, kC)] += v; });
-    __syncthreads();
+    // dX = dW Kb^T + dU Vb^T, staged through the dAkk and T1 tiles (free until dM and T1).
+    dx_staged<kSplit>(sdW, sKb, sdU, sVb, dAkk, T1, dX);
     // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
     if constexpr (!kWg) {
       gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
