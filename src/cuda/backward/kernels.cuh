@@ -1049,12 +1049,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kC * kChunkLd;
   float* G = kh + kC * kChunkLd;
   float* dG = G + kC * kChunkLd;
-  // Swizzled tiles (gemm_tf32): dAqk, dAkk, dX, T1.
-  float* dAqk = dG + kC * kChunkLd;          // [64][64]
-  float* dAkk = dAqk + kC * kC;              // [64][64] (dM first)
-  float* dX = dAkk + kC * kC;                // [64][64]
-  float* T1 = dX + kC * kC;                  // [64][64]
-  float* dgl = T1 + kC * kC;                 // [128] exp(G_L) * rowsum(S * dS')
+  // Swizzled tiles (gemm_tf32): dAqk, dAkk, Xs, T1.
+  float* dAqk = dG + kC * kChunkLd;  // [64][64]
+  float* dAkk = dAqk + kC * kC;      // [64][64]: dX first, then dM, then dAkk
+  float* Xs = dAkk + kC * kC;        // [64][64]: dX's staging buffer, then X
+  float* T1 = Xs + kC * kC;          // [64][64]
+  float* dgl = T1 + kC * kC;         // [128] exp(G_L) * rowsum(S * dS')
+  float* dX = dAkk;
   float* pgl = dgl + kD;                     // [row groups][128] partial sums of Kd * dKd over t
   float* misc = pgl + kChunkRowGroups * kD;  // [128]
   float* bv = misc + kD;                     // [64]
@@ -1178,21 +1179,26 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
                         [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     }
     __syncthreads();
-    // dX = dW Kb^T + dU Vb^T, staged through the dAkk and T1 tiles (free until dM and T1).
-    dx_staged<kSplit>(sdW, sKb, sdU, sVb, dAkk, T1, dX);
-    // dKb = X^T dW, dVb = X^T dU (over the Kb / Vb tiles, no longer read); T1 = dX X^T.
+    // dX = dW Kb^T + dU Vb^T, staged through the Xs and T1 tiles (free until X and T1).
+    dx_staged<kSplit>(sdW, sKb, sdU, sVb, Xs, T1, dX);
+    // X from the record into Xs (swizzled) for T1 and dM; meanwhile (!kWg) dKb = X^T dW,
+    // dVb = X^T dU over the Kb / Vb tiles, no longer read.
+    copy_in(Xs, rec + kRecX, kC * kC, kC);
     if constexpr (!kWg) {
       gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
                         [&](int m, int n, float v) { sKb[m * kD + n] = v; });
       gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdU, kD, 1,
                         [&](int m, int n, float v) { sVb[m * kD + n] = v; });
     }
-    gemm_tf32<kSplit, true, false, 2>(kC, kC, kC, dX, kC, 1, rec + kRecX, 1, kC,
-                                      [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
+    cp_async_wait_all();
     __syncthreads();
-    // dM = -X^T T1 (strictly lower part used).
-    gemm_tf32<kSplit, false, true, 2>(kC, kC, kC, rec + kRecX, 1, kC, T1, kC, 1,
-                                      [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
+    // T1 = dX X^T.
+    gemm_tf32<kSplit, true, true, 2>(kC, kC, kC, dX, kC, 1, Xs, 1, kC,
+                                     [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
+    __syncthreads();
+    // dM = -X^T T1 (strictly lower part used), over dX (read above).
+    gemm_tf32<kSplit, true, true, 2>(kC, kC, kC, Xs, 1, kC, T1, kC, 1,
+                                     [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
     // dAkk = b_t dM (s < t); dv = b_t dVb.
