@@ -1201,35 +1201,54 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
                                      [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
     __syncthreads();
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
-    // dAkk = b_t dM (s < t); dv = b_t dVb.
-    for (int t = warp; t < kC; t += kChunkThreads / 32) {
-      float s = 0.f;
+    // dAkk = b_t dM (s < t); dv = b_t dVb. Two rows at a time, their device-memory loads (Akk,
+    // dVb, v, dKb) issued before either row's stores (which the compiler may not move them above).
+    static_assert(kC % (2 * (kChunkThreads / 32)) == 0, "rows per warp");
+#pragma unroll 1
+    for (int t0 = warp; t0 < kC; t0 += 2 * (kChunkThreads / 32)) {
+      float xa[2][2], xvb[2][4], xv[2][4], xkb[2][4];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int u = lane + 32 * e;
-        s += u < t ? dAkk[sw(t, u, kC)] * rec[kRecAkk + t * kC + u] : 0.f;
-      }
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = t0 + r2 * (kChunkThreads / 32);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = lane + 32 * e;
-        s += dVbp[t * kD + i] * sV[t * kD + i] +
-             dKbp[t * kD + i] * expf(G[t * kChunkLd + i]) * kh[t * kChunkLd + i];
-      }
-      s = warp_sum(s);
-      if (lane == 0) db[t] = s;
-      const float b = bv[t];
-#pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int u = lane + 32 * e;
-        dAkk[sw(t, u, kC)] = u < t ? b * dAkk[sw(t, u, kC)] : 0.f;
-      }
-      if (P.dv.data != nullptr && t < c.L)
+        for (int e = 0; e < 2; ++e) xa[r2][e] = rec[kRecAkk + t * kC + lane + 32 * e];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const int j = lane + 32 * e;
-          store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + j,
-                    b * dVbp[t * kD + j]);
+          const int i = lane + 32 * e;
+          xvb[r2][e] = dVbp[t * kD + i];
+          xv[r2][e] = sV[t * kD + i];
+          xkb[r2][e] = dKbp[t * kD + i];
         }
+      }
+#pragma unroll
+      for (int r2 = 0; r2 < 2; ++r2) {
+        const int t = t0 + r2 * (kChunkThreads / 32);
+        float s = 0.f;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int u = lane + 32 * e;
+          s += u < t ? dAkk[sw(t, u, kC)] * xa[r2][e] : 0.f;
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int i = lane + 32 * e;
+          s += xvb[r2][e] * xv[r2][e] +
+               xkb[r2][e] * expf(G[t * kChunkLd + i]) * kh[t * kChunkLd + i];
+        }
+        s = warp_sum(s);
+        if (lane == 0) db[t] = s;
+        const float b = bv[t];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const int u = lane + 32 * e;
+          dAkk[sw(t, u, kC)] = u < t ? b * dAkk[sw(t, u, kC)] : 0.f;
+        }
+        if (P.dv.data != nullptr && t < c.L)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            store_any(P.dv.data, P.dv.dtype, P.dv.offset(c.b, c.t0 + t, hv) + lane + 32 * e,
+                      b * xvb[r2][e]);
+      }
     }
     // The record and states are no longer read: L2 prefetch of what the block's next task reads
     // first (its W, Ut and S, its token rows), so that its start does not wait on HBM. Not all of
@@ -1253,17 +1272,33 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       const int i = tid & (kD - 1), part_t = tid >> 7;
       constexpr int kRows = kC / kChunkRowGroups;
       const float gLi = G[(kC - 1) * kChunkLd + i];
+      // In batches of 8 rows whose device-memory loads (dKb, dq^, dk^) issue before any of the
+      // batch's stores: the compiler may not move a load above a store that could alias it,
+      // so row by row each row's loads waited on an L2 round trip.
+      constexpr int kBatch = 8;
       float acc = 0.f;
-      for (int t = part_t * kRows; t < part_t * kRows + kRows; ++t) {
-        const int e = t * kD + i, f = t * kChunkLd + i;
-        const float eg = expf(G[f]), el = expf(gLi - G[f]);
-        const float dKt = bv[t] * dKbp[e];
-        const float dQg = dqh[e], dKd = dkh[e];
-        const float kdk = el * kh[f] * dKd;
-        dG[f] = eg * qh[f] * dQg + eg * kh[f] * dKt - kdk;
-        acc += kdk;
-        dqh[e] = eg * dQg;
-        dkh[e] = eg * dKt + el * dKd;
+#pragma unroll 1
+      for (int t0 = part_t * kRows; t0 < part_t * kRows + kRows; t0 += kBatch) {
+        float xb[kBatch], xq[kBatch], xk[kBatch];
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int e = (t0 + u) * kD + i;
+          xb[u] = dKbp[e];
+          xq[u] = dqh[e];
+          xk[u] = dkh[e];
+        }
+#pragma unroll
+        for (int u = 0; u < kBatch; ++u) {
+          const int t = t0 + u, e = t * kD + i, f = t * kChunkLd + i;
+          const float eg = expf(G[f]), el = expf(gLi - G[f]);
+          const float dKt = bv[t] * xb[u];
+          const float dQg = xq[u], dKd = xk[u];
+          const float kdk = el * kh[f] * dKd;
+          dG[f] = eg * qh[f] * dQg + eg * kh[f] * dKt - kdk;
+          acc += kdk;
+          dqh[e] = eg * dQg;
+          dkh[e] = eg * dKt + el * dKd;
+        }
       }
       pgl[part_t * kD + i] = acc;
     }
