@@ -1311,11 +1311,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       float akm[16];
 #pragma unroll
       for (int l = 0; l < 16; ++l) akm[l] = 0.f;
-        // Rolled over the rows (code size: the unrolled triangle did not stay in the instruction
-        // caches), the columns unrolled with a uniform exit so that akm stays in registers.
+      // Rolled over the rows (code size: the unrolled triangle did not stay in the instruction
+      // caches), the columns unrolled with a uniform exit so that akm stays in registers. Row
+      // t + 1's dq^, dk^ are loaded before row t's are stored (the compiler may not move a load
+      // above a store that could alias it): one device-memory round trip per row, overlapped.
+      float nq = dqh[r * kD + i], nk = dkh[r * kD + i];
 #pragma unroll 1
       for (int tt = 0; tt < 16; ++tt) {
         const int t = r + tt, f = t * kChunkLd + i;
+        const float oq = nq, ok = nk;
+        if (tt + 1 < 16) {
+          nq = dqh[(t + 1) * kD + i];
+          nk = dkh[(t + 1) * kD + i];
+        }
         const float gt = G[f], qt = qh[f], kt = kh[f];
         float aq = 0.f, akp = 0.f;
 #pragma unroll
@@ -1334,14 +1342,18 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           }
         }
         const int e = t * kD + i;
-        dqh[e] += aq;
-        dkh[e] += akp;
+        dqh[e] = oq + aq;
+        dkh[e] = ok + akp;
         dG[f] += qt * aq + kt * akp;
       }
+      // Column sums: the 16 rows' dk^ loaded together, then updated.
+      float xk[16];
+#pragma unroll
+      for (int l = 0; l < 16; ++l) xk[l] = dkh[(r + l) * kD + i];
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
         const int e = (r + l) * kD + i, f = (r + l) * kChunkLd + i;
-        dkh[e] += akm[l];
+        dkh[e] = xk[l] + akm[l];
         dG[f] -= kh[f] * akm[l];
       }
     }
