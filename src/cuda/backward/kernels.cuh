@@ -1384,18 +1384,28 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           mma_split<kSplit>(ak[j], khi, klo, b0, b1);
         }
       }
+      // Per n8 tile, its dq^, dk^ loaded before any is stored (a store that could alias them
+      // would hold each load back).
 #pragma unroll
-      for (int j = 0; j < 4; ++j)
+      for (int j = 0; j < 4; ++j) {
+        float oq[4], ok[4];
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+          oq[x] = dqh[t * kD + n];
+          ok[x] = dkh[t * kD + n];
+        }
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
           const int e = t * kD + n, f = t * kChunkLd + n;
           const float E = expf(G[f] - Gr[n]);
           const float xq = E * aq[j][x], xk = E * ak[j][x];
-          dqh[e] += xq;
-          dkh[e] += xk;
+          dqh[e] = oq[x] + xq;
+          dkh[e] = ok[x] + xk;
           dG[f] += qh[f] * xq + kh[f] * xk;
         }
+      }
     }
     __syncthreads();
     // Columns s of block I against the row blocks J > I (r = 16 J):
@@ -1439,12 +1449,20 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
             y[j][x] += expf(Gr[n] - G[s2 * kChunkLd + n]) * acc[j][x];
           }
       }
+      float ok[4][4];  // the 16 dk^ elements loaded together, then updated
 #pragma unroll
       for (int j = 0; j < 4; ++j)
 #pragma unroll
         for (int x = 0; x < 4; ++x) {
           const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
-          dkh[s2 * kD + n] += y[j][x];
+          ok[j][x] = dkh[s2 * kD + n];
+        }
+#pragma unroll
+      for (int j = 0; j < 4; ++j)
+#pragma unroll
+        for (int x = 0; x < 4; ++x) {
+          const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+          dkh[s2 * kD + n] = ok[j][x] + y[j][x];
           dG[s2 * kChunkLd + n] -= kh[s2 * kChunkLd + n] * y[j][x];
         }
     }
