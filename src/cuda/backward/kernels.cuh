@@ -967,11 +967,7 @@ __device__ __forceinline__ void dx_staged(const float* dW, const float* Kb, cons
     cp_async_16(smem_addr(buf + 2 * kC * kDxSlice + dst), src23 + kDxSlice * slice);
     cp_async_commit();
   };
-  float acc[2][2][4];
-#pragma unroll
-  for (int p2 = 0; p2 < 2; ++p2)
-#pragma unroll
-    for (int j = 0; j < 2; ++j) acc[p2][j][0] = acc[p2][j][1] = acc[p2][j][2] = acc[p2][j][3] = 0.f;
+  float acc[2][2][4] = {};  // [product][n8 tile]
   issue(0, buf0);
   issue(1, buf1);
   constexpr int kSlices = kD / kDxSlice;
@@ -1052,10 +1048,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   // Swizzled tiles (gemm_tf32): dAqk, dAkk, Xs, T1.
   float* dAqk = dG + kC * kChunkLd;  // [64][64]
   float* dAkk = dAqk + kC * kC;      // [64][64]: dX first, then dM, then dAkk
-  float* Xs = dAkk + kC * kC;        // [64][64]: dX's staging buffer, then X
-  float* T1 = Xs + kC * kC;          // [64][64]
-  float* dgl = T1 + kC * kC;         // [128] exp(G_L) * rowsum(S * dS')
   float* dX = dAkk;
+  float* Xs = dAkk + kC * kC;                // [64][64]: dX's staging buffer, then X
+  float* T1 = Xs + kC * kC;                  // [64][64]
+  float* dgl = T1 + kC * kC;                 // [128] exp(G_L) * rowsum(S * dS')
   float* pgl = dgl + kD;                     // [row groups][128] partial sums of Kd * dKd over t
   float* misc = pgl + kChunkRowGroups * kD;  // [128]
   float* bv = misc + kD;                     // [64]
@@ -1367,11 +1363,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     if (warp < 12) {
       const int J = 1 + warp / 4, r = 16 * J, n0 = 32 * (warp % 4);
       const float* Gr = G + r * kChunkLd;
-      float aq[4][4], ak[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) aq[j][x] = ak[j][x] = 0.f;
+      float aq[4][4] = {}, ak[4][4] = {};
       for (int k0 = 0; k0 < r; k0 += 8) {
         uint32_t qhi[4], qlo[4], khi[4], klo[4];
         da_fragments<false>(dAqk, dAkk, r, k0, qhi, qlo, khi, klo);
@@ -1413,19 +1405,11 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     //   dk^ += y, dG -= k^ y.
     if (warp < 12) {
       const int I = warp / 4, n0 = 32 * (warp % 4);
-      float y[4][4];
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) y[j][x] = 0.f;
+      float y[4][4] = {};
       for (int J = I + 1; J < 4; ++J) {
         const int r = 16 * J;
         const float* Gr = G + r * kChunkLd;
-        float acc[4][4];
-#pragma unroll
-        for (int j = 0; j < 4; ++j)
-#pragma unroll
-          for (int x = 0; x < 4; ++x) acc[j][x] = 0.f;
+        float acc[4][4] = {};
 #pragma unroll
         for (int k0 = 0; k0 < 16; k0 += 8) {
           uint32_t qhi[4], qlo[4], khi[4], klo[4];
