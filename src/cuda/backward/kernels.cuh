@@ -278,7 +278,8 @@ static_assert(swizzle_ok(32) && swizzle_ok(64) && swizzle_ok(128), "swizzle bank
 // One k8 step of a warp's m16n8 tile on tf32 mma.sync: A's fragment av (rows g, g + 8, columns
 // c, c + 4) split into tf32 hi and lo terms once (split_a), then per n8 tile with B's b0, b1 (rows
 // c, c + 4, column g): kSplit, the three products lo hi, hi lo, hi hi in that order (3xTF32),
-// else hi hi.
+// else hi hi. kBTf32: B's values are tf32 numbers (bf16 or fp16 inputs), whose lo term is zero, so
+// the hi lo product (which would add exactly zero) is skipped.
 __device__ __forceinline__ void split_a(const float (&av)[4], uint32_t (&af)[4],
                                         uint32_t (&al)[4]) {
 #pragma unroll
@@ -287,20 +288,22 @@ __device__ __forceinline__ void split_a(const float (&av)[4], uint32_t (&af)[4],
     al[e] = f32_to_tf32(av[e] - __uint_as_float(af[e]));
   }
 }
-template <bool kSplit>
+template <bool kSplit, bool kBTf32 = false>
 __device__ __forceinline__ void mma_split(float (&acc)[4], const uint32_t (&af)[4],
                                           const uint32_t (&al)[4], float b0, float b1) {
   const uint32_t b0h = f32_to_tf32(b0), b1h = f32_to_tf32(b1);
   if constexpr (kSplit) {
     mma_tf32(acc, al, b0h, b1h);
-    mma_tf32(acc, af, f32_to_tf32(b0 - __uint_as_float(b0h)),
-             f32_to_tf32(b1 - __uint_as_float(b1h)));
+    if constexpr (!kBTf32)
+      mma_tf32(acc, af, f32_to_tf32(b0 - __uint_as_float(b0h)),
+               f32_to_tf32(b1 - __uint_as_float(b1h)));
   }
   mma_tf32(acc, af, b0h, b1h);
 }
 
 inline constexpr int kGemmStages = 4;  // fragment sets of gemm_tf32: loads 3 k-steps ahead
-template <bool kSplit, bool kSwA = false, bool kSwB = false, int kNj = 4, typename Epi>
+template <bool kSplit, bool kSwA = false, bool kSwB = false, int kNj = 4, bool kBTf32 = false,
+          typename Epi>
 __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, int a_rs, int a_cs,
                                           const float* b, int b_rs, int b_cs, Epi&& epi) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -366,7 +369,7 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
       split_a(av, af, al);
 #pragma unroll
       for (int j = 0; j < kNj; ++j)
-        if (j < nj) mma_split<kSplit>(acc[j], af, al, bv[j][0], bv[j][1]);
+        if (j < nj) mma_split<kSplit, kBTf32>(acc[j], af, al, bv[j][0], bv[j][1]);
     };
     // Step k reads set (k / 8) % kGemmStages, after the load of step k + 8 (kGemmStages - 1) into
     // the set that step k - 8 freed.
@@ -850,6 +853,8 @@ __global__ void __launch_bounds__(kPassThreads, 2)
   const PassTask t = pass_task(p);
   const int tid = threadIdx.x;
   const StateView& df = P.d_final_state;
+  // dO's values are tf32 numbers unless it is fp32 (absent: zeros).
+  const bool do_tf32 = P.d_out.data == nullptr || P.d_out.dtype != kF32;
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_dstates_step<kSlice>(P, t, t.chunks - 1 - ch);
   load_state_slice(D, df, p.kfirst, t);
   for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
@@ -886,8 +891,13 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     cp_async_wait_all();
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
-    gemm_tf32<kSplit, true, true>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
-                                  [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
+    if (do_tf32)
+      gemm_tf32<kSplit, true, true, 4, true>(
+          kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+          [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
+    else
+      gemm_tf32<kSplit, true, true>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+                                    [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
     gemm_tf32<kSplit, true, true>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
                                   [&](int m, int n, float v) { dU[sw(m, n, kSlice)] += v; });
     __syncthreads();
@@ -899,8 +909,13 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
-    gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
-                                  [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
+    if (do_tf32)
+      gemm_tf32<kSplit, true, true, 4, true>(
+          kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+          [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
+    else
+      gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+                                    [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
     cp_async_wait_all();
     __syncthreads();
     gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Ws, 1, kD, dU, kSlice, 1,
