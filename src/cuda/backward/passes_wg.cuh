@@ -20,33 +20,39 @@
 
 namespace kda::cuda::bw {
 
-inline constexpr int kWgThreads = 128;  // one warpgroup
-inline constexpr int kWgCols = 64;      // value columns per block
+inline constexpr int kWgThreads = 256;  // two warpgroups: the products (0) and the staging (1)
+inline constexpr int kWgWarpgroup = 128;
+inline constexpr int kWgCols = 64;  // value columns per block
 inline constexpr int kWgSlices = kD / kWgCols;
 
 // A bf16 tile of `rows` rows and K columns (K-major, 128-byte swizzle): rows * K * 2 bytes.
 __host__ __device__ constexpr int wg_tile_bytes(int rows, int K) { return rows * K * 2; }
-// Shared memory: hi and lo tiles of each B operand, then exp(G_L) [128] fp32. The tiles start at
+// Shared memory: two buffers (steps alternate between them), each the hi and lo tiles of every B
+// operand of a step; then per buffer exp(G_L) [128] fp32 (and, in the states pass, the step's
+// slice of Ut [64 tokens][kWgUtLd] fp32); then the mbarriers full[2], empty[2]. The tiles start at
 // multiples of 1024 bytes (the swizzle's period) from a 1024-byte aligned base.
 // States pass: Wr (rows: 64 tokens, K: 128 keys) and KdT (rows: 128 keys, K: 64 tokens).
 inline constexpr int kWgStWr = 0;
 inline constexpr int kWgStKdT = kWgStWr + 2 * wg_tile_bytes(kC, kD);
-inline constexpr int kWgStGL = kWgStKdT + 2 * wg_tile_bytes(kD, kC);
-inline constexpr int kWgStatesSmem = kWgStGL + kD * 4 + 1024;  // + alignment slack
+inline constexpr int kWgStBuf = kWgStKdT + 2 * wg_tile_bytes(kD, kC);  // one buffer's tiles
+inline constexpr int kWgUtLd = kWgCols + 4;   // Ut's row stride: the accumulator reads on 32 banks
+inline constexpr int kWgStGL = 2 * kWgStBuf;  // [2][128]
+inline constexpr int kWgStUt = kWgStGL + 2 * kD * 4;  // [2][64][kWgUtLd]
+inline constexpr int kWgStBar = kWgStUt + 2 * kC * kWgUtLd * 4;
+inline constexpr int kWgStatesSmem = kWgStBar + 32 + 1024;  // + alignment slack
 // Reverse pass: Kdr (rows: 64 tokens, K: 128 keys), AqkT (rows: 64 tokens s, K: 64 tokens t), QgT
 // and WT (rows: 128 keys, K: 64 tokens).
 inline constexpr int kWgDsKdr = 0;
 inline constexpr int kWgDsAqkT = kWgDsKdr + 2 * wg_tile_bytes(kC, kD);
 inline constexpr int kWgDsQgT = kWgDsAqkT + 2 * wg_tile_bytes(kC, kC);
 inline constexpr int kWgDsWT = kWgDsQgT + 2 * wg_tile_bytes(kD, kC);
-inline constexpr int kWgDsGL = kWgDsWT + 2 * wg_tile_bytes(kD, kC);
-inline constexpr int kWgDStatesSmem = kWgDsGL + kD * 4 + 1024;
-// The states pass fits two blocks per SM (2 x (smem + 1 KB reserved) within the SM's 228 KB), the
-// reverse pass one (its 4 KB over half would need the tiles restaged between its two products).
-static_assert(2 * (kWgStatesSmem + 1024) <= 233472 && kWgDStatesSmem <= 232448,
-              "pass blocks per SM");
-static_assert(kWgStKdT % 1024 == 0 && kWgDsAqkT % 1024 == 0 && kWgDsQgT % 1024 == 0 &&
-                  kWgDsWT % 1024 == 0,
+inline constexpr int kWgDsBuf = kWgDsWT + 2 * wg_tile_bytes(kD, kC);
+inline constexpr int kWgDsGL = 2 * kWgDsBuf;  // [2][128]
+inline constexpr int kWgDsBar = kWgDsGL + 2 * kD * 4;
+inline constexpr int kWgDStatesSmem = kWgDsBar + 32 + 1024;
+static_assert(kWgStatesSmem <= 232448 && kWgDStatesSmem <= 232448, "pass shared memory");
+static_assert(kWgStKdT % 1024 == 0 && kWgStBuf % 1024 == 0 && kWgDsAqkT % 1024 == 0 &&
+                  kWgDsQgT % 1024 == 0 && kWgDsWT % 1024 == 0 && kWgDsBuf % 1024 == 0,
               "tiles at the swizzle period");
 
 // x as two bf16 terms hi + lo, eight of them packed as two 16-byte rows.
@@ -67,11 +73,13 @@ __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo
 // with ks == 1 the units of a row go to consecutive threads (contiguous 32-byte reads), otherwise
 // the rows do (rs == 1: consecutive threads read consecutive addresses).
 template <int kRows, int kK, bool kKContiguous>
-__device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks) {
+__device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks,
+                                           int t0 = static_cast<int>(threadIdx.x),
+                                           int nt = static_cast<int>(blockDim.x)) {
   constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
   uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
 #pragma unroll 2
-  for (int u = static_cast<int>(threadIdx.x); u < kUnits; u += static_cast<int>(blockDim.x)) {
+  for (int u = t0; u < kUnits; u += nt) {
     const int n = kKContiguous ? u / kGroups : u % kRows;
     const int kb = kKContiguous ? u % kGroups : u / kRows;
     float x[8];
@@ -211,8 +219,48 @@ __device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&
     }
 }
 
+// Both passes run two warpgroups: warpgroup 1 stages the record parts of a step (fp32 from device
+// memory, where the L2 prefetch kPassPrefetch steps earlier put them, into bf16 hi + lo tiles) into
+// one of two buffers while warpgroup 0 runs the products of the step before on the other. Buffer
+// b = step % 2 has an mbarrier full[b] (one arrival: the stager's, after its writes and the proxy
+// fence) and empty[b] (an arrival per product warp, once the step's wgmma have completed).
+struct WgPipe {
+  uint32_t full, empty;  // shared addresses of full[0] and empty[0]; [1] at + 8
+};
+__device__ __forceinline__ WgPipe wg_pipe_init(uint8_t* bars) {
+  const uint32_t a = smem_addr(bars);
+  if (threadIdx.x == 0) {
+    mbar_init(a, 1);
+    mbar_init(a + 8, 1);
+    mbar_init(a + 16, kWgWarpgroup / 32);
+    mbar_init(a + 24, kWgWarpgroup / 32);
+    fence_mbar_init();
+  }
+  __syncthreads();
+  return {a, a + 16};
+}
+// The stager before writing buffer i % 2 for step i: step i - 2's products have completed.
+__device__ __forceinline__ void wg_stage_acquire(const WgPipe& w, int64_t i) {
+  if (i >= 2)
+    mbar_wait(w.empty + 8 * static_cast<uint32_t>(i & 1), static_cast<uint32_t>((i / 2 - 1) & 1));
+}
+// The stager after its writes of step i: visible to the products' wgmma (async proxy).
+__device__ __forceinline__ void wg_stage_release(const WgPipe& w, int64_t i) {
+  fence_proxy_async();
+  named_barrier_sync(1, kWgWarpgroup);
+  if (threadIdx.x == kWgWarpgroup) mbar_arrive(w.full + 8 * static_cast<uint32_t>(i & 1));
+}
+__device__ __forceinline__ void wg_consume_acquire(const WgPipe& w, int64_t i) {
+  mbar_wait(w.full + 8 * static_cast<uint32_t>(i & 1), static_cast<uint32_t>((i / 2) & 1));
+}
+// After step i's wgmma have completed (wgmma_wait<0>): its buffer is free.
+__device__ __forceinline__ void wg_consume_release(const WgPipe& w, int64_t i) {
+  __syncwarp();
+  if ((threadIdx.x & 31) == 0) mbar_arrive(w.empty + 8 * static_cast<uint32_t>(i & 1));
+}
+
 // S at every chunk start.
-__global__ void __launch_bounds__(kWgThreads, 2)
+__global__ void __launch_bounds__(kWgThreads, 1)
     bwd_states_wg_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem_raw[];
@@ -220,48 +268,67 @@ __global__ void __launch_bounds__(kWgThreads, 2)
   const Params& p = P.f;
   const PassTask t = pass_task<kWgCols>(p);
   const int tid = threadIdx.x;
-  float* gl = reinterpret_cast<float*>(sb + kWgStGL);
+  const WgPipe w = wg_pipe_init(sb + kWgStBar);
+  if (tid >= kWgWarpgroup) {  // the stager
+    const int st = tid - kWgWarpgroup;
+    for (int64_t ch = 0; ch < t.chunks; ++ch) {
+      const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+      const int b = static_cast<int>(ch & 1);
+      uint8_t* buf = sb + b * kWgStBuf;
+      float* gl = reinterpret_cast<float*>(sb + kWgStGL) + b * kD;
+      float* ut = reinterpret_cast<float*>(sb + kWgStUt) + b * kC * kWgUtLd;
+      wg_stage_acquire(w, ch);
+      stage_tile<kC, kD, true>(buf + kWgStWr, rec + kRecW, kD, 1, st, kWgWarpgroup);
+      stage_tile<kD, kC, false>(buf + kWgStKdT, rec + kRecKd, 1, kD, st, kWgWarpgroup);
+      if (st < kD / 4)
+        reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
+      for (int e = st; e < kC * kWgCols / 4; e += kWgWarpgroup) {
+        const int r = e / (kWgCols / 4), c4 = e % (kWgCols / 4);
+        *reinterpret_cast<float4*>(ut + r * kWgUtLd + 4 * c4) =
+            *reinterpret_cast<const float4*>(rec + kRecUt + r * kD + t.j0 + 4 * c4);
+      }
+      wg_stage_release(w, ch);
+    }
+    return;
+  }
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   for (int ch = 0; ch < kPassPrefetch; ++ch) prefetch_states_step(P, t, ch);
   float accS[16][4];
   load_state_t(accS, p.initial_state, p.kfirst, t.n, t.hv, t.j0);
   for (int64_t ch = 0; ch < t.chunks; ++ch) {
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
-    const float* rec = P.rec + rs * kRecFloats;
+    const int b = static_cast<int>(ch & 1);
+    const float* gl = reinterpret_cast<const float*>(sb + kWgStGL) + b * kD;
+    const float* ut = reinterpret_cast<const float*>(sb + kWgStUt) + b * kC * kWgUtLd;
     prefetch_states_step(P, t, ch + kPassPrefetch);
     store_ws_t(accS, P.states + rs * kStateFloats, t.j0);
-    // U^T starts as Ut^T (this block's columns).
+    uint32_t sh[8][4], sl[8][4];
+    pf::bf16_hi_lo_operands(accS, sh, sl);
+    wg_consume_acquire(w, ch);
+    // U^T = Ut^T - S^T W^T  (K: 128 keys), U^T starting as Ut^T (this block's columns).
     float accU[8][4];
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + t.j0 + acc_row(e)];
-    __syncthreads();  // the previous step's products have completed: the tiles are free
-    stage_tile<kC, kD, true>(sb + kWgStWr, rec + kRecW, kD, 1);
-    stage_tile<kD, kC, false>(sb + kWgStKdT, rec + kRecKd, 1, kD);
-    if (tid < kD / 4)
-      reinterpret_cast<float4*>(gl)[tid] = reinterpret_cast<const float4*>(rec + kRecGL)[tid];
-    fence_proxy_async();
-    __syncthreads();
-    // U^T = Ut^T - S^T W^T  (K: 128 keys)
-    uint32_t sh[8][4], sl[8][4];
-    pf::bf16_hi_lo_operands(accS, sh, sl);
+      for (int e = 0; e < 4; ++e) accU[j][e] = ut[acc_col(j, e) * kWgUtLd + acc_row(e)];
     wgmma_fence_acc(accU);
     wgmma_fence_acc(sh);
     wgmma_fence_acc(sl);
     wgmma_fence();
-    wg_product<8, -1>(accU, sh, sl, dlo, kWgStWr, kC, kD);
+    wg_product<8, -1>(accU, sh, sl, dlo, b * kWgStBuf + kWgStWr, kC, kD);
     // S^T <- S^T diag(exp(G_L)) + U^T Kd  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
     wg_between(accU, accS, gl, uh, ul);
-    wg_product<16, 1>(accS, uh, ul, dlo, kWgStKdT, kD, kC);
+    wg_product<16, 1>(accS, uh, ul, dlo, b * kWgStBuf + kWgStKdT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_acc(accS);
+    wg_consume_release(w, ch);
   }
 }
 
-// dS' of every chunk (stored before the chunk is reversed) and d_initial_state.
+// dS' of every chunk (stored before the chunk is reversed) and d_initial_state. Steps run over
+// the chunks in reverse: step i is chunk chunks - 1 - i.
 __global__ void __launch_bounds__(kWgThreads, 1)
     bwd_dstates_wg_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -270,16 +337,38 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   const Params& p = P.f;
   const PassTask t = pass_task<kWgCols>(p);
   const int tid = threadIdx.x;
-  float* gl = reinterpret_cast<float*>(sb + kWgDsGL);
+  const WgPipe w = wg_pipe_init(sb + kWgDsBar);
+  if (tid >= kWgWarpgroup) {  // the stager
+    const int st = tid - kWgWarpgroup;
+    for (int64_t i = 0; i < t.chunks; ++i) {
+      const int64_t ch = t.chunks - 1 - i;
+      const float* rec = P.rec + ((t.sp.base + ch) * p.HV + t.hv) * kRecFloats;
+      const int b = static_cast<int>(i & 1);
+      uint8_t* buf = sb + b * kWgDsBuf;
+      float* gl = reinterpret_cast<float*>(sb + kWgDsGL) + b * kD;
+      wg_stage_acquire(w, i);
+      stage_tile<kC, kD, true>(buf + kWgDsKdr, rec + kRecKd, kD, 1, st, kWgWarpgroup);
+      stage_tile<kC, kC, false>(buf + kWgDsAqkT, rec + kRecAqk, 1, kC, st, kWgWarpgroup);
+      stage_tile<kD, kC, false>(buf + kWgDsQgT, rec + kRecQg, 1, kD, st, kWgWarpgroup);
+      stage_tile<kD, kC, false>(buf + kWgDsWT, rec + kRecW, 1, kD, st, kWgWarpgroup);
+      if (st < kD / 4)
+        reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
+      wg_stage_release(w, i);
+    }
+    return;
+  }
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
   for (int ch = 0; ch < kPassPrefetch; ++ch)
     prefetch_dstates_step<kWgCols>(P, t, t.chunks - 1 - ch);
   float accD[16][4];
   load_state_t(accD, P.d_final_state, p.kfirst, t.n, t.hv, t.j0);
-  for (int64_t ch = t.chunks - 1; ch >= 0; --ch) {
+  for (int64_t i = 0; i < t.chunks; ++i) {
+    const int64_t ch = t.chunks - 1 - i;
     const int64_t rs = (t.sp.base + ch) * p.HV + t.hv;
-    const float* rec = P.rec + rs * kRecFloats;
+    const int b = static_cast<int>(i & 1);
+    const float* gl = reinterpret_cast<const float*>(sb + kWgDsGL) + b * kD;
+    const int off = b * kWgDsBuf;
     const int64_t tok0 = t.sp.bos + ch * kC;
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
     prefetch_dstates_step<kWgCols>(P, t, ch - kPassPrefetch);
@@ -297,39 +386,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
           return has_do && tok < L ? x : 0.f;
         },
         oh, ol);
-    __syncthreads();  // the previous step's products have completed: the tiles are free
-    stage_tile<kC, kD, true>(sb + kWgDsKdr, rec + kRecKd, kD, 1);
-    stage_tile<kC, kC, false>(sb + kWgDsAqkT, rec + kRecAqk, 1, kC);
-    stage_tile<kD, kC, false>(sb + kWgDsQgT, rec + kRecQg, 1, kD);
-    stage_tile<kD, kC, false>(sb + kWgDsWT, rec + kRecW, 1, kD);
-    if (tid < kD / 4)
-      reinterpret_cast<float4*>(gl)[tid] = reinterpret_cast<const float4*>(rec + kRecGL)[tid];
-    fence_proxy_async();
-    __syncthreads();
-    // dU^T = dO^T Aqk + dS'^T Kd^T  (K: 64 tokens, then 128 keys)
-    float accU[8][4];
-#pragma unroll
-    for (int j = 0; j < 8; ++j)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+    wg_consume_acquire(w, i);
     uint32_t dh[8][4], dl[8][4];
     pf::bf16_hi_lo_operands(accD, dh, dl);
+    // dU^T = dO^T Aqk + dS'^T Kd^T  (K: 64 tokens, then 128 keys)
+    float accU[8][4] = {};
     wgmma_fence_acc(accU);
     wgmma_fence_acc(oh);
     wgmma_fence_acc(ol);
     wgmma_fence_acc(dh);
     wgmma_fence_acc(dl);
     wgmma_fence();
-    wg_product<8, 1>(accU, oh, ol, dlo, kWgDsAqkT, kC, kC);
-    wg_product<8, 1>(accU, dh, dl, dlo, kWgDsKdr, kC, kD);
+    wg_product<8, 1>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
+    wg_product<8, 1>(accU, dh, dl, dlo, off + kWgDsKdr, kC, kD);
     // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
     wg_between(accU, accD, gl, uh, ul);
-    wg_product<16, 1>(accD, oh, ol, dlo, kWgDsQgT, kD, kC);
-    wg_product<16, -1>(accD, uh, ul, dlo, kWgDsWT, kD, kC);
+    wg_product<16, 1>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
+    wg_product<16, -1>(accD, uh, ul, dlo, off + kWgDsWT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_acc(accD);
+    wg_consume_release(w, i);
   }
   store_state_t(accD, P.d_initial_state, p.kfirst, t.n, t.hv, t.j0);
 }
