@@ -69,34 +69,48 @@ __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo
 }
 
 // B operand tile (rows x K, element (n, k) = src[n * rs + k * ks], fp32 in device memory) into
-// the bf16 hi tile at `hi` and the lo tile right after it. A thread per (row, 8 columns) unit:
-// with ks == 1 the units of a row go to consecutive threads (contiguous 32-byte reads), otherwise
-// the rows do (rs == 1: consecutive threads read consecutive addresses).
-template <int kRows, int kK, bool kKContiguous>
+// the bf16 hi tile at `hi` and the lo tile right after it, by threads t0, t0 + 1, .. (nt of
+// them). A thread per (row, 8 columns) unit: with ks == 1 the units of a row go to consecutive
+// threads (contiguous 32-byte reads), otherwise the rows do (rs == 1: consecutive threads read
+// consecutive addresses). A thread's units are loaded in batches of kBatch, each batch's loads
+// issued before its stores (a store to shared memory through a generic pointer may alias a later
+// load, so the compiler would not move the loads up itself).
+template <int kRows, int kK, bool kKContiguous, int kBatch = 4>
 __device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks,
                                            int t0 = static_cast<int>(threadIdx.x),
                                            int nt = static_cast<int>(blockDim.x)) {
   constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
   uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
-#pragma unroll 2
-  for (int u = t0; u < kUnits; u += nt) {
-    const int n = kKContiguous ? u / kGroups : u % kRows;
-    const int kb = kKContiguous ? u % kGroups : u / kRows;
-    float x[8];
-    if constexpr (kKContiguous) {
-      const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
-      const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
-      x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z,
-      x[7] = b.w;
-    } else {
+#pragma unroll 1
+  for (int u0 = t0; u0 < kUnits; u0 += kBatch * nt) {
+    float x[kBatch][8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = src[n * rs + (8 * kb + i) * ks];
+    for (int v = 0; v < kBatch; ++v) {
+      const int u = u0 + v * nt < kUnits ? u0 + v * nt : t0;  // past the end: a unit reread
+      const int n = kKContiguous ? u / kGroups : u % kRows;
+      const int kb = kKContiguous ? u % kGroups : u / kRows;
+      if constexpr (kKContiguous) {
+        const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
+        const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
+        x[v][0] = a.x, x[v][1] = a.y, x[v][2] = a.z, x[v][3] = a.w, x[v][4] = b.x, x[v][5] = b.y,
+        x[v][6] = b.z, x[v][7] = b.w;
+      } else {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) x[v][i] = src[n * rs + (8 * kb + i) * ks];
+      }
     }
-    uint4 h, l;
-    split8(x, &h, &l);
-    const int off = pf::sw128_offset(kRows, n, 16 * kb);
-    *reinterpret_cast<uint4*>(hi + off) = h;
-    *reinterpret_cast<uint4*>(lo + off) = l;
+#pragma unroll
+    for (int v = 0; v < kBatch; ++v) {
+      const int u = u0 + v * nt;
+      if (u >= kUnits) break;
+      const int n = kKContiguous ? u / kGroups : u % kRows;
+      const int kb = kKContiguous ? u % kGroups : u / kRows;
+      uint4 h, l;
+      split8(x[v], &h, &l);
+      const int off = pf::sw128_offset(kRows, n, 16 * kb);
+      *reinterpret_cast<uint4*>(hi + off) = h;
+      *reinterpret_cast<uint4*>(lo + off) = l;
+    }
   }
 }
 
@@ -278,8 +292,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       float* gl = reinterpret_cast<float*>(sb + kWgStGL) + b * kD;
       float* ut = reinterpret_cast<float*>(sb + kWgStUt) + b * kC * kWgUtLd;
       wg_stage_acquire(w, ch);
-      stage_tile<kC, kD, true>(buf + kWgStWr, rec + kRecW, kD, 1, st, kWgWarpgroup);
-      stage_tile<kD, kC, false>(buf + kWgStKdT, rec + kRecKd, 1, kD, st, kWgWarpgroup);
+      stage_tile<kC, kD, true, 8>(buf + kWgStWr, rec + kRecW, kD, 1, st, kWgWarpgroup);
+      stage_tile<kD, kC, false, 8>(buf + kWgStKdT, rec + kRecKd, 1, kD, st, kWgWarpgroup);
       if (st < kD / 4)
         reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
       for (int e = st; e < kC * kWgCols / 4; e += kWgWarpgroup) {
@@ -347,10 +361,10 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       uint8_t* buf = sb + b * kWgDsBuf;
       float* gl = reinterpret_cast<float*>(sb + kWgDsGL) + b * kD;
       wg_stage_acquire(w, i);
-      stage_tile<kC, kD, true>(buf + kWgDsKdr, rec + kRecKd, kD, 1, st, kWgWarpgroup);
-      stage_tile<kC, kC, false>(buf + kWgDsAqkT, rec + kRecAqk, 1, kC, st, kWgWarpgroup);
-      stage_tile<kD, kC, false>(buf + kWgDsQgT, rec + kRecQg, 1, kD, st, kWgWarpgroup);
-      stage_tile<kD, kC, false>(buf + kWgDsWT, rec + kRecW, 1, kD, st, kWgWarpgroup);
+      stage_tile<kC, kD, true, 8>(buf + kWgDsKdr, rec + kRecKd, kD, 1, st, kWgWarpgroup);
+      stage_tile<kC, kC, false, 8>(buf + kWgDsAqkT, rec + kRecAqk, 1, kC, st, kWgWarpgroup);
+      stage_tile<kD, kC, false, 8>(buf + kWgDsQgT, rec + kRecQg, 1, kD, st, kWgWarpgroup);
+      stage_tile<kD, kC, false, 8>(buf + kWgDsWT, rec + kRecW, 1, kD, st, kWgWarpgroup);
       if (st < kD / 4)
         reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
       wg_stage_release(w, i);
