@@ -122,7 +122,9 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t dlo, int off, int rows, int
 
 // D (+)= A B with A = hi + lo (registers), B = hi + lo (tiles at off, off + tile bytes): the
 // three terms hi hi, lo hi, hi lo, over k16 steps q0 .. q0 + NQ - 1 of B and of the A fragments.
-template <int NJ, int kScale, int NQ>
+// kALoZero: A's values are bf16 numbers (a bf16 dO), so its lo term is zero and lo hi, which
+// would add exactly zero, is skipped.
+template <int NJ, int kScale, int NQ, bool kALoZero = false>
 __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&ah)[NQ][4],
                                            const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
                                            int rows, int K) {
@@ -130,7 +132,7 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
 #pragma unroll
   for (int q = 0; q < NQ; ++q) {
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, off, rows, q), 1);
-    wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
+    if constexpr (!kALoZero) wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
   }
 }
@@ -373,6 +375,7 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
+  const bool do_bf16 = !has_do || P.d_out.dtype == kBF16;  // dO^T's lo terms are zero
   for (int ch = 0; ch < kPassPrefetch; ++ch)
     prefetch_dstates_step<kWgCols>(P, t, t.chunks - 1 - ch);
   float accD[16][4];
@@ -411,12 +414,18 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence_acc(dh);
     wgmma_fence_acc(dl);
     wgmma_fence();
-    wg_product<8, 1>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
+    if (do_bf16)
+      wg_product<8, 1, 4, true>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
+    else
+      wg_product<8, 1>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
     wg_product<8, 1>(accU, dh, dl, dlo, off + kWgDsKdr, kC, kD);
     // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
     wg_between(accU, accD, gl, uh, ul);
-    wg_product<16, 1>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
+    if (do_bf16)
+      wg_product<16, 1, 4, true>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
+    else
+      wg_product<16, 1>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
     wg_product<16, -1>(accD, uh, ul, dlo, off + kWgDsWT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();
