@@ -292,8 +292,8 @@ TEST(GpuBackward, MmaSyncPassesAndProducts) {
   check_case(c);
 }
 
-// The state passes on wgmma (KDA_CUDA_BACKWARD_WG_PASSES=1; off by default, slower as built): a
-// varlen, grouped case with several chunks per sequence.
+// The state passes on wgmma (KDA_CUDA_BACKWARD_WG_PASSES=1; off by default): a varlen, grouped
+// case with several chunks per sequence.
 TEST(GpuBackward, WgmmaPasses) {
   KDA_SKIP_WITHOUT_SM90();
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.backward_wg_passes = true; }));
