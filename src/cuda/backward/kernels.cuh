@@ -401,6 +401,16 @@ __device__ __forceinline__ void gemm_tf32(int M, int N, int Kd, const float* a, 
     }
   }
 }
+// gemm_tf32 with kBTf32 chosen at run time: b_tf32, B's values are tf32 numbers.
+template <bool kSplit, bool kSwA, bool kSwB, typename Epi>
+__device__ __forceinline__ void gemm_tf32_b(bool b_tf32, int M, int N, int Kd, const float* a,
+                                            int a_rs, int a_cs, const float* b, int b_rs, int b_cs,
+                                            Epi&& epi) {
+  if (b_tf32)
+    gemm_tf32<kSplit, kSwA, kSwB, 4, true>(M, N, Kd, a, a_rs, a_cs, b, b_rs, b_cs, epi);
+  else
+    gemm_tf32<kSplit, kSwA, kSwB, 4, false>(M, N, Kd, a, a_rs, a_cs, b, b_rs, b_cs, epi);
+}
 
 // Per-token preprocessing (spec section 2) of a chunk's tokens for value head hv, into shared
 // memory: qh, kh [64][kLd] (l2norm; q scaled), G [64][kLd] the cumulative log decay from the
@@ -891,12 +901,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     cp_async_wait_all();
     __syncthreads();
     // dU = Aqk^T dO + Kd dS'
-    if (do_tf32)
-      gemm_tf32<kSplit, true, true, 4, true>(
-          kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
-          [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
-    else
-      gemm_tf32<kSplit, true, true>(kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
+    gemm_tf32_b<kSplit, true, true>(do_tf32, kC, kSlice, kC, Aqks, 1, kC, dO, kSlice, 1,
                                     [&](int m, int n, float v) { dU[sw(m, n, kSlice)] = v; });
     gemm_tf32<kSplit, true, true>(kC, kSlice, kD, Kds, kD, 1, D, kSlice, 1,
                                   [&](int m, int n, float v) { dU[sw(m, n, kSlice)] += v; });
@@ -909,12 +914,7 @@ __global__ void __launch_bounds__(kPassThreads, 2)
     // Row scaling: the swizzle permutes within rows, so e / kSlice is still e's row.
     for (int e = tid; e < kD * kSlice; e += kPassThreads) D[e] *= gl[e / kSlice];
     __syncthreads();
-    if (do_tf32)
-      gemm_tf32<kSplit, true, true, 4, true>(
-          kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
-          [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
-    else
-      gemm_tf32<kSplit, true, true>(kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
+    gemm_tf32_b<kSplit, true, true>(do_tf32, kD, kSlice, kC, Qgs, 1, kD, dO, kSlice, 1,
                                     [&](int m, int n, float v) { D[sw(m, n, kSlice)] += v; });
     cp_async_wait_all();
     __syncthreads();

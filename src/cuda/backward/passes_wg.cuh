@@ -136,6 +136,17 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
   }
 }
+// wg_product with kALoZero chosen at run time.
+template <int NJ, int kScale, int NQ>
+__device__ __forceinline__ void wg_product_a(bool a_lo_zero, float (&d)[NJ][4],
+                                             const uint32_t (&ah)[NQ][4],
+                                             const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
+                                             int rows, int K) {
+  if (a_lo_zero)
+    wg_product<NJ, kScale, NQ, true>(d, ah, al, dlo, off, rows, K);
+  else
+    wg_product<NJ, kScale, NQ, false>(d, ah, al, dlo, off, rows, K);
+}
 
 // Between a pass step's two commit groups: waits for the first (U^T or dU^T in acc), builds its
 // hi + lo A operands and decays the state by exp(G_L), fenced for the second group.
@@ -414,18 +425,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence_acc(dh);
     wgmma_fence_acc(dl);
     wgmma_fence();
-    if (do_bf16)
-      wg_product<8, 1, 4, true>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
-    else
-      wg_product<8, 1>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
+    wg_product_a<8, 1>(do_bf16, accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
     wg_product<8, 1>(accU, dh, dl, dlo, off + kWgDsKdr, kC, kD);
     // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
     wg_between(accU, accD, gl, uh, ul);
-    if (do_bf16)
-      wg_product<16, 1, 4, true>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
-    else
-      wg_product<16, 1>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
+    wg_product_a<16, 1>(do_bf16, accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
     wg_product<16, -1>(accD, uh, ul, dlo, off + kWgDsWT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();
