@@ -278,11 +278,15 @@ TEST(GpuBackward, WeakDecayFinalStateOnly) {
   expect_grads(g, ref, c.name(), false);
 }
 
-// The mma.sync state passes and chunk products (KDA_CUDA_BACKWARD_WGMMA=0), on a varlen, grouped
-// case with an upstream final-state gradient: the same tolerances as the wgmma kernels.
+// The mma.sync state passes and chunk products (KDA_CUDA_BACKWARD_WG_PASSES=0,
+// KDA_CUDA_BACKWARD_WGMMA=0), on a varlen, grouped case with an upstream final-state gradient:
+// the same tolerances as the wgmma kernels.
 TEST(GpuBackward, MmaSyncPassesAndProducts) {
   KDA_SKIP_WITHOUT_SM90();
-  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.backward_wgmma = false; }));
+  const detail::ScopedTuning scope(tuned([](detail::Tuning& t) {
+    t.backward_wgmma = false;
+    t.backward_wg_passes = false;
+  }));
   PrefillCase c = base_case();
   c.gate = GateForm::kLowerBound;
   c.H = 1;
@@ -292,8 +296,8 @@ TEST(GpuBackward, MmaSyncPassesAndProducts) {
   check_case(c);
 }
 
-// The state passes on wgmma (KDA_CUDA_BACKWARD_WG_PASSES=1; off by default): a varlen, grouped
-// case with several chunks per sequence.
+// The state passes on wgmma (the default; set here so that the case keeps them): a varlen,
+// grouped case with several chunks per sequence.
 TEST(GpuBackward, WgmmaPasses) {
   KDA_SKIP_WITHOUT_SM90();
   const detail::ScopedTuning scope(tuned([](detail::Tuning& t) { t.backward_wg_passes = true; }));

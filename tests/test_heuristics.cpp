@@ -43,7 +43,7 @@ TEST(Tuning, Defaults) {
   EXPECT_EQ(t.num_threads, 0);
   EXPECT_TRUE(t.backward_split);
   EXPECT_TRUE(t.backward_wgmma);
-  EXPECT_FALSE(t.backward_wg_passes);
+  EXPECT_TRUE(t.backward_wg_passes);
 }
 
 TEST(Tuning, ParsesEveryKnob) {
@@ -60,11 +60,11 @@ TEST(Tuning, ParsesEveryKnob) {
                                    {"KDA_CUDA_PREFILL_SEGMENT", "192"},
                                    {"KDA_CUDA_BACKWARD_SPLIT", "0"},
                                    {"KDA_CUDA_BACKWARD_WGMMA", "0"},
-                                   {"KDA_CUDA_BACKWARD_WG_PASSES", "1"},
+                                   {"KDA_CUDA_BACKWARD_WG_PASSES", "0"},
                                    {"KDA_NUM_THREADS", "3"}});
   EXPECT_FALSE(t.backward_split);
   EXPECT_FALSE(t.backward_wgmma);
-  EXPECT_TRUE(t.backward_wg_passes);
+  EXPECT_FALSE(t.backward_wg_passes);
   EXPECT_FALSE(t.pdl);
   EXPECT_FALSE(t.driver_launch);
   EXPECT_EQ(t.decode_kernel, detail::DecodeKernelOverride::kBulkLatency);

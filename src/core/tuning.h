@@ -60,7 +60,7 @@ struct Tuning {
   bool prefill_graph = true;     // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
   bool backward_split = true;    // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
   bool backward_wgmma = true;    // KDA_CUDA_BACKWARD_WGMMA: the chunk's state products on wgmma
-  bool backward_wg_passes = false;  // KDA_CUDA_BACKWARD_WG_PASSES=1: the state passes on wgmma
+  bool backward_wg_passes = true;  // KDA_CUDA_BACKWARD_WG_PASSES=0: the mma.sync state passes
   int num_threads = 0;              // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
 
@@ -134,7 +134,7 @@ Tuning parse_tuning(Get&& get) {
   t.prefill_graph = !is(get("KDA_CUDA_PREFILL_GRAPH"), "0");
   t.backward_split = !is(get("KDA_CUDA_BACKWARD_SPLIT"), "0");
   t.backward_wgmma = !is(get("KDA_CUDA_BACKWARD_WGMMA"), "0");
-  t.backward_wg_passes = is(get("KDA_CUDA_BACKWARD_WG_PASSES"), "1");
+  t.backward_wg_passes = !is(get("KDA_CUDA_BACKWARD_WG_PASSES"), "0");
   if ((s = get("KDA_NUM_THREADS")) != nullptr) {
     const int n = std::atoi(s);
     if (n > 0) t.num_threads = n;
