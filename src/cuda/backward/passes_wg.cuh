@@ -75,42 +75,56 @@ __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo
 // consecutive addresses). A thread's units are loaded in batches of kBatch, each batch's loads
 // issued before its stores (a store to shared memory through a generic pointer may alias a later
 // load, so the compiler would not move the loads up itself).
+// tile_load / tile_store: one batch of stage_tile (units u0, u0 + nt, ..., kBatch of them), so
+// that a caller can have several tiles' loads in flight before any store.
+template <int kRows, int kK, bool kKContiguous, int kBatch>
+__device__ __forceinline__ void tile_load(float (&x)[kBatch][8], const float* src, int rs, int ks,
+                                          int u0, int t0, int nt) {
+  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
+#pragma unroll
+  for (int v = 0; v < kBatch; ++v) {
+    const int u = u0 + v * nt < kUnits ? u0 + v * nt : t0;  // past the end: a unit reread
+    const int n = kKContiguous ? u / kGroups : u % kRows;
+    const int kb = kKContiguous ? u % kGroups : u / kRows;
+    if constexpr (kKContiguous) {
+      const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
+      const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
+      x[v][0] = a.x, x[v][1] = a.y, x[v][2] = a.z, x[v][3] = a.w, x[v][4] = b.x, x[v][5] = b.y,
+      x[v][6] = b.z, x[v][7] = b.w;
+    } else {
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[v][i] = src[n * rs + (8 * kb + i) * ks];
+    }
+  }
+}
+template <int kRows, int kK, bool kKContiguous, int kBatch>
+__device__ __forceinline__ void tile_store(const float (&x)[kBatch][8], uint8_t* hi, int u0,
+                                           int nt) {
+  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
+  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
+#pragma unroll
+  for (int v = 0; v < kBatch; ++v) {
+    const int u = u0 + v * nt;
+    if (u >= kUnits) break;
+    const int n = kKContiguous ? u / kGroups : u % kRows;
+    const int kb = kKContiguous ? u % kGroups : u / kRows;
+    uint4 h, l;
+    split8(x[v], &h, &l);
+    const int off = pf::sw128_offset(kRows, n, 16 * kb);
+    *reinterpret_cast<uint4*>(hi + off) = h;
+    *reinterpret_cast<uint4*>(lo + off) = l;
+  }
+}
 template <int kRows, int kK, bool kKContiguous, int kBatch = 4>
 __device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks,
                                            int t0 = static_cast<int>(threadIdx.x),
                                            int nt = static_cast<int>(blockDim.x)) {
-  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
-  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
+  constexpr int kUnits = kRows * kK / 8;
 #pragma unroll 1
   for (int u0 = t0; u0 < kUnits; u0 += kBatch * nt) {
     float x[kBatch][8];
-#pragma unroll
-    for (int v = 0; v < kBatch; ++v) {
-      const int u = u0 + v * nt < kUnits ? u0 + v * nt : t0;  // past the end: a unit reread
-      const int n = kKContiguous ? u / kGroups : u % kRows;
-      const int kb = kKContiguous ? u % kGroups : u / kRows;
-      if constexpr (kKContiguous) {
-        const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
-        const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
-        x[v][0] = a.x, x[v][1] = a.y, x[v][2] = a.z, x[v][3] = a.w, x[v][4] = b.x, x[v][5] = b.y,
-        x[v][6] = b.z, x[v][7] = b.w;
-      } else {
-#pragma unroll
-        for (int i = 0; i < 8; ++i) x[v][i] = src[n * rs + (8 * kb + i) * ks];
-      }
-    }
-#pragma unroll
-    for (int v = 0; v < kBatch; ++v) {
-      const int u = u0 + v * nt;
-      if (u >= kUnits) break;
-      const int n = kKContiguous ? u / kGroups : u % kRows;
-      const int kb = kKContiguous ? u % kGroups : u / kRows;
-      uint4 h, l;
-      split8(x[v], &h, &l);
-      const int off = pf::sw128_offset(kRows, n, 16 * kb);
-      *reinterpret_cast<uint4*>(hi + off) = h;
-      *reinterpret_cast<uint4*>(lo + off) = l;
-    }
+    tile_load<kRows, kK, kKContiguous, kBatch>(x, src, rs, ks, u0, t0, nt);
+    tile_store<kRows, kK, kKContiguous, kBatch>(x, hi, u0, nt);
   }
 }
 
@@ -220,21 +234,29 @@ __device__ __forceinline__ void store_ws_t(const float (&acc)[NJ][4], float* out
     for (int e = 0; e < 4; ++e) out[acc_col(j, e) * kD + j0 + acc_row(e)] = acc[j][e];
 }
 
-// A operands (bf16 hi + lo, k16 steps 0 .. NQ - 1) of the warp's 16 rows from a ( m, k ) -> float
+// A operands (bf16 hi + lo, k16 steps 0 .. NQ - 1) of the warp's 16 rows from a ( m, k ) -> value
 // function: step q, register r holds rows 16 w + g (+ 8 for odd r), k = 16 q + 2 c (+ 8 for r >=
-// 2) and the next k (w: warp in the warpgroup, g = lane / 4, c = lane % 4).
-template <int NQ, typename F>
-__device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
-  float x[NQ][4][2];
+// 2) and the next k (w: warp in the warpgroup, g = lane / 4, c = lane % 4). a_values gathers the
+// values (raw bits, say, so that their loads are in flight while the caller does other work),
+// split_a makes the hi + lo pairs, load_a does both.
+__device__ __forceinline__ int a_row(int r) {
+  return 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2) + 8 * (r & 1);
+}
+__device__ __forceinline__ int a_k(int q, int r, int i) {
+  return 16 * q + 8 * (r >> 1) + 2 * (threadIdx.x & 3) + i;
+}
+template <int NQ, typename T, typename F>
+__device__ __forceinline__ void a_values(F&& f, T (&x)[NQ][4][2]) {
 #pragma unroll
   for (int q = 0; q < NQ; ++q)
 #pragma unroll
     for (int r = 0; r < 4; ++r)
 #pragma unroll
-      for (int i = 0; i < 2; ++i)
-        x[q][r][i] =
-            f(16 * w + (lane >> 2) + 8 * (r & 1), 16 * q + 8 * (r >> 1) + 2 * (lane & 3) + i);
+      for (int i = 0; i < 2; ++i) x[q][r][i] = f(a_row(r), a_k(q, r, i));
+}
+template <int NQ>
+__device__ __forceinline__ void split_a(const float (&x)[NQ][4][2], uint32_t (&hi)[NQ][4],
+                                        uint32_t (&lo)[NQ][4]) {
 #pragma unroll
   for (int q = 0; q < NQ; ++q)
 #pragma unroll
@@ -245,22 +267,30 @@ __device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&
           pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h), x[q][r][1] - pf::hi_f32<false>(h));
     }
 }
+template <int NQ, typename F>
+__device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
+  float x[NQ][4][2];
+  a_values(f, x);
+  split_a(x, hi, lo);
+}
 
 // Both passes run two warpgroups: warpgroup 1 stages the record parts of a step (fp32 from device
 // memory, where the L2 prefetch kPassPrefetch steps earlier put them, into bf16 hi + lo tiles) into
 // one of two buffers while warpgroup 0 runs the products of the step before on the other. Buffer
-// b = step % 2 has an mbarrier full[b] (one arrival: the stager's, after its writes and the proxy
-// fence) and empty[b] (an arrival per product warp, once the step's wgmma have completed).
+// b = step % 2 has an mbarrier full[b] (an arrival per stager thread, after its own writes and its
+// proxy fence) and empty[b] (an arrival per product thread, after its reads of the buffer and once
+// the step's wgmma have completed). Every thread arrives for its own accesses, so the ordering does
+// not rest on a warp or named barrier before a single arrival.
 struct WgPipe {
   uint32_t full, empty;  // shared addresses of full[0] and empty[0]; [1] at + 8
 };
 __device__ __forceinline__ WgPipe wg_pipe_init(uint8_t* bars) {
   const uint32_t a = smem_addr(bars);
   if (threadIdx.x == 0) {
-    mbar_init(a, 1);
-    mbar_init(a + 8, 1);
-    mbar_init(a + 16, kWgWarpgroup / 32);
-    mbar_init(a + 24, kWgWarpgroup / 32);
+    mbar_init(a, kWgWarpgroup);
+    mbar_init(a + 8, kWgWarpgroup);
+    mbar_init(a + 16, kWgWarpgroup);
+    mbar_init(a + 24, kWgWarpgroup);
     fence_mbar_init();
   }
   __syncthreads();
@@ -274,16 +304,14 @@ __device__ __forceinline__ void wg_stage_acquire(const WgPipe& w, int64_t i) {
 // The stager after its writes of step i: visible to the products' wgmma (async proxy).
 __device__ __forceinline__ void wg_stage_release(const WgPipe& w, int64_t i) {
   fence_proxy_async();
-  named_barrier_sync(1, kWgWarpgroup);
-  if (threadIdx.x == kWgWarpgroup) mbar_arrive(w.full + 8 * static_cast<uint32_t>(i & 1));
+  mbar_arrive(w.full + 8 * static_cast<uint32_t>(i & 1));
 }
 __device__ __forceinline__ void wg_consume_acquire(const WgPipe& w, int64_t i) {
   mbar_wait(w.full + 8 * static_cast<uint32_t>(i & 1), static_cast<uint32_t>((i / 2) & 1));
 }
 // After step i's wgmma have completed (wgmma_wait<0>): its buffer is free.
 __device__ __forceinline__ void wg_consume_release(const WgPipe& w, int64_t i) {
-  __syncwarp();
-  if ((threadIdx.x & 31) == 0) mbar_arrive(w.empty + 8 * static_cast<uint32_t>(i & 1));
+  mbar_arrive(w.empty + 8 * static_cast<uint32_t>(i & 1));
 }
 
 // S at every chunk start.
@@ -400,20 +428,32 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     const int64_t tok0 = t.sp.bos + ch * kC;
     const int64_t L = t.sp.len - ch * kC < kC ? t.sp.len - ch * kC : kC;
     prefetch_dstates_step<kWgCols>(P, t, ch - kPassPrefetch);
-    store_ws_t(accD, P.dstates + rs * kStateFloats, t.j0);
     // dO^T as A operands (rows: this block's columns; k: the chunk's tokens), hi + lo: a k16 step
-    // q holds tokens 16 q + 2 c (+ 1) and 16 q + 8 + 2 c (+ 1) of columns g and g + 8.
-    uint32_t oh[4][4], ol[4][4];
-    load_a(
+    // q holds tokens 16 q + 2 c (+ 1) and 16 q + 8 + 2 c (+ 1) of columns g and g + 8. Its loads
+    // go out first, the stores of dS' while they are in flight, the conversion after.
+    // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed
+    // (chosen here: held across the chunk loop it costs a spill).
+    const StridedView& src = has_do ? P.d_out : p.v;
+    uint32_t ob[4][4][2];
+    a_values(
         [&](int m, int tok) {
-          // Branch-free: dead tokens read token 0, an absent dO reads v (same shape), both zeroed
-          // (chosen here: held across the chunk loop it costs a spill).
-          const StridedView& src = has_do ? P.d_out : p.v;
-          const float x = load_any(src.data, src.dtype,
+          return pf::load_bits_any(src.data, src.dtype,
                                    src.offset(t.sp.b, tok0 + (tok < L ? tok : 0), t.hv) + t.j0 + m);
-          return has_do && tok < L ? x : 0.f;
         },
-        oh, ol);
+        ob);
+    store_ws_t(accD, P.dstates + rs * kStateFloats, t.j0);
+    uint32_t oh[4][4], ol[4][4];
+    {
+      float x[4][4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            x[q][r][e] = has_do && a_k(q, r, e) < L ? pf::bits_to_f32(ob[q][r][e], src.dtype) : 0.f;
+      split_a(x, oh, ol);
+    }
     wg_consume_acquire(w, i);
     uint32_t dh[8][4], dl[8][4];
     pf::bf16_hi_lo_operands(accD, dh, dl);
@@ -519,23 +559,35 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   const StridedView& dsrc = has_do ? P.d_out : p.v;
   const int j0 = 64 * wg;  // this warpgroup's 64 values, then its 64 keys
 
-  // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input.
-  stage_tile<kC, kD, true>(sb + kSpW, rec + kRecW, kD, 1);
-  stage_tile<kC, kD, true>(sb + kSpKd, rec + kRecKd, kD, 1);
-  stage_tile<kC, kC, false>(sb + kSpAqkT, rec + kRecAqk, 1, kC);
-  for (int u = tid; u < kC * kD / 8; u += kSpThreads) {
-    const int tok = u / (kD / 8), kb = u % (kD / 8);
-    uint32_t b[8];
+  // The B tiles of the first products: W, Kd, Aqk^T from the record, dO from the input, every
+  // load of the four in flight before the first store (a thread's 4 + 4 + 2 units and 4 dO units).
+  {
+    float xw[4][8], xk[4][8], xa[2][8];
+    uint32_t ob[4][8];
+    tile_load<kC, kD, true, 4>(xw, rec + kRecW, kD, 1, tid, tid, kSpThreads);
+    tile_load<kC, kD, true, 4>(xk, rec + kRecKd, kD, 1, tid, tid, kSpThreads);
+    tile_load<kC, kC, false, 2>(xa, rec + kRecAqk, 1, kC, tid, tid, kSpThreads);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) b[i] = token_bits(dsrc, c, tok, hv, 8 * kb + i);
-    float x[8];
+    for (int v = 0; v < 4; ++v) {
+      const int u = tid + v * kSpThreads, tok = u / (kD / 8), kb = u % (kD / 8);
 #pragma unroll
-    for (int i = 0; i < 8; ++i) x[i] = token_value(b[i], dsrc, has_do && tok < c.L);
-    uint4 h, l;
-    split8(x, &h, &l);
-    const int off = pf::sw128_offset(kC, tok, 16 * kb);
-    *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
-    *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
+      for (int i = 0; i < 8; ++i) ob[v][i] = token_bits(dsrc, c, tok, hv, 8 * kb + i);
+    }
+    tile_store<kC, kD, true, 4>(xw, sb + kSpW, tid, kSpThreads);
+    tile_store<kC, kD, true, 4>(xk, sb + kSpKd, tid, kSpThreads);
+    tile_store<kC, kC, false, 2>(xa, sb + kSpAqkT, tid, kSpThreads);
+#pragma unroll
+    for (int v = 0; v < 4; ++v) {
+      const int u = tid + v * kSpThreads, tok = u / (kD / 8), kb = u % (kD / 8);
+      float x[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) x[i] = token_value(ob[v][i], dsrc, has_do && tok < c.L);
+      uint4 h, l;
+      split8(x, &h, &l);
+      const int off = pf::sw128_offset(kC, tok, 16 * kb);
+      *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
+      *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
+    }
   }
   fence_proxy_async();
   __syncthreads();
@@ -675,16 +727,23 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_wait<0>();
     wgmma_fence_acc(accU);
     store_rows(accU, uw + kUwDAqk, kC, 0);
-  } else {  // exp(G_L) * rowsum(S * dS'): a thread per key
-    const int i = tid - 128;
-    float s = 0.f;
-#pragma unroll 4
-    for (int j = 0; j < kD; j += 4) {
-      const float4 a = *reinterpret_cast<const float4*>(S + i * kD + j);
-      const float4 b = *reinterpret_cast<const float4*>(D + i * kD + j);
-      s += a.x * b.x + a.y * b.y + a.z * b.z + a.w * b.w;
+  } else {  // exp(G_L) * rowsum(S * dS'): a warp per 32 keys, 8 rows' loads in flight at once
+    const int lane = tid & 31, r0 = 32 * ((tid >> 5) & 3);
+#pragma unroll 1
+    for (int rb = r0; rb < r0 + 32; rb += 8) {
+      float4 a[8], d[8];
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        a[r] = reinterpret_cast<const float4*>(S + (rb + r) * kD)[lane];
+        d[r] = reinterpret_cast<const float4*>(D + (rb + r) * kD)[lane];
+      }
+#pragma unroll
+      for (int r = 0; r < 8; ++r) {
+        const float s =
+            warp_sum(a[r].x * d[r].x + a[r].y * d[r].y + a[r].z * d[r].z + a[r].w * d[r].w);
+        if (lane == 0) uw[kUwDgl + rb + r] = s * rec[kRecGL + rb + r];
+      }
     }
-    uw[kUwDgl + i] = s * rec[kRecGL + i];
   }
 }
 
