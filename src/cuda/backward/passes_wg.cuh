@@ -332,16 +332,28 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       uint8_t* buf = sb + b * kWgStBuf;
       float* gl = reinterpret_cast<float*>(sb + kWgStGL) + b * kD;
       float* ut = reinterpret_cast<float*>(sb + kWgStUt) + b * kC * kWgUtLd;
-      wg_stage_acquire(w, ch);
-      stage_tile<kC, kD, true, 8>(buf + kWgStWr, rec + kRecW, kD, 1, st, kWgWarpgroup);
-      stage_tile<kD, kC, false, 8>(buf + kWgStKdT, rec + kRecKd, 1, kD, st, kWgWarpgroup);
-      if (st < kD / 4)
-        reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
-      for (int e = st; e < kC * kWgCols / 4; e += kWgWarpgroup) {
-        const int r = e / (kWgCols / 4), c4 = e % (kWgCols / 4);
-        *reinterpret_cast<float4*>(ut + r * kWgUtLd + 4 * c4) =
-            *reinterpret_cast<const float4*>(rec + kRecUt + r * kD + t.j0 + 4 * c4);
+      // Every load of the step in flight at once, before the wait for the buffer: W and Kd^T (8
+      // units each), the Ut slice (8 float4) and exp(G_L).
+      constexpr int kUt4 = kC * kWgCols / 4 / kWgWarpgroup;
+      float xw[8][8], xk[8][8];
+      float4 xu[kUt4];
+      tile_load<kC, kD, true, 8>(xw, rec + kRecW, kD, 1, st, st, kWgWarpgroup);
+      tile_load<kD, kC, false, 8>(xk, rec + kRecKd, 1, kD, st, st, kWgWarpgroup);
+#pragma unroll
+      for (int v = 0; v < kUt4; ++v) {
+        const int e = st + v * kWgWarpgroup, r = e / (kWgCols / 4), c4 = e % (kWgCols / 4);
+        xu[v] = *reinterpret_cast<const float4*>(rec + kRecUt + r * kD + t.j0 + 4 * c4);
       }
+      const float4 xg = reinterpret_cast<const float4*>(rec + kRecGL)[st % (kD / 4)];
+      wg_stage_acquire(w, ch);
+      tile_store<kC, kD, true, 8>(xw, buf + kWgStWr, st, kWgWarpgroup);
+      tile_store<kD, kC, false, 8>(xk, buf + kWgStKdT, st, kWgWarpgroup);
+#pragma unroll
+      for (int v = 0; v < kUt4; ++v) {
+        const int e = st + v * kWgWarpgroup, r = e / (kWgCols / 4), c4 = e % (kWgCols / 4);
+        *reinterpret_cast<float4*>(ut + r * kWgUtLd + 4 * c4) = xu[v];
+      }
+      if (st < kD / 4) reinterpret_cast<float4*>(gl)[st] = xg;
       wg_stage_release(w, ch);
     }
     return;
@@ -401,13 +413,21 @@ __global__ void __launch_bounds__(kWgThreads, 1)
       const int b = static_cast<int>(i & 1);
       uint8_t* buf = sb + b * kWgDsBuf;
       float* gl = reinterpret_cast<float*>(sb + kWgDsGL) + b * kD;
+      // Kd, Aqk^T and exp(G_L) (8 + 4 units) loaded before the wait for the buffer, Qg^T and W^T
+      // (8 + 8) while the first two are stored.
+      float xa[8][8], xb[8][8];
+      float xq[4][8];
+      tile_load<kC, kD, true, 8>(xa, rec + kRecKd, kD, 1, st, st, kWgWarpgroup);
+      tile_load<kC, kC, false, 4>(xq, rec + kRecAqk, 1, kC, st, st, kWgWarpgroup);
+      const float4 xg = reinterpret_cast<const float4*>(rec + kRecGL)[st % (kD / 4)];
       wg_stage_acquire(w, i);
-      stage_tile<kC, kD, true, 8>(buf + kWgDsKdr, rec + kRecKd, kD, 1, st, kWgWarpgroup);
-      stage_tile<kC, kC, false, 8>(buf + kWgDsAqkT, rec + kRecAqk, 1, kC, st, kWgWarpgroup);
-      stage_tile<kD, kC, false, 8>(buf + kWgDsQgT, rec + kRecQg, 1, kD, st, kWgWarpgroup);
-      stage_tile<kD, kC, false, 8>(buf + kWgDsWT, rec + kRecW, 1, kD, st, kWgWarpgroup);
-      if (st < kD / 4)
-        reinterpret_cast<float4*>(gl)[st] = reinterpret_cast<const float4*>(rec + kRecGL)[st];
+      tile_load<kD, kC, false, 8>(xb, rec + kRecQg, 1, kD, st, st, kWgWarpgroup);
+      tile_store<kC, kD, true, 8>(xa, buf + kWgDsKdr, st, kWgWarpgroup);
+      tile_store<kC, kC, false, 4>(xq, buf + kWgDsAqkT, st, kWgWarpgroup);
+      if (st < kD / 4) reinterpret_cast<float4*>(gl)[st] = xg;
+      tile_load<kD, kC, false, 8>(xa, rec + kRecW, 1, kD, st, st, kWgWarpgroup);
+      tile_store<kD, kC, false, 8>(xb, buf + kWgDsQgT, st, kWgWarpgroup);
+      tile_store<kD, kC, false, 8>(xa, buf + kWgDsWT, st, kWgWarpgroup);
       wg_stage_release(w, i);
     }
     return;
