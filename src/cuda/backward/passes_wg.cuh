@@ -612,6 +612,9 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   fence_proxy_async();
   __syncthreads();
 
+  // Each product's A operands are loaded while the product before it runs (its raw values held
+  // in registers, split into hi + lo after the wait), so a phase waits on one device-memory round
+  // trip less.
   // U^T = Ut^T - S^T W^T (rows: values j0..; K: 128 keys).
   float accU[8][4], accV[8][4];
 #pragma unroll
@@ -621,6 +624,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
       accU[j][e] = rec[kRecUt + acc_col(j, e) * kD + j0 + acc_row(e)];
       accV[j][e] = 0.f;
     }
+  uint32_t ob[4][4][2];  // dO^T's raw bits (dU^T's first A operand)
+  float xd[8][4][2];     // dS'^T (dU^T's second A operand), the states' rows, dO's bits for dAqk
   {
     uint32_t ah[8][4], al[8][4];
     load_a([&](int m, int k) { return S[k * kD + j0 + m]; }, ah, al);
@@ -630,17 +635,25 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_fence();
     wg_product<8, -1>(accU, ah, al, dlo, kSpW, kC, kD);
     wgmma_commit();
+    a_values([&](int m, int tok) { return token_bits(dsrc, c, tok, hv, j0 + m); }, ob);
+    a_values([&](int m, int k) { return D[k * kD + j0 + m]; }, xd);
     wgmma_wait<0>();  // its A registers are free only then
   }
   // dU^T = dO^T Aqk + dS'^T Kd^T (K: 64 tokens, then 128 keys).
   {
     uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
-    load_a(
-        [&](int m, int tok) {
-          return token_value(token_bits(dsrc, c, tok, hv, j0 + m), dsrc, has_do && tok < c.L);
-        },
-        oh, ol);
-    load_a([&](int m, int k) { return D[k * kD + j0 + m]; }, ah, al);
+    {
+      float x[4][4][2];
+#pragma unroll
+      for (int q = 0; q < 4; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            x[q][r][e] = token_value(ob[q][r][e], dsrc, has_do && a_k(q, r, e) < c.L);
+      split_a(x, oh, ol);
+    }
+    split_a(xd, ah, al);
     wgmma_fence_acc(accV);
     wgmma_fence_acc(oh);
     wgmma_fence_acc(ol);
@@ -654,6 +667,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   }
   wgmma_fence_acc(accU);
   wgmma_fence_acc(accV);
+  a_values([&](int m, int k) { return S[(j0 + m) * kD + k]; }, xd);  // in flight over the stores
   store_ws_t(accV, uw + kUwDU, j0);
   store_tile<kD, kC, false>(accV, sb + kSpDUT, j0);  // dU^T: rows values, K tokens
   __syncthreads();  // both warpgroups' products are complete: W and Kd are free
@@ -669,7 +683,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
   {
     uint32_t ah[8][4], al[8][4];
-    load_a([&](int m, int k) { return S[(j0 + m) * kD + k]; }, ah, al);
+    split_a(xd, ah, al);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(accV);
     wgmma_fence_acc(ah);
@@ -678,6 +692,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wg_product<8, 1>(accU, ah, al, dlo, kSpDO, kC, kD);
     wg_product<8, -1>(accV, ah, al, dlo, kSpDU, kC, kD);
     wgmma_commit();
+    a_values([&](int m, int k) { return D[(j0 + m) * kD + k]; }, xd);
     wgmma_wait<0>();
   }
   wgmma_fence_acc(accU);
@@ -689,15 +704,17 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   for (int j = 0; j < 8; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
+  float xx[4][4][2];  // X^T (the A operand of dKb, dVb)
   {
     uint32_t ah[8][4], al[8][4];
-    load_a([&](int m, int k) { return D[(j0 + m) * kD + k]; }, ah, al);
+    split_a(xd, ah, al);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(ah);
     wgmma_fence_acc(al);
     wgmma_fence();
     wg_product<8, 1>(accU, ah, al, dlo, kSpU, kC, kD);
     wgmma_commit();
+    a_values([&](int m, int k) { return rec[kRecX + k * kC + m]; }, xx);
     wgmma_wait<0>();
   }
   wgmma_fence_acc(accU);
@@ -712,7 +729,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     for (int e = 0; e < 4; ++e) accU[j][e] = accV[j][e] = 0.f;
   {
     uint32_t xh[4][4], xl[4][4];
-    load_a([&](int m, int k) { return rec[kRecX + k * kC + m]; }, xh, xl);
+    split_a(xx, xh, xl);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(accV);
     wgmma_fence_acc(xh);
@@ -721,6 +738,9 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wg_product<8, 1>(accU, xh, xl, dlo, kSpDWT + j0 * 128, kD, kC);
     wg_product<8, 1>(accV, xh, xl, dlo, kSpDUT + j0 * 128, kD, kC);
     wgmma_commit();
+    if (wg == 0)  // dO's raw bits for dAqk below
+      a_values([&](int tok, int k) { return __uint_as_float(token_bits(dsrc, c, tok, hv, k)); },
+               xd);
     wgmma_wait<0>();
   }
   wgmma_fence_acc(accU);
@@ -733,11 +753,17 @@ __global__ void __launch_bounds__(kSpThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
     uint32_t oh[8][4], ol[8][4];
-    load_a(
-        [&](int tok, int k) {
-          return token_value(token_bits(dsrc, c, tok, hv, k), dsrc, has_do && tok < c.L);
-        },
-        oh, ol);
+    {
+      float x[8][4][2];
+#pragma unroll
+      for (int q = 0; q < 8; ++q)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int e = 0; e < 2; ++e)
+            x[q][r][e] = token_value(__float_as_uint(xd[q][r][e]), dsrc, has_do && a_row(r) < c.L);
+      split_a(x, oh, ol);
+    }
     wgmma_fence_acc(accU);
     wgmma_fence_acc(oh);
     wgmma_fence_acc(ol);
