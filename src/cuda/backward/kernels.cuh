@@ -1153,10 +1153,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     __syncthreads();
 
     if constexpr (kWg) {
-      for (int i = tid; i < kD; i += kChunkThreads) dgl[i] = uw[kUwDgl + i];
-      for (int e = tid; e < kC * kC; e += kChunkThreads) {
-        const int m = e / kC, n = e % kC;
-        dAqk[sw(m, n, kC)] = n <= m ? uw[kUwDAqk + e] : 0.f;
+      // The row sums and dAqk from bwd_sprod_kernel's results: a thread's loads all issued
+      // before its first shared-memory store (which the compiler may not move them above).
+      constexpr int kPer = kC * kC / kChunkThreads;
+      static_assert(kPer * kChunkThreads == kC * kC && kD <= kChunkThreads, "dAqk elements");
+      float xq[kPer];
+      const float xg = uw[kUwDgl + (tid < kD ? tid : 0)];
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) xq[u] = uw[kUwDAqk + tid + u * kChunkThreads];
+      if (tid < kD) dgl[tid] = xg;
+#pragma unroll
+      for (int u = 0; u < kPer; ++u) {
+        const int e = tid + u * kChunkThreads, m = e / kC, n = e % kC;
+        dAqk[sw(m, n, kC)] = n <= m ? xq[u] : 0.f;
       }
     } else {
       // U = Ut - W S;  dU = Aqk^T dO + Kd dS'.
