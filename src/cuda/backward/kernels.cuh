@@ -1578,42 +1578,49 @@ __global__ void __launch_bounds__(kQkThreads) bwd_qk_kernel(const __grid_constan
   const int64_t slot = blockIdx.x / static_cast<unsigned>(p.H);
   const ChunkTask c = chunk_task(p, slot);
   if (!c.valid) return;
+  // Per token, both gradients' loads (the group's dq^ / dk^ rows, q and k) issued before either
+  // gradient's stores (which the compiler may not move them above).
   for (int t = warp; t < c.L; t += kQkThreads / 32) {
     const int64_t tok = c.t0 + t;
+    float d[2][4] = {}, x[2][4];
+    for (int hv = h * p.groups; hv < (h + 1) * p.groups; ++hv) {
+      const float* src = P.dqk + (slot * p.HV + hv) * (2 * kTile) + t * kD;
+#pragma unroll
+      for (int which = 0; which < 2; ++which)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[which][e] += src[which * kTile + lane + 32 * e];
+    }
+#pragma unroll
+    for (int which = 0; which < 2; ++which) {
+      const StridedView& in = which == 0 ? p.q : p.k;
+#pragma unroll
+      for (int e = 0; e < 4; ++e)
+        x[which][e] = load_any(in.data, in.dtype, in.offset(c.b, tok, h) + lane + 32 * e);
+    }
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
       const StridedView& out = which == 0 ? P.dq : P.dk;
       if (out.data == nullptr) continue;
-      const StridedView& in = which == 0 ? p.q : p.k;
-      float d[4] = {0.f, 0.f, 0.f, 0.f}, x[4];
-      for (int hv = h * p.groups; hv < (h + 1) * p.groups; ++hv) {
-        const float* src = P.dqk + (slot * p.HV + hv) * (2 * kTile) + which * kTile + t * kD;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] += src[lane + 32 * e];
-      }
       float ss = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        x[e] = load_any(in.data, in.dtype, in.offset(c.b, tok, h) + lane + 32 * e);
-        ss += x[e] * x[e];
-      }
+      for (int e = 0; e < 4; ++e) ss += x[which][e] * x[which][e];
       ss = warp_sum(ss);
       const float sc = which == 0 ? p.scale : 1.f;
       if (p.use_qk_l2norm) {
         const float r = sqrtf(ss + static_cast<float>(detail::kL2NormEps)), ir = 1.f / r;
         float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) dot += x[e] * ir * d[e] * sc;
+        for (int e = 0; e < 4; ++e) dot += x[which][e] * ir * d[which][e] * sc;
         dot = warp_sum(dot);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] = (d[e] * sc - x[e] * ir * dot) * ir;
+        for (int e = 0; e < 4; ++e) d[which][e] = (d[which][e] * sc - x[which][e] * ir * dot) * ir;
       } else {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) d[e] *= sc;
+        for (int e = 0; e < 4; ++e) d[which][e] *= sc;
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e)
-        store_any(out.data, out.dtype, out.offset(c.b, tok, h) + lane + 32 * e, d[e]);
+        store_any(out.data, out.dtype, out.offset(c.b, tok, h) + lane + 32 * e, d[which][e]);
     }
   }
 }
