@@ -267,6 +267,23 @@ __device__ __forceinline__ void split_a(const float (&x)[NQ][4][2], uint32_t (&h
           pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h), x[q][r][1] - pf::hi_f32<false>(h));
     }
 }
+// split_a of token values gathered as raw bits by a_values (held as uint32_t, or as float bit
+// patterns where they share an array with other values): zero where live(q, r, e) is false.
+__device__ __forceinline__ uint32_t a_bits(uint32_t b) { return b; }
+__device__ __forceinline__ uint32_t a_bits(float b) { return __float_as_uint(b); }
+template <int NQ, typename T, typename Live>
+__device__ __forceinline__ void split_token_a(const T (&b)[NQ][4][2], const StridedView& v,
+                                              Live&& live, uint32_t (&hi)[NQ][4],
+                                              uint32_t (&lo)[NQ][4]) {
+  float x[NQ][4][2];
+#pragma unroll
+  for (int q = 0; q < NQ; ++q)
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) x[q][r][e] = token_value(a_bits(b[q][r][e]), v, live(q, r, e));
+  split_a(x, hi, lo);
+}
 template <int NQ, typename F>
 __device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
   float x[NQ][4][2];
@@ -463,17 +480,8 @@ __global__ void __launch_bounds__(kWgThreads, 1)
         ob);
     store_ws_t(accD, P.dstates + rs * kStateFloats, t.j0);
     uint32_t oh[4][4], ol[4][4];
-    {
-      float x[4][4][2];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            x[q][r][e] = has_do && a_k(q, r, e) < L ? pf::bits_to_f32(ob[q][r][e], src.dtype) : 0.f;
-      split_a(x, oh, ol);
-    }
+    split_token_a(
+        ob, src, [&](int q, int r, int e) { return has_do && a_k(q, r, e) < L; }, oh, ol);
     wg_consume_acquire(w, i);
     uint32_t dh[8][4], dl[8][4];
     pf::bf16_hi_lo_operands(accD, dh, dl);
@@ -642,17 +650,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
   // dU^T = dO^T Aqk + dS'^T Kd^T (K: 64 tokens, then 128 keys).
   {
     uint32_t oh[4][4], ol[4][4], ah[8][4], al[8][4];
-    {
-      float x[4][4][2];
-#pragma unroll
-      for (int q = 0; q < 4; ++q)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            x[q][r][e] = token_value(ob[q][r][e], dsrc, has_do && a_k(q, r, e) < c.L);
-      split_a(x, oh, ol);
-    }
+    split_token_a(
+        ob, dsrc, [&](int q, int r, int e) { return has_do && a_k(q, r, e) < c.L; }, oh, ol);
     split_a(xd, ah, al);
     wgmma_fence_acc(accV);
     wgmma_fence_acc(oh);
@@ -753,17 +752,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
 #pragma unroll
       for (int e = 0; e < 4; ++e) accU[j][e] = 0.f;
     uint32_t oh[8][4], ol[8][4];
-    {
-      float x[8][4][2];
-#pragma unroll
-      for (int q = 0; q < 8; ++q)
-#pragma unroll
-        for (int r = 0; r < 4; ++r)
-#pragma unroll
-          for (int e = 0; e < 2; ++e)
-            x[q][r][e] = token_value(__float_as_uint(xd[q][r][e]), dsrc, has_do && a_row(r) < c.L);
-      split_a(x, oh, ol);
-    }
+    split_token_a(
+        xd, dsrc, [&](int, int r, int) { return has_do && a_row(r) < c.L; }, oh, ol);
     wgmma_fence_acc(accU);
     wgmma_fence_acc(oh);
     wgmma_fence_acc(ol);
