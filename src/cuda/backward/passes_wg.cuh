@@ -68,13 +68,6 @@ __device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo
   *lo = make_uint4(l[0], l[1], l[2], l[3]);
 }
 
-// B operand tile (rows x K, element (n, k) = src[n * rs + k * ks], fp32 in device memory) into
-// the bf16 hi tile at `hi` and the lo tile right after it, by threads t0, t0 + 1, .. (nt of
-// them). A thread per (row, 8 columns) unit: with ks == 1 the units of a row go to consecutive
-// threads (contiguous 32-byte reads), otherwise the rows do (rs == 1: consecutive threads read
-// consecutive addresses). A thread's units are loaded in batches of kBatch, each batch's loads
-// issued before its stores (a store to shared memory through a generic pointer may alias a later
-// load, so the compiler would not move the loads up itself).
 // tile_load / tile_store: one batch of stage_tile (units u0, u0 + nt, ..., kBatch of them), so
 // that a caller can have several tiles' loads in flight before any store.
 template <int kRows, int kK, bool kKContiguous, int kBatch>
@@ -115,6 +108,14 @@ __device__ __forceinline__ void tile_store(const float (&x)[kBatch][8], uint8_t*
     *reinterpret_cast<uint4*>(lo + off) = l;
   }
 }
+
+// B operand tile (rows x K, element (n, k) = src[n * rs + k * ks], fp32 in device memory) into
+// the bf16 hi tile at `hi` and the lo tile right after it, by threads t0, t0 + 1, .. (nt of
+// them). A thread per (row, 8 columns) unit: with ks == 1 the units of a row go to consecutive
+// threads (contiguous 32-byte reads), otherwise the rows do (rs == 1: consecutive threads read
+// consecutive addresses). A thread's units are loaded in batches of kBatch, each batch's loads
+// issued before its stores (a store to shared memory through a generic pointer may alias a later
+// load, so the compiler would not move the loads up itself).
 template <int kRows, int kK, bool kKContiguous, int kBatch = 4>
 __device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks,
                                            int t0 = static_cast<int>(threadIdx.x),
