@@ -1490,9 +1490,13 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int q = 0; q < kChunkRowGroups; ++q) kdk += pgl[q * kD + i];
       const float extra = kdk + dgl[i];
+      // The gate inputs, A_log and dt_bias loaded together, before the shared-memory stores below
+      // (which the compiler may not move loads above).
       uint32_t gbits[kPer];
 #pragma unroll
       for (int u = 0; u < kPer; ++u) gbits[u] = token_bits(p.g, c, t_lo + u, hv, i);
+      const float alog = p.A_log != nullptr ? p.A_log[hv * p.A_log_s] : 0.f;
+      const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
       float tot = 0.f;
 #pragma unroll
       for (int u = kPer - 1; u >= 0; --u) {
@@ -1515,8 +1519,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         run += dG[f] + (t_lo + u == last ? extra : 0.f);
         dG[f] = run;
       }
-      const float expA = p.A_log != nullptr ? expf(p.A_log[hv * p.A_log_s]) : 1.f;
-      const float bias = p.dt_bias != nullptr ? p.dt_bias[hv * p.dt_bias_s + i] : 0.f;
+      const float expA = p.A_log != nullptr ? expf(alog) : 1.f;
       float ddt = 0.f, dA = 0.f;
       const int t_hi = t_lo + kPer - 1 < last ? t_lo + kPer - 1 : last;
 #pragma unroll 1
