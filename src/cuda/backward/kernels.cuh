@@ -1476,6 +1476,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     }
     __syncthreads();
 
+    // dbeta's beta input (a thread per token, used at the end), loaded with the gate chain's.
+    const uint32_t beta_bits = token_bits(p.beta, c, tid & (kC - 1), hv, 0);
     // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t' (a reverse cumulative
     // sum: per group of 16 tokens its total, then each group from the totals after it, da_t
     // written over dG_t); the gate chain. A thread per (channel i, token group); the groups'
@@ -1560,8 +1562,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       const int t = tid;
       float f = 1.f;
       if (p.beta_logits) {
-        const float x = load_any(p.beta.data, p.beta.dtype, p.beta.offset(c.b, c.t0 + t, hv));
-        const float s = detail::sigmoid<float>(x);
+        const float s = detail::sigmoid<float>(bits_to_f32(beta_bits, p.beta.dtype));
         f = (p.allow_neg_eigval ? 2.f : 1.f) * s * (1.f - s);
       }
       store_any(P.dbeta.data, P.dbeta.dtype, P.dbeta.offset(c.b, c.t0 + t, hv), db[t] * f);
