@@ -1586,25 +1586,29 @@ __global__ void __launch_bounds__(kQkThreads) bwd_qk_kernel(const __grid_constan
   // gradient's stores (which the compiler may not move them above).
   for (int t = warp; t < c.L; t += kQkThreads / 32) {
     const int64_t tok = c.t0 + t;
-    float d[2][4] = {}, x[2][4];
+    // A gradient not asked for (its output null) loads nothing.
+    const bool want[2] = {P.dq.data != nullptr, P.dk.data != nullptr};
+    float d[2][4] = {}, x[2][4] = {};
     for (int hv = h * p.groups; hv < (h + 1) * p.groups; ++hv) {
       const float* src = P.dqk + (slot * p.HV + hv) * (2 * kTile) + t * kD;
 #pragma unroll
       for (int which = 0; which < 2; ++which)
+        if (want[which])
 #pragma unroll
-        for (int e = 0; e < 4; ++e) d[which][e] += src[which * kTile + lane + 32 * e];
+          for (int e = 0; e < 4; ++e) d[which][e] += src[which * kTile + lane + 32 * e];
     }
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
       const StridedView& in = which == 0 ? p.q : p.k;
+      if (want[which])
 #pragma unroll
-      for (int e = 0; e < 4; ++e)
-        x[which][e] = load_any(in.data, in.dtype, in.offset(c.b, tok, h) + lane + 32 * e);
+        for (int e = 0; e < 4; ++e)
+          x[which][e] = load_any(in.data, in.dtype, in.offset(c.b, tok, h) + lane + 32 * e);
     }
 #pragma unroll
     for (int which = 0; which < 2; ++which) {
+      if (!want[which]) continue;
       const StridedView& out = which == 0 ? P.dq : P.dk;
-      if (out.data == nullptr) continue;
       float ss = 0.f;
 #pragma unroll
       for (int e = 0; e < 4; ++e) ss += x[which][e] * x[which][e];

@@ -660,6 +660,8 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_fence_acc(ah);
     wgmma_fence_acc(al);
     wgmma_fence();
+    // (A bf16 dO's zero lo term is not skipped here as in the reverse pass: the run-time choice
+    // doubles these products' code and costs ~44 more bytes of spills at 255 registers.)
     wg_product<8, 1>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
     wg_product<8, 1>(accV, ah, al, dlo, kSpKd, kC, kD);
     wgmma_commit();
