@@ -42,26 +42,26 @@ struct Tuning {
   DecodeKernelOverride decode_kernel = DecodeKernelOverride::kAuto;  // KDA_CUDA_DECODE_KERNEL
   int decode_warp_rows = 0;  // KDA_CUDA_DECODE_WARP_ROWS: 4/8/16 rows per warp (0: heuristic)
   DecodeStateCache decode_warp_cache = DecodeStateCache::kAuto;  // KDA_CUDA_DECODE_WARP_CACHE
-  int prefill_vs = 0;            // KDA_CUDA_PREFILL_VS: 16/32/64/128 (0: heuristic)
-  bool prefill_ksplit = true;    // KDA_CUDA_PREFILL_KSPLIT: K split at vs <= 32
-  bool prefill_wgmma = true;     // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
-  int prefill_chunk = 0;         // KDA_CUDA_PREFILL_CHUNK: 16 or 64 forces (0: heuristic)
-  int prefill_prefetch = 0;      // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
-  int prefill_segment = 0;       // KDA_CUDA_PREFILL_SEGMENT: tokens per segment (0: heuristic;
-                                 // -1: one segment per sequence)
-  int prefill_fused = 0;         // KDA_CUDA_PREFILL_FUSED: 1 forces the fused kernel where it
-                                 // applies, 0 in the environment turns it off (stored as -1)
-  int prefill_warm = 0;          // KDA_CUDA_PREFILL_WARM: 1 forces warm-up segments where they
-                                 // apply, 0 in the environment turns them off (stored as -1)
-  int prefill_warm_chunks = 48;  // KDA_CUDA_PREFILL_WARM_CHUNKS: a warm-up's most 16-token chunks
-  int prefill_warm_bits = 12;    // KDA_CUDA_PREFILL_WARM_BITS: a warm-up ends where the dropped
-                                 // state is at most 2^-bits of the state it stands for
-  bool prefill_single = false;   // KDA_CUDA_PREFILL_SINGLE=1: one cooperative launch, small calls
-  bool prefill_graph = true;     // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
-  bool backward_split = true;    // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
-  bool backward_wgmma = true;    // KDA_CUDA_BACKWARD_WGMMA: the chunk's state products on wgmma
+  int prefill_vs = 0;              // KDA_CUDA_PREFILL_VS: 16/32/64/128 (0: heuristic)
+  bool prefill_ksplit = true;      // KDA_CUDA_PREFILL_KSPLIT: K split at vs <= 32
+  bool prefill_wgmma = true;       // KDA_CUDA_PREFILL_WGMMA: wgmma recurrence at vs >= 64
+  int prefill_chunk = 0;           // KDA_CUDA_PREFILL_CHUNK: 16 or 64 forces (0: heuristic)
+  int prefill_prefetch = 0;        // KDA_CUDA_PREFILL_PREFETCH: blocks (0: off; -1: 2 x SMs)
+  int prefill_segment = 0;         // KDA_CUDA_PREFILL_SEGMENT: tokens per segment (0: heuristic;
+                                   // -1: one segment per sequence)
+  int prefill_fused = 0;           // KDA_CUDA_PREFILL_FUSED: 1 forces the fused kernel where it
+                                   // applies, 0 in the environment turns it off (stored as -1)
+  int prefill_warm = 0;            // KDA_CUDA_PREFILL_WARM: 1 forces warm-up segments where they
+                                   // apply, 0 in the environment turns them off (stored as -1)
+  int prefill_warm_chunks = 48;    // KDA_CUDA_PREFILL_WARM_CHUNKS: a warm-up's most 16-token chunks
+  int prefill_warm_bits = 12;      // KDA_CUDA_PREFILL_WARM_BITS: a warm-up ends where the dropped
+                                   // state is at most 2^-bits of the state it stands for
+  bool prefill_single = false;     // KDA_CUDA_PREFILL_SINGLE=1: one cooperative launch, small calls
+  bool prefill_graph = true;       // KDA_CUDA_PREFILL_GRAPH: a call's kernels as one graph launch
+  bool backward_split = true;      // KDA_CUDA_BACKWARD_SPLIT: 3xTF32 products in the backward
+  bool backward_wgmma = true;      // KDA_CUDA_BACKWARD_WGMMA: the chunk's state products on wgmma
   bool backward_wg_passes = true;  // KDA_CUDA_BACKWARD_WG_PASSES=0: the mma.sync state passes
-  int num_threads = 0;              // KDA_NUM_THREADS: CPU worker threads (0: hardware)
+  int num_threads = 0;             // KDA_NUM_THREADS: CPU worker threads (0: hardware)
 };
 
 // ---- Parsing (pure; `get` maps a name to its value or nullptr, like std::getenv)
