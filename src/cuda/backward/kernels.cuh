@@ -81,9 +81,13 @@ inline constexpr int kPrepSmemFloats = 3 * kC * kPrepLd + 2 * kC * kC + 2 * kTil
 inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
 // bwd_chunk_kernel's row groups of the elementwise pass (a thread per key column in each).
 inline constexpr int kChunkRowGroups = kChunkThreads / kD;
-inline constexpr int kChunkLd = kD + 4;  // row stride of its q^, k^, G, dG tiles
-inline constexpr int kChunkSmemFloats =
-    4 * kC * kChunkLd + 4 * kC * kC + (2 + kChunkRowGroups) * kD + 2 * kC;
+inline constexpr int kChunkLd = kD + 4;  // row stride of its q^, k^, G and dq^ tiles
+// Its per-warp staging rows (stage_dg): 8 rows of 32 keys, row stride kStgLd.
+inline constexpr int kStgLd = 40;  // the fragment layout's writes: pairs on a bank
+inline constexpr int kStgWarp = 8 * kStgLd;
+inline constexpr int kChunkSmemFloats = 4 * kC * kChunkLd + 4 * kC * kC +
+                                        (2 + kChunkRowGroups) * kD + 2 * kC +
+                                        (kChunkThreads / 32) * kStgWarp;
 inline constexpr int kPrepSmemBytes = kPrepSmemFloats * 4;
 inline constexpr int kPassSmemBytes = kPassSmemFloats * 4;
 inline constexpr int kChunkSmemBytes = kChunkSmemFloats * 4;
@@ -1046,6 +1050,36 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
+// Element (t, n) of bwd_chunk_kernel's [64][128] dq^ / dk^ tiles: columns permuted by the row so
+// that the mma fragment layout's accesses (rows g, columns 2 c (+ 1) of a warp) fall on distinct
+// banks but for pairs, and a warp's accesses along a row on 32.
+__device__ __forceinline__ int ti(int t, int n) { return t * kD + (n ^ ((t & 7) << 2)); }
+
+// Hands a warp's mma-layout terms (16 x 32 block: rows g + 8 (x >> 1), columns 8 j + 2 c + (x &
+// 1); term(j, x) computes each once) to the lanes that own them by column (lane n, a register per
+// row): dg[row] += kSign * term, eight rows at a time through the warp's staging rows `st`.
+template <int kSign, typename Term>
+__device__ __forceinline__ void stage_dg(Term&& term, float* st, float (&dg)[16]) {
+  const int lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int b = 0; b < 2; ++b) st[g * kStgLd + 8 * j + 2 * c + b] = term(j, 2 * h + b);
+    __syncwarp();
+#pragma unroll
+    for (int l = 0; l < 8; ++l) {
+      const float v = st[l * kStgLd + lane];
+      if constexpr (kSign > 0)
+        dg[8 * h + l] += v;
+      else
+        dg[8 * h + l] -= v;
+    }
+  }
+}
+
 // kWg: bwd_sprod_kernel ran (BwdParams::wg); dU, dW, dQg, dKd, dAqk, dKb, dVb and exp(G_L) *
 // rowsum(S * dS') are read, not computed.
 template <bool kSplit, bool kWg>
@@ -1054,23 +1088,26 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   pdl_prologue();
   extern __shared__ __align__(128) uint8_t smem[];
   const Params& p = P.f;
-  // q^, k^, G and dG [64][kChunkLd] (padded rows: the intra-chunk products form their tf32
-  // fragments from them as they are read).
+  // q^, k^, G [64][kChunkLd] (padded rows: the intra-chunk products form their tf32 fragments
+  // from them as they are read); then the intra-chunk phases' dq^ tile (ti).
   float* qh = reinterpret_cast<float*>(smem);
   float* kh = qh + kC * kChunkLd;
   float* G = kh + kC * kChunkLd;
-  float* dG = G + kC * kChunkLd;
-  // Swizzled tiles (gemm_tf32): dAqk, dAkk, Xs, T1.
-  float* dAqk = dG + kC * kChunkLd;  // [64][64]
-  float* dAkk = dAqk + kC * kC;      // [64][64]: dX first, then dM, then dAkk
+  float* dqt = G + kC * kChunkLd;
+  // Swizzled tiles (gemm_tf32): dAqk, dAkk, Xs, T1; Xs and T1 together are the intra-chunk
+  // phases' dk^ tile (ti).
+  float* dAqk = dqt + kC * kChunkLd;  // [64][64]
+  float* dAkk = dAqk + kC * kC;       // [64][64]: dX first, then dM, then dAkk
   float* dX = dAkk;
-  float* Xs = dAkk + kC * kC;                // [64][64]: dX's staging buffer, then X
-  float* T1 = Xs + kC * kC;                  // [64][64]
+  float* Xs = dAkk + kC * kC;  // [64][64]: dX's staging buffer, then X
+  float* T1 = Xs + kC * kC;    // [64][64]
+  float* dkt = Xs;
   float* dgl = T1 + kC * kC;                 // [128] exp(G_L) * rowsum(S * dS')
   float* pgl = dgl + kD;                     // [row groups][128] partial sums of Kd * dKd over t
   float* misc = pgl + kChunkRowGroups * kD;  // [128]
   float* bv = misc + kD;                     // [64]
   float* db = bv + kC;                       // [64]
+  float* stg = db + kC;                      // [16 warps][kStgWarp]: stage_dg
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
@@ -1146,7 +1183,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         sVb[e] = bv[t] * xv[u];
         if constexpr (!kWg) sdO[e] = xo[u];
         sKb[e] = bv[t] * expf(G[f]) * kh[f];
-        dG[f] = 0.f;
       }
     }
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
@@ -1286,106 +1322,98 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       }
     }
     __syncthreads();
+    // The intra-chunk phases below are warp-local: warp w owns the 16 x 32 block of rows
+    // r = 16 (w / 4) .., keys n0 = 32 (w % 4) .. of dq^, dk^ (shared-memory tiles dqt, dkt) and of
+    // dG (registers dg of lane n - n0, one per row), and every phase updates only that block:
+    // no device-memory read-modify-write and no block barrier between them. Phases that
+    // compute in the mma fragment layout add into the tiles at the fragment's elements and hand
+    // their dG terms to the owning lanes through the warp's staging rows (stage_dg).
+    static_assert(kChunkRowGroups == 4 && kChunkThreads == 16 * 32, "a warp per 16 x 32 block");
+    const int i = tid & (kD - 1), J = tid >> 7, r = 16 * J;
+    float* stw = stg + warp * kStgWarp;
+    float dg[16];
     // Elementwise: dK~ = b dKb; dG = Qg dQg + K~ dK~ - Kd dKd; dq^ = exp(G) dQg;
-    // dk^ = exp(G) dK~ + exp(G_L - G) dKd; sum_t Kd dKd for G_L.
+    // dk^ = exp(G) dK~ + exp(G_L - G) dKd; sum_t Kd dKd for G_L. The block's device-memory
+    // loads (dKb, dQg, dKd: one round trip) before its stores.
     {
-      const int i = tid & (kD - 1), part_t = tid >> 7;
-      constexpr int kRows = kC / kChunkRowGroups;
       const float gLi = G[(kC - 1) * kChunkLd + i];
-      // In batches of 8 rows whose device-memory loads (dKb, dq^, dk^) issue before any of the
-      // batch's stores: the compiler may not move a load above a store that could alias it,
-      // so row by row each row's loads waited on an L2 round trip.
-      constexpr int kBatch = 8;
-      float acc = 0.f;
-#pragma unroll 1
-      for (int t0 = part_t * kRows; t0 < part_t * kRows + kRows; t0 += kBatch) {
-        float xb[kBatch], xq[kBatch], xk[kBatch];
+      float xb[16], xq[16], xk[16];
 #pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int e = (t0 + u) * kD + i;
-          xb[u] = dKbp[e];
-          xq[u] = dqh[e];
-          xk[u] = dkh[e];
-        }
-#pragma unroll
-        for (int u = 0; u < kBatch; ++u) {
-          const int t = t0 + u, e = t * kD + i, f = t * kChunkLd + i;
-          const float eg = expf(G[f]), el = expf(gLi - G[f]);
-          const float dKt = bv[t] * xb[u];
-          const float dQg = xq[u], dKd = xk[u];
-          const float kdk = el * kh[f] * dKd;
-          dG[f] = eg * qh[f] * dQg + eg * kh[f] * dKt - kdk;
-          acc += kdk;
-          dqh[e] = eg * dQg;
-          dkh[e] = eg * dKt + el * dKd;
-        }
+      for (int u = 0; u < 16; ++u) {
+        const int e = (r + u) * kD + i;
+        xb[u] = dKbp[e];
+        xq[u] = dqh[e];
+        xk[u] = dkh[e];
       }
-      pgl[part_t * kD + i] = acc;
+      float acc = 0.f;
+#pragma unroll
+      for (int u = 0; u < 16; ++u) {
+        const int t = r + u, f = t * kChunkLd + i;
+        const float eg = expf(G[f]), el = expf(gLi - G[f]);
+        const float dKt = bv[t] * xb[u];
+        const float dQg = xq[u], dKd = xk[u];
+        const float kdk = el * kh[f] * dKd;
+        dg[u] = eg * qh[f] * dQg + eg * kh[f] * dKt - kdk;
+        acc += kdk;
+        dqt[ti(t, i)] = eg * dQg;
+        dkt[ti(t, i)] = eg * dKt + el * dKd;
+      }
+      pgl[J * kD + i] = acc;
     }
-    __syncthreads();
-    // Intra-chunk products, diagonal blocks: a thread per (key i, row block J), per element
-    // exp(G_t - G_s) (t >= s).
-    for (int rep = 0; rep < 4 / kChunkRowGroups; ++rep) {
-      const int i = tid & (kD - 1), J = (tid >> 7) + kChunkRowGroups * rep, r = 16 * J;
-      // Row t's sums (aq, akp) are complete after its inner loop; column s's (akm) after all rows.
+    // Intra-chunk products, diagonal block J: a thread per key i, per element exp(G_t - G_s)
+    // (t >= s). Row t's sums (aq, akp) are complete after its inner loop; column s's (akm) after
+    // all rows. Rolled over the rows (code size: the unrolled triangle did not stay in the
+    // instruction caches), the columns unrolled with a uniform exit so that akm stays in
+    // registers; a row's dG term goes through the thread's own staging slot (dg is indexed
+    // statically), eight rows at a time.
+    {
       float akm[16];
 #pragma unroll
       for (int l = 0; l < 16; ++l) akm[l] = 0.f;
-      // Rolled over the rows (code size: the unrolled triangle did not stay in the instruction
-      // caches), the columns unrolled with a uniform exit so that akm stays in registers. Row
-      // t + 1's dq^, dk^ are loaded before row t's are stored (the compiler may not move a load
-      // above a store that could alias it): one device-memory round trip per row, overlapped.
-      float nq = dqh[r * kD + i], nk = dkh[r * kD + i];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
 #pragma unroll 1
-      for (int tt = 0; tt < 16; ++tt) {
-        const int t = r + tt, f = t * kChunkLd + i;
-        const float oq = nq, ok = nk;
-        if (tt + 1 < 16) {
-          nq = dqh[(t + 1) * kD + i];
-          nk = dkh[(t + 1) * kD + i];
-        }
-        const float gt = G[f], qt = qh[f], kt = kh[f];
-        float aq = 0.f, akp = 0.f;
+        for (int tt = 8 * h; tt < 8 * h + 8; ++tt) {
+          const int t = r + tt, f = t * kChunkLd + i;
+          const float gt = G[f], qt = qh[f], kt = kh[f];
+          float aq = 0.f, akp = 0.f;
 #pragma unroll
-        for (int ss = 0; ss < 16; ++ss) {
-          if (ss > tt) break;
-          const int s = r + ss;
-          const float E = expf(gt - G[s * kChunkLd + i]);
-          const float ks = kh[s * kChunkLd + i] * E;
-          const float wq = dAqk[sw(t, s, kC)];
-          aq += wq * ks;
-          akm[ss] += wq * qt * E;
-          if (ss < tt) {
-            const float wk = dAkk[sw(t, s, kC)];
-            akp += wk * ks;
-            akm[ss] += wk * kt * E;
+          for (int ss = 0; ss < 16; ++ss) {
+            if (ss > tt) break;
+            const int s = r + ss;
+            const float E = expf(gt - G[s * kChunkLd + i]);
+            const float ks = kh[s * kChunkLd + i] * E;
+            const float wq = dAqk[sw(t, s, kC)];
+            aq += wq * ks;
+            akm[ss] += wq * qt * E;
+            if (ss < tt) {
+              const float wk = dAkk[sw(t, s, kC)];
+              akp += wk * ks;
+              akm[ss] += wk * kt * E;
+            }
           }
+          dqt[ti(t, i)] += aq;
+          dkt[ti(t, i)] += akp;
+          stw[(tt - 8 * h) * kStgLd + lane] = qt * aq + kt * akp;
         }
-        const int e = t * kD + i;
-        dqh[e] = oq + aq;
-        dkh[e] = ok + akp;
-        dG[f] += qt * aq + kt * akp;
-      }
-      // Column sums: the 16 rows' dk^ loaded together, then updated.
-      float xk[16];
 #pragma unroll
-      for (int l = 0; l < 16; ++l) xk[l] = dkh[(r + l) * kD + i];
+        for (int l = 0; l < 8; ++l) dg[8 * h + l] += stw[l * kStgLd + lane];
+      }
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
-        const int e = (r + l) * kD + i, f = (r + l) * kChunkLd + i;
-        dkh[e] = xk[l] + akm[l];
-        dG[f] -= kh[f] * akm[l];
+        const int t = r + l;
+        dkt[ti(t, i)] += akm[l];
+        dg[l] -= kh[t * kChunkLd + i] * akm[l];
       }
     }
-    __syncthreads();
-    // Off the diagonal blocks (docs/backward.md section 5), a warp per (row block, 32 keys): 12
-    // units of 16 x 32, their tf32 fragments formed from the tiles as they are read, every decay
-    // factor <= 1. Rows t of block J (r = 16 J) against the columns s < r:
+    __syncwarp();
+    // Off the diagonal blocks (docs/backward.md section 5), their tf32 fragments formed from the
+    // tiles as they are read, every decay factor <= 1. Rows t of block J >= 1 (r = 16 J) against
+    // the columns s < r:
     //   x_q = exp(G_t - G_r) (dAqk Kc), x_k = exp(G_t - G_r) (dAkk Kc), Kc_s = exp(G_r - G_s) k^_s;
     //   dq^ += x_q, dk^ += x_k, dG += q^ x_q + k^ x_k.
-    const int g = lane >> 2, cq = lane & 3;
-    if (warp < 12) {
-      const int J = 1 + warp / 4, r = 16 * J, n0 = 32 * (warp % 4);
+    const int g = lane >> 2, cq = lane & 3, n0 = 32 * (warp % 4);
+    if (J >= 1) {
       const float* Gr = G + r * kChunkLd;
       float aq[4][4] = {}, ak[4][4] = {};
       for (int k0 = 0; k0 < r; k0 += 8) {
@@ -1400,47 +1428,35 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           mma_split<kSplit>(ak[j], khi, klo, b0, b1);
         }
       }
-      // Per n8 tile, its dq^, dk^ loaded before any is stored (a store that could alias them
-      // would hold each load back).
-#pragma unroll
-      for (int j = 0; j < 4; ++j) {
-        float oq[4], ok[4];
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
-          oq[x] = dqh[t * kD + n];
-          ok[x] = dkh[t * kD + n];
-        }
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
-          const int e = t * kD + n, f = t * kChunkLd + n;
-          const float E = expf(G[f] - Gr[n]);
-          const float xq = E * aq[j][x], xk = E * ak[j][x];
-          dqh[e] = oq[x] + xq;
-          dkh[e] = ok[x] + xk;
-          dG[f] += qh[f] * xq + kh[f] * xk;
-        }
-      }
+      stage_dg<1>(
+          [&](int j, int x) {
+            const int t = r + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+            const int f = t * kChunkLd + n;
+            const float E = expf(G[f] - Gr[n]);
+            const float xq = E * aq[j][x], xk = E * ak[j][x];
+            dqt[ti(t, n)] += xq;
+            dkt[ti(t, n)] += xk;
+            return qh[f] * xq + kh[f] * xk;
+          },
+          stw, dg);
     }
-    __syncthreads();
-    // Columns s of block I against the row blocks J > I (r = 16 J):
+    // Columns s of block I <= 2 against the row blocks J > I (r = 16 J):
     //   y = sum_J exp(G_r - G_s) (dAqk^T Qr + dAkk^T Kr), Qr_t, Kr_t = exp(G_t - G_r) q^_t, k^_t;
     //   dk^ += y, dG -= k^ y.
-    if (warp < 12) {
-      const int I = warp / 4, n0 = 32 * (warp % 4);
+    if (J <= 2) {
+      const int I = J;
       float y[4][4] = {};
-      for (int J = I + 1; J < 4; ++J) {
-        const int r = 16 * J;
-        const float* Gr = G + r * kChunkLd;
+      for (int Jr = I + 1; Jr < 4; ++Jr) {
+        const int rr = 16 * Jr;
+        const float* Gr = G + rr * kChunkLd;
         float acc[4][4] = {};
 #pragma unroll
         for (int k0 = 0; k0 < 16; k0 += 8) {
           uint32_t qhi[4], qlo[4], khi[4], klo[4];
-          da_fragments<true>(dAqk, dAkk, 16 * I, r + k0, qhi, qlo, khi, klo);
+          da_fragments<true>(dAqk, dAkk, 16 * I, rr + k0, qhi, qlo, khi, klo);
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
-            const int n = n0 + 8 * j + g, t0 = r + k0 + cq, t1 = t0 + 4;
+            const int n = n0 + 8 * j + g, t0 = rr + k0 + cq, t1 = t0 + 4;
             const float e0 = expf(G[t0 * kChunkLd + n] - Gr[n]);
             const float e1 = expf(G[t1 * kChunkLd + n] - Gr[n]);
             mma_split<kSplit>(acc[j], qhi, qlo, qh[t0 * kChunkLd + n] * e0,
@@ -1457,22 +1473,21 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
             y[j][x] += expf(Gr[n] - G[s2 * kChunkLd + n]) * acc[j][x];
           }
       }
-      float ok[4][4];  // the 16 dk^ elements loaded together, then updated
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
-          ok[j][x] = dkh[s2 * kD + n];
-        }
-#pragma unroll
-      for (int j = 0; j < 4; ++j)
-#pragma unroll
-        for (int x = 0; x < 4; ++x) {
-          const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
-          dkh[s2 * kD + n] = ok[j][x] + y[j][x];
-          dG[s2 * kChunkLd + n] -= kh[s2 * kChunkLd + n] * y[j][x];
-        }
+      stage_dg<-1>(
+          [&](int j, int x) {
+            const int s2 = 16 * I + g + 8 * (x >> 1), n = n0 + 8 * j + 2 * cq + (x & 1);
+            dkt[ti(s2, n)] += y[j][x];
+            return kh[s2 * kChunkLd + n] * y[j][x];
+          },
+          stw, dg);
+    }
+    // The block's dq^, dk^ to the workspace (bwd_qk_kernel sums the group's value heads).
+    __syncwarp();
+#pragma unroll 4
+    for (int u = 0; u < 16; ++u) {
+      const int t = r + u;
+      dqh[t * kD + i] = dqt[ti(t, i)];
+      dkh[t * kD + i] = dkt[ti(t, i)];
     }
     __syncthreads();
 
@@ -1480,14 +1495,16 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     const uint32_t beta_bits = token_bits(p.beta, c, tid & (kC - 1), hv, 0);
     // G_L's gradient enters at the last token; da_t = sum_{t' >= t} dG_t' (a reverse cumulative
     // sum: per group of 16 tokens its total, then each group from the totals after it, da_t
-    // written over dG_t); the gate chain. A thread per (channel i, token group); the groups'
-    // A_log / dt_bias partials summed in group order. T1 (free now) holds the group totals and
-    // partials, the q^ tile the raw gate inputs. The gate derivatives run in a rolled loop: the
-    // gate forms and the dtype's store inlined once, not once per token (instruction fetch).
+    // written to the k^ tile, free now); the gate chain. A thread per (channel i, token group),
+    // the owner of that group's dG (dg); the groups' A_log / dt_bias partials summed in group
+    // order. T1 (free now) holds the group totals and partials, the q^ tile the raw gate inputs.
+    // The gate derivatives run in a rolled loop: the gate forms and the dtype's store inlined once,
+    // not once per token (instruction fetch).
     {
       constexpr int kPer = kC / kChunkRowGroups;
-      const int i = tid & (kD - 1), grp = tid >> 7, t_lo = grp * kPer;
+      const int grp = J, t_lo = grp * kPer;
       const int last = c.L - 1;
+      float* dat = kh;  // [64][kChunkLd]: da
       float kdk = 0.f;
 #pragma unroll
       for (int q = 0; q < kChunkRowGroups; ++q) kdk += pgl[q * kD + i];
@@ -1503,7 +1520,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
       for (int u = kPer - 1; u >= 0; --u) {
         const int t = t_lo + u;
-        if (t <= last) tot += dG[t * kChunkLd + i] + (t == last ? extra : 0.f);
+        if (t <= last) tot += dg[u] + (t == last ? extra : 0.f);
       }
       float* gtot = T1;                          // [groups][128]
       float* gpart = T1 + kChunkRowGroups * kD;  // [groups][2][128]
@@ -1518,8 +1535,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       for (int u = kPer - 1; u >= 0; --u) {
         const int f = (t_lo + u) * kChunkLd + i;
         if (t_lo + u > last) continue;
-        run += dG[f] + (t_lo + u == last ? extra : 0.f);
-        dG[f] = run;
+        run += dg[u] + (t_lo + u == last ? extra : 0.f);
+        dat[f] = run;
       }
       const float expA = p.A_log != nullptr ? expf(alog) : 1.f;
       float ddt = 0.f, dA = 0.f;
@@ -1527,14 +1544,14 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll 1
       for (int t = t_hi; t >= t_lo; --t) {
         const int f = t * kChunkLd + i;
-        const float da = dG[f];
+        const float da = dat[f];
         float dadg, dadA;
         gate_derivatives(p, qh[f], expA, bias, &dadg, &dadA);
-        const float dg = da * dadg;
-        ddt += dg;
+        const float dgt = da * dadg;
+        ddt += dgt;
         dA += da * dadA;
         if (P.dg.data != nullptr)
-          store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dg);
+          store_any(P.dg.data, P.dg.dtype, P.dg.offset(c.b, c.t0 + t, hv) + i, dgt);
       }
       gpart[(2 * grp) * kD + i] = ddt;
       gpart[(2 * grp + 1) * kD + i] = dA;
