@@ -26,6 +26,7 @@
 // take exp(G_t - G_s), t >= s, per element. Gates of -1000 give zeros, never inf or NaN.
 #pragma once
 
+#include "cuda/backward/wg_tiles.cuh"
 #include "cuda/prefill/common.cuh"
 
 namespace kda::cuda::bw {
@@ -77,7 +78,11 @@ inline constexpr int kPassPrefetch = 2;
 // Shared memory (floats) of the kernels.
 // bwd_prepare_kernel's tiles of q^, k^ and G have a padded row stride (load_chunk).
 inline constexpr int kPrepLd = kD + 4;
-inline constexpr int kPrepSmemFloats = 3 * kC * kPrepLd + 2 * kC * kC + 2 * kTile + 3 * 256 + kC;
+// Its B tiles of W = X Kb and Ut = X Vb (Kb^T, Vb^T: rows 128 keys / values, K 64 tokens, bf16
+// hi + lo) after the fp32 part, from the next 1024-byte boundary.
+inline constexpr int kPrepFloats = 3 * kC * kPrepLd + 2 * kC * kC + 3 * 256 + kC;
+inline constexpr int kPrepKbT = 0, kPrepVbT = 2 * wg_tile_bytes(kD, kC);
+inline constexpr int kPrepSmemFloats = kPrepFloats + (2 * kPrepVbT + 1024) / 4;
 inline constexpr int kPassSmemFloats = kD * kSlice + 2 * kC * kD + kC * kC + 2 * kC * kSlice + kD;
 // bwd_chunk_kernel's row groups of the elementwise pass (a thread per key column in each).
 inline constexpr int kChunkRowGroups = kChunkThreads / kD;
@@ -531,11 +536,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   float* kh = qh + kC * kPrepLd;
   float* G = kh + kC * kPrepLd;
   float* Akk = G + kC * kPrepLd;  // [64][64]
-  float* X = Akk + kC * kC;       // [64][64], swizzled (gemm_tf32)
-  float* Kb = X + kC * kC;        // [64][128] b exp(G) k^, swizzled
-  float* Vb = Kb + kTile;         // [64][128] b v, swizzled
-  float* T = Vb + kTile;          // [3][16][16] the inversion's block sums
+  float* X = Akk + kC * kC;       // [64][64], swizzled (sw)
+  float* T = X + kC * kC;         // [3][16][16] the inversion's block sums
   float* bv = T + 3 * 256;        // [64]
+  uint8_t* tiles = align1024(reinterpret_cast<uint8_t*>(bv + kC));  // Kb^T, Vb^T (kPrepKbT ..)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, cq = lane & 3;
@@ -548,25 +552,36 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   prefetch_rows(p, c, hv, nullptr);  // for load_chunk and v
   load_chunk<kPrepLd, 4>(p, c, hv, qh, kh, G, bv);
 
-  // Kb = b exp(G) k^, Vb = b v (a thread's eight loads of v issued first); the record's
-  // exp(G) q^, exp(G_L - G) k^ and exp(G_L).
+  // Kb = b exp(G) k^ and Vb = b v as the B tiles Kb^T, Vb^T (bf16 hi + lo; tile_store's units:
+  // a key and 8 tokens, two per thread, the loads of v issued first); the record's exp(G) q^,
+  // exp(G_L - G) k^ and exp(G_L).
   const float* GL = G + (kC - 1) * kPrepLd;  // rows >= L repeat G_{L-1}
-  for (int e0 = tid; e0 < kTile; e0 += 8 * kPrepThreads) {
-    uint32_t xv[8];
+  {
+    static_assert(kD * kC / 8 == 2 * kPrepThreads, "two tile units a thread");
+    uint32_t xv[2][8];
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * kPrepThreads;
-      xv[u] = token_bits(p.v, c, e / kD, hv, e % kD);
-    }
+    for (int u = 0; u < 2; ++u) {
+      const int unit = tid + u * kPrepThreads, n = unit % kD, t0 = 8 * (unit / kD);
 #pragma unroll
-    for (int u = 0; u < 8; ++u) {
-      const int e = e0 + u * kPrepThreads, t = e / kD, i = e % kD, f = t * kPrepLd + i;
-      const float eg = expf(G[f]);
-      Kb[sw(t, i, kD)] = bv[t] * eg * kh[f];
-      rec[kRecQg + e] = eg * qh[f];
-      rec[kRecKd + e] = expf(GL[i] - G[f]) * kh[f];
-      Vb[sw(t, i, kD)] = bv[t] * token_value(xv[u], p.v, t < c.L);
+      for (int l = 0; l < 8; ++l) xv[u][l] = token_bits(p.v, c, t0 + l, hv, n);
     }
+    float xk[2][8], xb[2][8];
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int unit = tid + u * kPrepThreads, n = unit % kD, t0 = 8 * (unit / kD);
+#pragma unroll
+      for (int l = 0; l < 8; ++l) {
+        const int t = t0 + l, f = t * kPrepLd + n, e = t * kD + n;
+        const float eg = expf(G[f]);
+        xk[u][l] = bv[t] * eg * kh[f];
+        rec[kRecQg + e] = eg * qh[f];
+        rec[kRecKd + e] = expf(GL[n] - G[f]) * kh[f];
+        xb[u][l] = bv[t] * token_value(xv[u][l], p.v, t < c.L);
+      }
+    }
+    tile_store<kD, kC, false, 2>(xk, tiles + kPrepKbT, tid, kPrepThreads);
+    tile_store<kD, kC, false, 2>(xb, tiles + kPrepVbT, tid, kPrepThreads);
+    fence_proxy_async();  // the tiles, for the wgmma after the barriers below
   }
   for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
   // Zeros of Aqk above the diagonal and of Akk at and above it, outside the diagonal pairs below.
@@ -701,14 +716,33 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
     __syncthreads();
   }
 
-  // W = X (b exp(G) k^), Ut = X (b v); Akk and X into the record.
-  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Kb, kD, 1,
-                                [&](int m, int n, float v) { rec[kRecW + m * kD + n] = v; });
-  gemm_tf32<kSplit, true, true>(kC, kD, kC, X, kC, 1, Vb, kD, 1,
-                                [&](int m, int n, float v) { rec[kRecUt + m * kD + n] = v; });
-  for (int e = tid; e < kC * kC; e += kPrepThreads) {
-    rec[kRecAkk + e] = Akk[e];
-    rec[kRecX + e] = X[sw(e / kC, e % kC, kC)];
+  // W = X (b exp(G) k^), Ut = X (b v) on wgmma, three bf16 terms (wg_product: ~fp32 products,
+  // whatever kSplit says): warpgroup 0 W, warpgroup 1 Ut (M: 64 tokens, N: 128 keys / values,
+  // K: 64 tokens), A = X from shared memory; warpgroups 2 and 3 write Akk and X meanwhile.
+  if (tid < 2 * 128) {
+    const int wgi = tid >> 7;
+    uint32_t ah[4][4], al[4][4];
+    load_a([&](int m, int k) { return X[sw(m, k, kC)]; }, ah, al);
+    float acc[16][4] = {};
+    wgmma_fence_acc(acc);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<16, 1>(acc, ah, al, wgmma_desc_lo(smem_addr(tiles)), wgi == 0 ? kPrepKbT : kPrepVbT,
+                      kD, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(acc);
+    float* out = rec + (wgi == 0 ? kRecW : kRecUt);
+#pragma unroll
+    for (int j = 0; j < 16; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) out[acc_row(e) * kD + acc_col(j, e)] = acc[j][e];
+  } else {
+    for (int e = tid - 2 * 128; e < kC * kC; e += kPrepThreads - 2 * 128) {
+      rec[kRecAkk + e] = Akk[e];
+      rec[kRecX + e] = X[sw(e / kC, e % kC, kC)];
+    }
   }
 }
 

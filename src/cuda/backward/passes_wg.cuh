@@ -25,8 +25,6 @@ inline constexpr int kWgWarpgroup = 128;
 inline constexpr int kWgCols = 64;  // value columns per block
 inline constexpr int kWgSlices = kD / kWgCols;
 
-// A bf16 tile of `rows` rows and K columns (K-major, 128-byte swizzle): rows * K * 2 bytes.
-__host__ __device__ constexpr int wg_tile_bytes(int rows, int K) { return rows * K * 2; }
 // Shared memory: two buffers (steps alternate between them), each the hi and lo tiles of every B
 // operand of a step; then per buffer exp(G_L) [128] fp32 (and, in the states pass, the step's
 // slice of Ut [64 tokens][kWgUtLd] fp32); then the mbarriers full[2], empty[2]. The tiles start at
@@ -55,114 +53,6 @@ static_assert(kWgStKdT % 1024 == 0 && kWgStBuf % 1024 == 0 && kWgDsAqkT % 1024 =
                   kWgDsQgT % 1024 == 0 && kWgDsWT % 1024 == 0 && kWgDsBuf % 1024 == 0,
               "tiles at the swizzle period");
 
-// x as two bf16 terms hi + lo, eight of them packed as two 16-byte rows.
-__device__ __forceinline__ void split8(const float (&x)[8], uint4* hi, uint4* lo) {
-  uint32_t h[4], l[4];
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    h[i] = pf::pack_bf16(x[2 * i], x[2 * i + 1]);
-    l[i] =
-        pf::pack_bf16(x[2 * i] - pf::lo_f32<false>(h[i]), x[2 * i + 1] - pf::hi_f32<false>(h[i]));
-  }
-  *hi = make_uint4(h[0], h[1], h[2], h[3]);
-  *lo = make_uint4(l[0], l[1], l[2], l[3]);
-}
-
-// tile_load / tile_store: one batch of stage_tile (units u0, u0 + nt, ..., kBatch of them), so
-// that a caller can have several tiles' loads in flight before any store.
-template <int kRows, int kK, bool kKContiguous, int kBatch>
-__device__ __forceinline__ void tile_load(float (&x)[kBatch][8], const float* src, int rs, int ks,
-                                          int u0, int t0, int nt) {
-  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
-#pragma unroll
-  for (int v = 0; v < kBatch; ++v) {
-    const int u = u0 + v * nt < kUnits ? u0 + v * nt : t0;  // past the end: a unit reread
-    const int n = kKContiguous ? u / kGroups : u % kRows;
-    const int kb = kKContiguous ? u % kGroups : u / kRows;
-    if constexpr (kKContiguous) {
-      const float4 a = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb);
-      const float4 b = *reinterpret_cast<const float4*>(src + n * rs + 8 * kb + 4);
-      x[v][0] = a.x, x[v][1] = a.y, x[v][2] = a.z, x[v][3] = a.w, x[v][4] = b.x, x[v][5] = b.y,
-      x[v][6] = b.z, x[v][7] = b.w;
-    } else {
-#pragma unroll
-      for (int i = 0; i < 8; ++i) x[v][i] = src[n * rs + (8 * kb + i) * ks];
-    }
-  }
-}
-template <int kRows, int kK, bool kKContiguous, int kBatch>
-__device__ __forceinline__ void tile_store(const float (&x)[kBatch][8], uint8_t* hi, int u0,
-                                           int nt) {
-  constexpr int kUnits = kRows * kK / 8, kGroups = kK / 8;
-  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
-#pragma unroll
-  for (int v = 0; v < kBatch; ++v) {
-    const int u = u0 + v * nt;
-    if (u >= kUnits) break;
-    const int n = kKContiguous ? u / kGroups : u % kRows;
-    const int kb = kKContiguous ? u % kGroups : u / kRows;
-    uint4 h, l;
-    split8(x[v], &h, &l);
-    const int off = pf::sw128_offset(kRows, n, 16 * kb);
-    *reinterpret_cast<uint4*>(hi + off) = h;
-    *reinterpret_cast<uint4*>(lo + off) = l;
-  }
-}
-
-// B operand tile (rows x K, element (n, k) = src[n * rs + k * ks], fp32 in device memory) into
-// the bf16 hi tile at `hi` and the lo tile right after it, by threads t0, t0 + 1, .. (nt of
-// them). A thread per (row, 8 columns) unit: with ks == 1 the units of a row go to consecutive
-// threads (contiguous 32-byte reads), otherwise the rows do (rs == 1: consecutive threads read
-// consecutive addresses). A thread's units are loaded in batches of kBatch, each batch's loads
-// issued before its stores (a store to shared memory through a generic pointer may alias a later
-// load, so the compiler would not move the loads up itself).
-template <int kRows, int kK, bool kKContiguous, int kBatch = 4>
-__device__ __forceinline__ void stage_tile(uint8_t* hi, const float* src, int rs, int ks,
-                                           int t0 = static_cast<int>(threadIdx.x),
-                                           int nt = static_cast<int>(blockDim.x)) {
-  constexpr int kUnits = kRows * kK / 8;
-#pragma unroll 1
-  for (int u0 = t0; u0 < kUnits; u0 += kBatch * nt) {
-    float x[kBatch][8];
-    tile_load<kRows, kK, kKContiguous, kBatch>(x, src, rs, ks, u0, t0, nt);
-    tile_store<kRows, kK, kKContiguous, kBatch>(x, hi, u0, nt);
-  }
-}
-
-// Descriptor of k16 step q of the tile at byte offset `off` (rows rows) from the 1024-byte
-// aligned base whose wgmma_desc_lo is dlo; the lo tile follows at + tile bytes.
-__device__ __forceinline__ uint64_t wg_desc(uint32_t dlo, int off, int rows, int q) {
-  return pf::rec_desc(dlo, off, rows, 32 * q);
-}
-
-// D (+)= A B with A = hi + lo (registers), B = hi + lo (tiles at off, off + tile bytes): the
-// three terms hi hi, lo hi, hi lo, over k16 steps q0 .. q0 + NQ - 1 of B and of the A fragments.
-// kALoZero: A's values are bf16 numbers (a bf16 dO), so its lo term is zero and lo hi, which
-// would add exactly zero, is skipped.
-template <int NJ, int kScale, int NQ, bool kALoZero = false>
-__device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&ah)[NQ][4],
-                                           const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
-                                           int rows, int K) {
-  const int lo = off + wg_tile_bytes(rows, K);
-#pragma unroll
-  for (int q = 0; q < NQ; ++q) {
-    wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, off, rows, q), 1);
-    if constexpr (!kALoZero) wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
-    wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
-  }
-}
-// wg_product with kALoZero chosen at run time.
-template <int NJ, int kScale, int NQ>
-__device__ __forceinline__ void wg_product_a(bool a_lo_zero, float (&d)[NJ][4],
-                                             const uint32_t (&ah)[NQ][4],
-                                             const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
-                                             int rows, int K) {
-  if (a_lo_zero)
-    wg_product<NJ, kScale, NQ, true>(d, ah, al, dlo, off, rows, K);
-  else
-    wg_product<NJ, kScale, NQ, false>(d, ah, al, dlo, off, rows, K);
-}
-
 // Between a pass step's two commit groups: waits for the first (U^T or dU^T in acc), builds its
 // hi + lo A operands and decays the state by exp(G_L), fenced for the second group.
 __device__ __forceinline__ void wg_between(float (&acc)[8][4], float (&state)[16][4],
@@ -177,23 +67,6 @@ __device__ __forceinline__ void wg_between(float (&acc)[8][4], float (&state)[16
   wgmma_fence_acc(h);
   wgmma_fence_acc(l);
   wgmma_fence();
-}
-
-// The dynamic shared memory's first 1024-byte aligned byte (the tiles' swizzle period; the
-// kernels' sizes include 1 KB of slack).
-__device__ __forceinline__ uint8_t* align1024(uint8_t* p) {
-  return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(p) + 1023) &
-                                    ~static_cast<uintptr_t>(1023));
-}
-
-// Element (column 16 w + g + 8 (e >> 1), key / token 8 j + 2 c + (e & 1)) of a thread's
-// accumulator tile j, register e (w: warp, g = lane / 4, c = lane % 4).
-__device__ __forceinline__ int acc_row(int e) {
-  const int lane = threadIdx.x & 31, w = (threadIdx.x >> 5) & 3;
-  return 16 * w + (lane >> 2) + 8 * (e >> 1);
-}
-__device__ __forceinline__ int acc_col(int j, int e) {
-  return 8 * j + 2 * (threadIdx.x & 3) + (e & 1);
 }
 
 // A state slice (columns j0.., all keys) of row n, head hv of a state tensor into / from the
@@ -235,39 +108,6 @@ __device__ __forceinline__ void store_ws_t(const float (&acc)[NJ][4], float* out
     for (int e = 0; e < 4; ++e) out[acc_col(j, e) * kD + j0 + acc_row(e)] = acc[j][e];
 }
 
-// A operands (bf16 hi + lo, k16 steps 0 .. NQ - 1) of the warp's 16 rows from a ( m, k ) -> value
-// function: step q, register r holds rows 16 w + g (+ 8 for odd r), k = 16 q + 2 c (+ 8 for r >=
-// 2) and the next k (w: warp in the warpgroup, g = lane / 4, c = lane % 4). a_values gathers the
-// values (raw bits, say, so that their loads are in flight while the caller does other work),
-// split_a makes the hi + lo pairs, load_a does both.
-__device__ __forceinline__ int a_row(int r) {
-  return 16 * ((threadIdx.x >> 5) & 3) + ((threadIdx.x & 31) >> 2) + 8 * (r & 1);
-}
-__device__ __forceinline__ int a_k(int q, int r, int i) {
-  return 16 * q + 8 * (r >> 1) + 2 * (threadIdx.x & 3) + i;
-}
-template <int NQ, typename T, typename F>
-__device__ __forceinline__ void a_values(F&& f, T (&x)[NQ][4][2]) {
-#pragma unroll
-  for (int q = 0; q < NQ; ++q)
-#pragma unroll
-    for (int r = 0; r < 4; ++r)
-#pragma unroll
-      for (int i = 0; i < 2; ++i) x[q][r][i] = f(a_row(r), a_k(q, r, i));
-}
-template <int NQ>
-__device__ __forceinline__ void split_a(const float (&x)[NQ][4][2], uint32_t (&hi)[NQ][4],
-                                        uint32_t (&lo)[NQ][4]) {
-#pragma unroll
-  for (int q = 0; q < NQ; ++q)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const uint32_t h = pf::pack_bf16(x[q][r][0], x[q][r][1]);
-      hi[q][r] = h;
-      lo[q][r] =
-          pf::pack_bf16(x[q][r][0] - pf::lo_f32<false>(h), x[q][r][1] - pf::hi_f32<false>(h));
-    }
-}
 // split_a of token values gathered as raw bits by a_values (held as uint32_t, or as float bit
 // patterns where they share an array with other values): zero where live(q, r, e) is false.
 __device__ __forceinline__ uint32_t a_bits(uint32_t b) { return b; }
@@ -285,13 +125,6 @@ __device__ __forceinline__ void split_token_a(const T (&b)[NQ][4][2], const Stri
       for (int e = 0; e < 2; ++e) x[q][r][e] = token_value(a_bits(b[q][r][e]), v, live(q, r, e));
   split_a(x, hi, lo);
 }
-template <int NQ, typename F>
-__device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&lo)[NQ][4]) {
-  float x[NQ][4][2];
-  a_values(f, x);
-  split_a(x, hi, lo);
-}
-
 // Both passes run two warpgroups: warpgroup 1 stages the record parts of a step (fp32 from device
 // memory, where the L2 prefetch kPassPrefetch steps earlier put them, into bf16 hi + lo tiles) into
 // one of two buffers while warpgroup 0 runs the products of the step before on the other. Buffer
