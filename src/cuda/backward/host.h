@@ -148,7 +148,8 @@ inline int plan_launches(const BwdParams& P, BwdLaunch (&out)[kMaxBwdLaunches]) 
   if (tasks > 0) {
     if (P.wg) out[n++] = {BwdKernel::kSProd, tasks, kSpThreads, kSprodSmem};
     out[n++] = {BwdKernel::kChunk, P.chunk_blocks, kChunkThreads, kChunkSmemBytes};
-    if (P.dq.data != nullptr || P.dk.data != nullptr)
+    // One value head per q/k head: bwd_chunk_kernel writes dq and dk itself.
+    if ((P.dq.data != nullptr || P.dk.data != nullptr) && p.groups > 1)
       out[n++] = {BwdKernel::kQk, p.num_slots * p.H, kQkThreads, 0};
   }
   if ((P.dA_log != nullptr || P.ddt_bias != nullptr) && p.HV > 0)

@@ -1084,6 +1084,32 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
+// dq (is_q) or dk of one token from the gradient d of its q^ / k^ row (a warp: lane's elements
+// lane + 32 e) and the input row x: the scale and the l2norm chained, stored at `off` of `out`.
+__device__ __forceinline__ void qk_chain_store(const Params& p, bool is_q, const float (&x)[4],
+                                               float (&d)[4], const StridedView& out, int64_t off) {
+  const int lane = threadIdx.x & 31;
+  float ss = 0.f;
+#pragma unroll
+  for (int e = 0; e < 4; ++e) ss += x[e] * x[e];
+  ss = warp_sum(ss);
+  const float sc = is_q ? p.scale : 1.f;
+  if (p.use_qk_l2norm) {
+    const float r = sqrtf(ss + static_cast<float>(detail::kL2NormEps)), ir = 1.f / r;
+    float dot = 0.f;
+#pragma unroll
+    for (int e = 0; e < 4; ++e) dot += x[e] * ir * d[e] * sc;
+    dot = warp_sum(dot);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] = (d[e] * sc - x[e] * ir * dot) * ir;
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) d[e] *= sc;
+  }
+#pragma unroll
+  for (int e = 0; e < 4; ++e) store_any(out.data, out.dtype, off + lane + 32 * e, d[e]);
+}
+
 // Element (t, n) of bwd_chunk_kernel's [64][128] dq^ / dk^ tiles: columns permuted by the row so
 // that the mma fragment layout's accesses (rows g, columns 2 c (+ 1) of a warp) fall on distinct
 // banks but for pairs, and a warp's accesses along a row on 32.
@@ -1515,13 +1541,51 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           },
           stw, dg);
     }
-    // The block's dq^, dk^ to the workspace (bwd_qk_kernel sums the group's value heads).
-    __syncwarp();
+    if (p.groups == 1) {
+      // No group to sum: dq, dk here (bwd_qk_kernel's chain, qk_chain_store), a warp per token,
+      // the loads of q and k for all of the warp's tokens issued first.
+      __syncthreads();
+      constexpr int kRowsPerWarp = kC / (kChunkThreads / 32);
+      const bool want[2] = {P.dq.data != nullptr, P.dk.data != nullptr};
+      float x[kRowsPerWarp][2][4];
+#pragma unroll
+      for (int u = 0; u < kRowsPerWarp; ++u) {
+        const int t = warp + 16 * u;
+        const int64_t tok = c.t0 + (t < c.L ? t : 0);
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+          const StridedView& in = which == 0 ? p.q : p.k;
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            x[u][which][e] =
+                want[which] ? load_any(in.data, in.dtype, in.offset(c.b, tok, hv) + lane + 32 * e)
+                            : 0.f;
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kRowsPerWarp; ++u) {
+        const int t = warp + 16 * u;
+        if (t >= c.L) break;
+#pragma unroll
+        for (int which = 0; which < 2; ++which) {
+          if (!want[which]) continue;
+          const float* tile = which == 0 ? dqt : dkt;
+          float d[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) d[e] = tile[ti(t, lane + 32 * e)];
+          const StridedView& out = which == 0 ? P.dq : P.dk;
+          qk_chain_store(p, which == 0, x[u][which], d, out, out.offset(c.b, c.t0 + t, hv));
+        }
+      }
+    } else {
+      // The block's dq^, dk^ to the workspace (bwd_qk_kernel sums the group's value heads).
+      __syncwarp();
 #pragma unroll 4
-    for (int u = 0; u < 16; ++u) {
-      const int t = r + u;
-      dqh[t * kD + i] = dqt[ti(t, i)];
-      dkh[t * kD + i] = dkt[ti(t, i)];
+      for (int u = 0; u < 16; ++u) {
+        const int t = r + u;
+        dqh[t * kD + i] = dqt[ti(t, i)];
+        dkh[t * kD + i] = dkt[ti(t, i)];
+      }
     }
     __syncthreads();
 
@@ -1660,26 +1724,7 @@ __global__ void __launch_bounds__(kQkThreads) bwd_qk_kernel(const __grid_constan
     for (int which = 0; which < 2; ++which) {
       if (!want[which]) continue;
       const StridedView& out = which == 0 ? P.dq : P.dk;
-      float ss = 0.f;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) ss += x[which][e] * x[which][e];
-      ss = warp_sum(ss);
-      const float sc = which == 0 ? p.scale : 1.f;
-      if (p.use_qk_l2norm) {
-        const float r = sqrtf(ss + static_cast<float>(detail::kL2NormEps)), ir = 1.f / r;
-        float dot = 0.f;
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dot += x[which][e] * ir * d[which][e] * sc;
-        dot = warp_sum(dot);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[which][e] = (d[which][e] * sc - x[which][e] * ir * dot) * ir;
-      } else {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) d[which][e] *= sc;
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        store_any(out.data, out.dtype, out.offset(c.b, tok, h) + lane + 32 * e, d[which][e]);
+      qk_chain_store(p, which == 0, x[which], d[which], out, out.offset(c.b, tok, h));
     }
   }
 }
