@@ -10,6 +10,8 @@
 #define __device__
 #define __host__
 #define __forceinline__ inline
+// Empty, not __attribute__((noinline)): glibc spells that attribute __noinline__ itself.
+#define __noinline__
 #define __launch_bounds__(...)
 #define __grid_constant__
 #define __shared__

@@ -992,74 +992,37 @@ __device__ __forceinline__ void da_fragments(const float* dAqk, const float* dAk
   split_a(fk, khi, klo);
 }
 
-// dX = dW Kb^T + dU Vb^T (64 x 64, K = 128 keys / values) with the four operands in device
-// memory ([64][128] row-major): staged by cp.async in 8 slices of 16 columns, double-buffered in
-// two free 16 KB tiles (buf0, buf1: operand o of a slice at o * 1024, element (r, kk) at r * 16 +
-// (kk ^ 4 ((r >> 1) & 3)), which puts a warp's fragment loads on 32 banks), so that the loads of
-// slice + 2 fly while slice is multiplied; from L2 directly, each k-step waited on them. Warp w
-// owns the 16 x 16 output tile (w / 4, w % 4) (16 warps); the mma of each product in k order, as
-// gemm_tf32<kSplit, .., 2> (the same sums), the two products added at the end. Ends with a
-// barrier; dX is swizzled (sw).
-inline constexpr int kDxSlice = 16;
-__device__ __forceinline__ int dx_slot(int r, int kk) {
-  return r * kDxSlice + (kk ^ (((r >> 1) & 3) << 2));
-}
-template <bool kSplit>
-__device__ __forceinline__ void dx_staged(const float* dW, const float* Kb, const float* dU,
-                                          const float* Vb, float* buf0, float* buf1, float* dX) {
-  static_assert(kChunkThreads == 512 && 4 * kC * kDxSlice == kC * kC, "dx_staged layout");
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, c = lane & 3, m0 = 16 * (warp >> 2), n0 = 16 * (warp & 3);
-  // Thread tid copies unit tid of operands 0, 1 (dW, Kb) and of operands 2, 3 (dU, Vb).
-  const int r = (tid >> 2) & (kC - 1), q = tid & 3, o = tid >> 8;
-  const float* src01 = (o == 0 ? dW : Kb) + r * kD + 4 * q;
-  const float* src23 = (o == 0 ? dU : Vb) + r * kD + 4 * q;
-  const int dst = o * kC * kDxSlice + dx_slot(r, 4 * q);
-  auto issue = [&](int slice, float* buf) {
-    cp_async_16(smem_addr(buf + dst), src01 + kDxSlice * slice);
-    cp_async_16(smem_addr(buf + 2 * kC * kDxSlice + dst), src23 + kDxSlice * slice);
-    cp_async_commit();
-  };
-  float acc[2][2][4] = {};  // [product][n8 tile]
-  issue(0, buf0);
-  issue(1, buf1);
-  constexpr int kSlices = kD / kDxSlice;
-#pragma unroll 1
-  for (int sl = 0; sl < kSlices; ++sl) {
-    float* buf = (sl & 1) ? buf1 : buf0;
-    if (sl + 1 < kSlices)
-      cp_async_wait<1>();
-    else
-      cp_async_wait<0>();
-    __syncthreads();
+// dX = dW Kb^T + dU Vb^T (64 x 64; K = 128 keys, 128 values) on wgmma, three bf16 terms
+// (wg_product): warpgroup w takes one K half of one product (dW keys 0..63, 64..127, then dU's
+// values), A = its 64 x 64 slice of dW or dU from device memory, B = the matching K half of the
+// Kb or Vb tile at bt (hi + lo, rows 64 tokens s, K 128; [K block][rows][128 B]). The four
+// partial products go over the tiles (swizzled, sw), then dX = ((P0 + P1) + P2) + P3 into the
+// swizzled dX. Called by all threads; ends with a barrier.
+__device__ __noinline__ void dx_wgmma(const float* dW, const float* dU, uint8_t* bt, float* dX) {
+  const int tid = threadIdx.x, w = tid >> 7, half = w & 1;
+  const float* A = (w < 2 ? dW : dU) + 64 * half;
+  uint32_t ah[4][4], al[4][4];
+  load_a([&](int m, int k) { return A[m * kD + k]; }, ah, al);
+  float acc[8][4] = {};
+  wgmma_fence_acc(acc);
+  wgmma_fence_acc(ah);
+  wgmma_fence_acc(al);
+  wgmma_fence();
+  const int off = (w < 2 ? 0 : 2 * wg_tile_bytes(kC, kD)) + half * kC * 128;
+  wg_product<8, 1>(acc, ah, al, wgmma_desc_lo(smem_addr(bt)), off, kC, kD);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(acc);
+  __syncthreads();  // every warpgroup's wgmma done reading the tiles
+  float* part = reinterpret_cast<float*>(bt) + w * kC * kC;
 #pragma unroll
-    for (int p2 = 0; p2 < 2; ++p2) {  // dW Kb^T, then dU Vb^T
-      const float* A = buf + (2 * p2) * kC * kDxSlice;
-      const float* B = A + kC * kDxSlice;
+  for (int j = 0; j < 8; ++j)
 #pragma unroll
-      for (int k0 = 0; k0 < kDxSlice; k0 += 8) {
-        const float av[4] = {A[dx_slot(m0 + g, k0 + c)], A[dx_slot(m0 + g + 8, k0 + c)],
-                             A[dx_slot(m0 + g, k0 + c + 4)], A[dx_slot(m0 + g + 8, k0 + c + 4)]};
-        uint32_t af[4], al[4];
-        split_a(av, af, al);
-#pragma unroll
-        for (int j = 0; j < 2; ++j) {
-          const int n = n0 + 8 * j + g;
-          mma_split<kSplit>(acc[p2][j], af, al, B[dx_slot(n, k0 + c)], B[dx_slot(n, k0 + c + 4)]);
-        }
-      }
-    }
-    __syncthreads();  // every warp's reads of buf are done
-    if (sl + 2 < kSlices) issue(sl + 2, buf);
-  }
-#pragma unroll
-  for (int j = 0; j < 2; ++j) {
-    const int n = n0 + 8 * j + 2 * c;
-    dX[sw(m0 + g, n, kC)] = acc[0][j][0] + acc[1][j][0];
-    dX[sw(m0 + g, n + 1, kC)] = acc[0][j][1] + acc[1][j][1];
-    dX[sw(m0 + g + 8, n, kC)] = acc[0][j][2] + acc[1][j][2];
-    dX[sw(m0 + g + 8, n + 1, kC)] = acc[0][j][3] + acc[1][j][3];
-  }
+    for (int e = 0; e < 4; ++e) part[sw(acc_row(e), acc_col(j, e), kC)] = acc[j][e];
+  __syncthreads();
+  const float* p0 = reinterpret_cast<const float*>(bt);
+  for (int e = tid; e < kC * kC; e += kChunkThreads)
+    dX[e] = ((p0[e] + p0[kC * kC + e]) + p0[2 * kC * kC + e]) + p0[3 * kC * kC + e];
   __syncthreads();
 }
 
@@ -1154,15 +1117,19 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kC * kChunkLd;
   float* G = kh + kC * kChunkLd;
   float* dqt = G + kC * kChunkLd;
-  // Swizzled tiles (gemm_tf32): dAqk, dAkk, Xs, T1; Xs and T1 together are the intra-chunk
-  // phases' dk^ tile (ti).
-  float* dAqk = dqt + kC * kChunkLd;  // [64][64]
-  float* dAkk = dAqk + kC * kC;       // [64][64]: dX first, then dM, then dAkk
-  float* dX = dAkk;
-  float* Xs = dAkk + kC * kC;  // [64][64]: dX's staging buffer, then X
-  float* T1 = Xs + kC * kC;    // [64][64]
+  // Swizzled tiles (gemm_tf32): Xs, T1, dAqk, dAkk; Xs and T1 together are the intra-chunk
+  // phases' dk^ tile (ti). Until dX is complete, dqt .. T1 hold dX's B tiles (bt: Kb, Vb as bf16
+  // hi + lo, rows 64 tokens, K 128 keys / values), then its four partial products (dx_wgmma).
+  float* Xs = dqt + kC * kChunkLd;  // [64][64]: X
+  float* T1 = Xs + kC * kC;         // [64][64]
   float* dkt = Xs;
-  float* dgl = T1 + kC * kC;                 // [128] exp(G_L) * rowsum(S * dS')
+  uint8_t* bt = align1024(reinterpret_cast<uint8_t*>(dqt));
+  static_assert(kC * kChunkLd * 4 + 2 * kC * kC * 4 >= 4 * wg_tile_bytes(kC, kD) + 1008,
+                "dX's B tiles between dqt and the end of T1");
+  float* dAqk = T1 + kC * kC;    // [64][64]
+  float* dAkk = dAqk + kC * kC;  // [64][64]: dX first, then dM, then dAkk
+  float* dX = dAkk;
+  float* dgl = dAkk + kC * kC;               // [128] exp(G_L) * rowsum(S * dS')
   float* pgl = dgl + kD;                     // [row groups][128] partial sums of Kd * dKd over t
   float* misc = pgl + kChunkRowGroups * kD;  // [128]
   float* bv = misc + kD;                     // [64]
@@ -1176,8 +1143,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* sU = sdO + kTile;     // U
   float* sdU0 = sU + kTile;    // dU
   float* sdW0 = sdU0 + kTile;  // dW
-  float* sKb = sdW0 + kTile;   // b exp(G) k^, then dKb
-  float* sVb = sKb + kTile;    // b v, then dVb
+  float* sKb = sdW0 + kTile;   // dKb (!kWg)
+  float* sVb = sKb + kTile;    // dVb (!kWg)
 
   const int64_t tasks = p.num_slots * p.HV;
   for (int64_t task = blockIdx.x; task < tasks; task += gridDim.x) {
@@ -1196,7 +1163,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     float* dqh = P.dqk + task * (2 * kTile);  // dq^ (first dQg)
     float* dkh = dqh + kTile;                 // dk^ (first dKd)
     // dU, dW: this task's part of uw when bwd_sprod_kernel computed them, else the scratch;
-    // dKb, dVb: uw, else computed over the Kb / Vb tiles.
+    // dKb, dVb: uw, else computed into the scratch.
     float* uw = P.uw + task * static_cast<int64_t>(kUwFloats);
     float* sdU = kWg ? uw + kUwDU : sdU0;
     float* sdW = kWg ? uw + kUwDW : sdW0;
@@ -1218,32 +1185,48 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       prefetch_floats(D, kStateFloats, 7);
     }
     load_chunk<kChunkLd>(p, c, hv, qh, kh, G, bv);
-    // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's): a thread's loads of eight
-    // elements issued before their stores.
-    for (int e0 = tid; e0 < kTile; e0 += 8 * kChunkThreads) {
+    // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's) and dX's B tiles Kb = b exp(G)
+    // k^, Vb = b v (tile_store's units: a token and 8 keys, two per thread), a thread's loads
+    // issued before its stores.
+    {
+      static_assert(kTile / 8 == 2 * kChunkThreads, "two tile units a thread");
       const bool has_do = !kWg && P.d_out.data != nullptr;
-      uint32_t bvv[8], bo[8];
+      uint32_t bvv[2][8], bo[2][8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = e0 + u * kChunkThreads;
-        bvv[u] = token_bits(p.v, c, e / kD, hv, e % kD);
-        bo[u] = has_do ? token_bits(P.d_out, c, e / kD, hv, e % kD) : 0u;
-      }
-      float xv[8], xo[8];
+      for (int u = 0; u < 2; ++u) {
+        const int unit = tid + u * kChunkThreads, t = unit / (kD / 8), i0 = 8 * (unit % (kD / 8));
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const bool live = (e0 + u * kChunkThreads) / kD < c.L;
-        xv[u] = token_value(bvv[u], p.v, live);
-        xo[u] = token_value(bo[u], P.d_out, has_do && live);
+        for (int l = 0; l < 8; ++l) {
+          bvv[u][l] = token_bits(p.v, c, t, hv, i0 + l);
+          bo[u][l] = has_do ? token_bits(P.d_out, c, t, hv, i0 + l) : 0u;
+        }
       }
+      float xk[2][8], xb[2][8];
 #pragma unroll
-      for (int u = 0; u < 8; ++u) {
-        const int e = e0 + u * kChunkThreads, t = e / kD, f = t * kChunkLd + e % kD;
-        sV[e] = xv[u];
-        sVb[e] = bv[t] * xv[u];
-        if constexpr (!kWg) sdO[e] = xo[u];
-        sKb[e] = bv[t] * expf(G[f]) * kh[f];
+      for (int u = 0; u < 2; ++u) {
+        const int unit = tid + u * kChunkThreads, t = unit / (kD / 8), i0 = 8 * (unit % (kD / 8));
+        const bool live = t < c.L;
+        float xv[8], xo[8];
+#pragma unroll
+        for (int l = 0; l < 8; ++l) {
+          const int f = t * kChunkLd + i0 + l;
+          xv[l] = token_value(bvv[u][l], p.v, live);
+          xo[l] = token_value(bo[u][l], P.d_out, has_do && live);
+          xb[u][l] = bv[t] * xv[l];
+          xk[u][l] = bv[t] * expf(G[f]) * kh[f];
+        }
+        float4* dv = reinterpret_cast<float4*>(sV + t * kD + i0);
+        dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
+        dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
+        if constexpr (!kWg) {
+          float4* dd = reinterpret_cast<float4*>(sdO + t * kD + i0);
+          dd[0] = make_float4(xo[0], xo[1], xo[2], xo[3]);
+          dd[1] = make_float4(xo[4], xo[5], xo[6], xo[7]);
+        }
       }
+      tile_store<kC, kD, true, 2>(xk, bt, tid, kChunkThreads);
+      tile_store<kC, kD, true, 2>(xb, bt + 2 * wg_tile_bytes(kC, kD), tid, kChunkThreads);
+      fence_proxy_async();  // the tiles, for dx_wgmma after the barriers below
     }
     for (int e = tid; e < kC; e += kChunkThreads) db[e] = 0.f;
     __syncthreads();
@@ -1295,10 +1278,10 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
                         [&](int m, int n, float v) { sdW[m * kD + n] = -v; });
     }
     __syncthreads();
-    // dX = dW Kb^T + dU Vb^T, staged through the Xs and T1 tiles (free until X and T1).
-    dx_staged<kSplit>(sdW, sKb, sdU, sVb, Xs, T1, dX);
+    // dX = dW Kb^T + dU Vb^T on wgmma (its B tiles built above, in bt).
+    dx_wgmma(sdW, sdU, bt, dX);
     // X from the record into Xs (swizzled) for T1 and dM; meanwhile (!kWg) dKb = X^T dW,
-    // dVb = X^T dU over the Kb / Vb tiles, no longer read.
+    // dVb = X^T dU into the scratch.
     copy_in(Xs, rec + kRecX, kC * kC, kC);
     if constexpr (!kWg) {
       gemm_tf32<kSplit>(kC, kD, kC, rec + kRecX, 1, kC, sdW, kD, 1,
