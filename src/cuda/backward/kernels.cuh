@@ -552,38 +552,7 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   prefetch_rows(p, c, hv, nullptr);  // for load_chunk and v
   load_chunk<kPrepLd, 4>(p, c, hv, qh, kh, G, bv);
 
-  // Kb = b exp(G) k^ and Vb = b v as the B tiles Kb^T, Vb^T (bf16 hi + lo; tile_store's units:
-  // a key and 8 tokens, two per thread, the loads of v issued first); the record's exp(G) q^,
-  // exp(G_L - G) k^ and exp(G_L).
   const float* GL = G + (kC - 1) * kPrepLd;  // rows >= L repeat G_{L-1}
-  {
-    static_assert(kD * kC / 8 == 2 * kPrepThreads, "two tile units a thread");
-    uint32_t xv[2][8];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int unit = tid + u * kPrepThreads, n = unit % kD, t0 = 8 * (unit / kD);
-#pragma unroll
-      for (int l = 0; l < 8; ++l) xv[u][l] = token_bits(p.v, c, t0 + l, hv, n);
-    }
-    float xk[2][8], xb[2][8];
-#pragma unroll
-    for (int u = 0; u < 2; ++u) {
-      const int unit = tid + u * kPrepThreads, n = unit % kD, t0 = 8 * (unit / kD);
-#pragma unroll
-      for (int l = 0; l < 8; ++l) {
-        const int t = t0 + l, f = t * kPrepLd + n, e = t * kD + n;
-        const float eg = expf(G[f]);
-        xk[u][l] = bv[t] * eg * kh[f];
-        rec[kRecQg + e] = eg * qh[f];
-        rec[kRecKd + e] = expf(GL[n] - G[f]) * kh[f];
-        xb[u][l] = bv[t] * token_value(xv[u][l], p.v, t < c.L);
-      }
-    }
-    tile_store<kD, kC, false, 2>(xk, tiles + kPrepKbT, tid, kPrepThreads);
-    tile_store<kD, kC, false, 2>(xb, tiles + kPrepVbT, tid, kPrepThreads);
-    fence_proxy_async();  // the tiles, for the wgmma after the barriers below
-  }
-  for (int i = tid; i < kD; i += kPrepThreads) rec[kRecGL + i] = expf(GL[i]);
   // Zeros of Aqk above the diagonal and of Akk at and above it, outside the diagonal pairs below.
   for (int e = tid; e < kC * kC; e += kPrepThreads) {
     const int t = e / kC, s = e % kC;
@@ -687,10 +656,42 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
 #pragma unroll
     for (int t = 0; t < 16; ++t) X[sw(o + t, o + j, kC)] = x[t];
   } else if (warp >= 4) {
-    for (int e = tid - 128; e < kC * kC; e += kPrepThreads - 128) {  // above the blocks: zero
+    // Meanwhile, on the other 12 warps: zeros above X's diagonal blocks; Kb = b exp(G) k^ and
+    // Vb = b v as the B tiles Kb^T, Vb^T of W and Ut (bf16 hi + lo; tile_store's units: a key and
+    // 8 tokens, up to three a thread, the loads of v issued first); the record's exp(G) q^,
+    // exp(G_L - G) k^ and exp(G_L).
+    constexpr int kT = kPrepThreads - 128, kUnits = kD * kC / 8, kPer = (kUnits + kT - 1) / kT;
+    const int st = tid - 128;
+    for (int e = st; e < kC * kC; e += kT) {
       const int t = e / kC, s2 = e % kC;
       if (s2 / 16 > t / 16) X[sw(t, s2, kC)] = 0.f;
     }
+    uint32_t xv[kPer][8];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int unit = st + u * kT, n = unit % kD, t0 = 8 * (unit / kD);  // past the end: t >= L
+#pragma unroll
+      for (int l = 0; l < 8; ++l) xv[u][l] = token_bits(p.v, c, t0 + l, hv, n);
+    }
+    float xk[kPer][8], xb[kPer][8];
+#pragma unroll
+    for (int u = 0; u < kPer; ++u) {
+      const int unit = st + u * kT, n = unit % kD, t0 = 8 * (unit / kD);
+      if (unit >= kUnits) break;
+#pragma unroll
+      for (int l = 0; l < 8; ++l) {
+        const int t = t0 + l, f = t * kPrepLd + n, e = t * kD + n;
+        const float eg = expf(G[f]);
+        xk[u][l] = bv[t] * eg * kh[f];
+        rec[kRecQg + e] = eg * qh[f];
+        rec[kRecKd + e] = expf(GL[n] - G[f]) * kh[f];
+        xb[u][l] = bv[t] * token_value(xv[u][l], p.v, t < c.L);
+      }
+    }
+    tile_store<kD, kC, false, kPer>(xk, tiles + kPrepKbT, st, kT);
+    tile_store<kD, kC, false, kPer>(xb, tiles + kPrepVbT, st, kT);
+    fence_proxy_async();  // the tiles, for the wgmma after the barriers below
+    for (int i = st; i < kD; i += kT) rec[kRecGL + i] = expf(GL[i]);
   }
   __syncthreads();
   for (int d = 1; d < 4; ++d) {
