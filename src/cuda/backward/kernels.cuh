@@ -11,16 +11,19 @@
 //                             dU = Aqk^T dO + Kd dS',  dS = diag(exp(G_L)) dS' + Qg^T dO - W^T dU.
 //   4. bwd_chunk_kernel     (chunk, value head; persistent blocks with a scratch slot each): every
 //                           gradient of the chunk's tokens from S, dS', the record and dO:
-//                           dv, dbeta, dg written; dq, dk (before the group sum and the l2norm
-//                           chain) and the A_log / dt_bias partials to the workspace.
-//   5. bwd_qk_kernel        (chunk, q/k head): the group's value heads summed in order, scale and
-//                           l2norm chained, dq and dk written.
+//                           dv, dbeta, dg written, the A_log / dt_bias partials to the workspace;
+//                           dq, dk written when every q/k head has one value head, else dq^, dk^
+//                           (before the group sum and the l2norm chain) to the workspace.
+//   5. bwd_qk_kernel        (chunk, q/k head; grouped values only): the group's value heads summed
+//                           in order, scale and l2norm chained, dq and dk written.
 //   6. bwd_params_kernel    (value head): dA_log, ddt_bias summed over the chunks in order.
 // passes_wg.cuh holds the wgmma kernels: bwd_sprod_kernel, which computes the chunk gradients'
 // products with a state operand before kernel 4 (Tuning::backward_wgmma, the default), and wgmma
-// forms of kernels 2 and 3 (Tuning::backward_wg_passes, off).
-// Every product runs on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate)
-// through gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
+// forms of kernels 2 and 3 (Tuning::backward_wg_passes, the default).
+// The products with an operand in shared memory as a B tile run on wgmma, three bf16 terms
+// (wg_tiles.cuh: hi hi, lo hi, hi lo, ~fp32 products): W, Ut (kernel 1) and dX (kernel 4). The
+// others run on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate), most through
+// gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
 // argument. Off the diagonal 16 x 16 blocks, Akk / Aqk and their gradients factor the decay
 // around the first token r of the row block, exp(G_t - G_r) exp(G_r - G_s); inside them they
 // take exp(G_t - G_s), t >= s, per element. Gates of -1000 give zeros, never inf or NaN.
