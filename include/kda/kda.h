@@ -283,8 +283,8 @@ struct PrefillBackwardParams {
 // Computes the gradients; on any error nothing is written. validate() checks alone.
 Status prefill_backward(const PrefillBackwardParams& params);
 Status validate(const PrefillBackwardParams& params);
-// Bytes of device workspace prefill_backward(params) needs (0 for CPU tensors): ~372 KB per
-// (64-token chunk, value head) plus ~224 KB per SM.
+// Bytes of device workspace prefill_backward(params) needs (0 for CPU tensors): ~514 KB per
+// (64-token chunk, value head) plus ~192 KB per SM (4.3 GB for 1 x 8192 tokens, 64 heads).
 Status prefill_backward_workspace_size(const PrefillBackwardParams& params, size_t* bytes);
 
 // ---------------------------------------------------------------------------------------------

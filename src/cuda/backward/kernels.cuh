@@ -60,7 +60,7 @@ inline constexpr int kRecGL = kRecX + kC * kC;     // [128]     exp(G_L)
 inline constexpr int kRecFloats = kRecGL + kD;     // 45,184 floats
 inline constexpr int kStateFloats = kD * kD;       // S or dS': [128 key][128 value]
 inline constexpr int kPartFloats = kD + 4;         // ddt_bias partial [128], dA_log partial
-inline constexpr int kScratchTiles = 7;            // bwd_chunk_kernel's per-block tiles
+inline constexpr int kScratchTiles = 6;            // bwd_chunk_kernel's per-block tiles
 inline constexpr int kScratchFloats = kScratchTiles * kTile;
 // The workspace's part of bwd_sprod_kernel's results per (chunk slot, value head), fp32:
 inline constexpr int kUwDU = 0;                   // [64][128] dU
@@ -1142,8 +1142,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   float* scr = P.scratch + static_cast<int64_t>(blockIdx.x) * kScratchFloats;
-  float* sV = scr;             // v
-  float* sdO = sV + kTile;     // dO
+  float* sdO = scr;            // dO
   float* sU = sdO + kTile;     // U
   float* sdU0 = sU + kTile;    // dU
   float* sdW0 = sdU0 + kTile;  // dW
@@ -1189,9 +1188,9 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
       prefetch_floats(D, kStateFloats, 7);
     }
     load_chunk<kChunkLd>(p, c, hv, qh, kh, G, bv);
-    // v, dO (kWg: only v; dO's products were bwd_sprod_kernel's) and dX's B tiles Kb = b exp(G)
-    // k^, Vb = b v (tile_store's units: a token and 8 keys, two per thread), a thread's loads
-    // issued before its stores.
+    // dX's B tiles Kb = b exp(G) k^, Vb = b v (tile_store's units: a token and 8 keys, two per
+    // thread) and, !kWg, dO into the scratch (kWg: its products were bwd_sprod_kernel's), a
+    // thread's loads issued before its stores.
     {
       static_assert(kTile / 8 == 2 * kChunkThreads, "two tile units a thread");
       const bool has_do = !kWg && P.d_out.data != nullptr;
@@ -1219,9 +1218,6 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
           xb[u][l] = bv[t] * xv[l];
           xk[u][l] = bv[t] * expf(G[f]) * kh[f];
         }
-        float4* dv = reinterpret_cast<float4*>(sV + t * kD + i0);
-        dv[0] = make_float4(xv[0], xv[1], xv[2], xv[3]);
-        dv[1] = make_float4(xv[4], xv[5], xv[6], xv[7]);
         if constexpr (!kWg) {
           float4* dd = reinterpret_cast<float4*>(sdO + t * kD + i0);
           dd[0] = make_float4(xo[0], xo[1], xo[2], xo[3]);
@@ -1309,7 +1305,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     static_assert(kC % (2 * (kChunkThreads / 32)) == 0, "rows per warp");
 #pragma unroll 1
     for (int t0 = warp; t0 < kC; t0 += 2 * (kChunkThreads / 32)) {
-      float xa[2][2], xvb[2][4], xv[2][4], xkb[2][4];
+      float xa[2][2], xvb[2][4], xkb[2][4];
+      uint32_t xv[2][4];  // v's raw bits (token_bits)
 #pragma unroll
       for (int r2 = 0; r2 < 2; ++r2) {
         const int t = t0 + r2 * (kChunkThreads / 32);
@@ -1319,7 +1316,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
         for (int e = 0; e < 4; ++e) {
           const int i = lane + 32 * e;
           xvb[r2][e] = dVbp[t * kD + i];
-          xv[r2][e] = sV[t * kD + i];
+          xv[r2][e] = token_bits(p.v, c, t, hv, i);
           xkb[r2][e] = dKbp[t * kD + i];
         }
       }
@@ -1335,7 +1332,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int i = lane + 32 * e;
-          s += xvb[r2][e] * xv[r2][e] +
+          s += xvb[r2][e] * token_value(xv[r2][e], p.v, t < c.L) +
                xkb[r2][e] * expf(G[t * kChunkLd + i]) * kh[t * kChunkLd + i];
         }
         s = warp_sum(s);
