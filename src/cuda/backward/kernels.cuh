@@ -190,6 +190,29 @@ __device__ __forceinline__ float warp_sum(float x) {
   for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
   return x;
 }
+// One round of warp_sum32: values j < W keep the half whose index bit W matches the lane's, the
+// other half traded with lane ^ W. The choice as a bit mask on the values: `up ? v[j] : v[j + W]`
+// becomes a select of addresses, which puts v in local memory.
+template <int W>
+__device__ __forceinline__ void warp_sum32_round(float (&v)[32]) {
+  const uint32_t up = (threadIdx.x & W) != 0 ? 0xffffffffu : 0u;
+#pragma unroll
+  for (int j = 0; j < W; ++j) {
+    const uint32_t a = __float_as_uint(v[j]), b = __float_as_uint(v[j + W]);
+    const float send = __uint_as_float((a & up) | (b & ~up));
+    const float keep = __uint_as_float((b & up) | (a & ~up));
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, W);
+  }
+}
+// 32 warp sums at once: afterwards v[0] of lane L holds the sum over the warp of v[L] (31
+// shuffles instead of 160; v[1..] are clobbered).
+__device__ __forceinline__ void warp_sum32(float (&v)[32]) {
+  warp_sum32_round<16>(v);
+  warp_sum32_round<8>(v);
+  warp_sum32_round<4>(v);
+  warp_sum32_round<2>(v);
+  warp_sum32_round<1>(v);
+}
 
 // L2 prefetch (a hint, nothing to wait for) of `floats` floats at src (16-byte aligned, a multiple
 // of 4 floats), in bulk prefetches of at most kPrefetchPiece bytes: piece i is issued by thread
@@ -516,15 +539,6 @@ __device__ __forceinline__ void load_chunk(const Params& p, const ChunkTask& c, 
   __syncthreads();
 }
 
-// Pair index p (0..135) of the lower triangle of a 16 x 16 block, row-major: (tt, ss), ss <= tt.
-__device__ __forceinline__ void tri_pair(int p, int* tt, int* ss) {
-  int t = static_cast<int>((sqrtf(8.f * static_cast<float>(p) + 1.f) - 1.f) * 0.5f);
-  while (t * (t + 1) / 2 > p) --t;
-  while ((t + 1) * (t + 2) / 2 <= p) ++t;
-  *tt = t;
-  *ss = p - t * (t + 1) / 2;
-}
-
 // ---------------------------------------------------------------------------------------------
 // 1. Records
 // ---------------------------------------------------------------------------------------------
@@ -601,43 +615,46 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
       Akk[e] = ak[x];
     }
   }
-  for (int q0 = 4 * warp; q0 < 4 * 136; q0 += 4 * (kPrepThreads / 32)) {
-    float sq[4], sk[4];
-    int rows[4], cols[4];    // the pairs (t, s)
-    const int J = q0 / 136;  // q0 is a multiple of 4 and 136 of 4: one block for all four
-    int tt, ss;
-    tri_pair(q0 % 136, &tt, &ss);
+  // The diagonal blocks: a warp per row t (rows w, 31 - w, 32 + w, 63 - w: 34 pairs a warp),
+  // lanes over keys, the row's pairs (t, s <= t) of its block with the row's q^, k^, G loaded
+  // once; their Aqk and Akk sums reduced over the warp together (warp_sum32).
+  static_assert(kPrepThreads / 32 == 16, "four rows a warp");
+#pragma unroll 1
+  for (int rr = 0; rr < 4; ++rr) {
+    const int t = rr == 0 ? warp : rr == 1 ? 31 - warp : rr == 2 ? 32 + warp : 63 - warp;
+    const int r = t & ~15, tt = t & 15;
+    float qt[4], kt[4], gt[4];
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (u > 0 && ++ss > tt) {  // the next pair in row-major order
-        ++tt;
-        ss = 0;
-      }
-      const int t = 16 * J + tt, s = 16 * J + ss;
-      rows[u] = t;
-      cols[u] = s;
+    for (int e = 0; e < 4; ++e) {
+      const int f = t * kPrepLd + lane + 32 * e;
+      qt[e] = qh[f];
+      kt[e] = kh[f];
+      gt[e] = G[f];
+    }
+    float v[32];
+#pragma unroll
+    for (int ss = 0; ss < 16; ++ss) {
       float a = 0.f, b = 0.f;
+      if (ss <= tt) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int i = lane + 32 * e;
-        const float x = expf(G[t * kPrepLd + i] - G[s * kPrepLd + i]) * kh[s * kPrepLd + i];
-        a += qh[t * kPrepLd + i] * x;
-        b += kh[t * kPrepLd + i] * x;
+        for (int e = 0; e < 4; ++e) {
+          const int f = (r + ss) * kPrepLd + lane + 32 * e;
+          const float x = expf(gt[e] - G[f]) * kh[f];
+          a += qt[e] * x;
+          b += kt[e] * x;
+        }
       }
-      sq[u] = a;
-      sk[u] = b;
+      v[2 * ss] = a;
+      v[2 * ss + 1] = b;
     }
-#pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      sq[u] = warp_sum(sq[u]);
-      sk[u] = warp_sum(sk[u]);
+    warp_sum32(v);
+    const int ss = lane >> 1, s = r + ss;
+    if (ss <= tt) {
+      if (lane & 1)
+        Akk[t * kC + s] = ss < tt ? v[0] : 0.f;
+      else
+        rec[kRecAqk + t * kC + s] = v[0];
     }
-    if (lane == 0)
-#pragma unroll
-      for (int u = 0; u < 4; ++u) {
-        rec[kRecAqk + rows[u] * kC + cols[u]] = sq[u];
-        Akk[rows[u] * kC + cols[u]] = cols[u] < rows[u] ? sk[u] : 0.f;
-      }
   }
   __syncthreads();
 
