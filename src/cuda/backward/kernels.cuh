@@ -1426,39 +1426,45 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     // all rows. Rolled over the rows (code size: the unrolled triangle did not stay in the
     // instruction caches), the columns unrolled with a uniform exit so that akm stays in
     // registers; a row's dG term goes through the thread's own staging slot (dg is indexed
-    // statically), eight rows at a time.
+    // statically), added to dg after rows 7 and 15.
     {
-      float akm[16];
+      // The block's G and k^ of key i in registers (the columns' operands of every row).
+      float akm[16], gs[16], kst[16];
 #pragma unroll
-      for (int l = 0; l < 16; ++l) akm[l] = 0.f;
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
+      for (int l = 0; l < 16; ++l) {
+        akm[l] = 0.f;
+        gs[l] = G[(r + l) * kChunkLd + i];
+        kst[l] = kh[(r + l) * kChunkLd + i];
+      }
 #pragma unroll 1
-        for (int tt = 8 * h; tt < 8 * h + 8; ++tt) {
-          const int t = r + tt, f = t * kChunkLd + i;
-          const float gt = G[f], qt = qh[f], kt = kh[f];
-          float aq = 0.f, akp = 0.f;
+      for (int tt = 0; tt < 16; ++tt) {
+        const int t = r + tt, f = t * kChunkLd + i;
+        const float gt = G[f], qt = qh[f], kt = kh[f];
+        float aq = 0.f, akp = 0.f;
 #pragma unroll
-          for (int ss = 0; ss < 16; ++ss) {
-            if (ss > tt) break;
-            const int s = r + ss;
-            const float E = expf(gt - G[s * kChunkLd + i]);
-            const float ks = kh[s * kChunkLd + i] * E;
-            const float wq = dAqk[sw(t, s, kC)];
-            aq += wq * ks;
-            akm[ss] += wq * qt * E;
-            if (ss < tt) {
-              const float wk = dAkk[sw(t, s, kC)];
-              akp += wk * ks;
-              akm[ss] += wk * kt * E;
-            }
+        for (int ss = 0; ss < 16; ++ss) {
+          if (ss > tt) break;
+          const float E = expf(gt - gs[ss]);
+          const float ks = kst[ss] * E;
+          const float wq = dAqk[sw(t, r + ss, kC)];
+          aq += wq * ks;
+          akm[ss] += wq * qt * E;
+          if (ss < tt) {
+            const float wk = dAkk[sw(t, r + ss, kC)];
+            akp += wk * ks;
+            akm[ss] += wk * kt * E;
           }
-          dqt[ti(t, i)] += aq;
-          dkt[ti(t, i)] += akp;
-          stw[(tt - 8 * h) * kStgLd + lane] = qt * aq + kt * akp;
         }
+        dqt[ti(t, i)] += aq;
+        dkt[ti(t, i)] += akp;
+        stw[(tt & 7) * kStgLd + lane] = qt * aq + kt * akp;
+        if (tt == 7) {
 #pragma unroll
-        for (int l = 0; l < 8; ++l) dg[8 * h + l] += stw[l * kStgLd + lane];
+          for (int l = 0; l < 8; ++l) dg[l] += stw[l * kStgLd + lane];
+        } else if (tt == 15) {
+#pragma unroll
+          for (int l = 0; l < 8; ++l) dg[8 + l] += stw[l * kStgLd + lane];
+        }
       }
 #pragma unroll
       for (int l = 0; l < 16; ++l) {
