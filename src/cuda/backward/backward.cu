@@ -51,8 +51,10 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 0, kernel, l.smem));
         break;
       case bw::BwdKernel::kDStatesWg:
-        kernel = bw::bwd_dstates_wg_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 1, kernel, l.smem));
+        kernel = bw::dstates_lo_zero(P) ? bw::bwd_dstates_wg_kernel<true>
+                                        : bw::bwd_dstates_wg_kernel<false>;
+        KDA_RETURN_IF_ERROR(
+            allow_smem(d, S::kBwdWg, bw::dstates_lo_zero(P) ? 1 : 5, kernel, l.smem));
         break;
       case bw::BwdKernel::kSProd:
         kernel = bw::bwd_sprod_kernel;

@@ -246,7 +246,13 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 }
 
 // dS' of every chunk (stored before the chunk is reversed) and d_initial_state. Steps run over
-// the chunks in reverse: step i is chunk chunks - 1 - i.
+// the chunks in reverse: step i is chunk chunks - 1 - i. kDoLoZero (dstates_lo_zero): dO is
+// absent or bf16, so the lo terms of dO^T's A operands are zero and their products are skipped;
+// a template argument, not a run-time choice, which made ptxas inject warpgroup.arrive waits.
+__host__ __device__ inline bool dstates_lo_zero(const BwdParams& P) {
+  return P.d_out.data == nullptr || P.d_out.dtype == kBF16;
+}
+template <bool kDoLoZero>
 __global__ void __launch_bounds__(kWgThreads, 1)
     bwd_dstates_wg_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -285,7 +291,6 @@ __global__ void __launch_bounds__(kWgThreads, 1)
   }
   const uint32_t dlo = wgmma_desc_lo(smem_addr(sb));
   const bool has_do = P.d_out.data != nullptr;
-  const bool do_bf16 = !has_do || P.d_out.dtype == kBF16;  // dO^T's lo terms are zero
   for (int ch = 0; ch < kPassPrefetch; ++ch)
     prefetch_dstates_step<kWgCols>(P, t, t.chunks - 1 - ch);
   float accD[16][4];
@@ -327,12 +332,12 @@ __global__ void __launch_bounds__(kWgThreads, 1)
     wgmma_fence_acc(dh);
     wgmma_fence_acc(dl);
     wgmma_fence();
-    wg_product_a<8, 1>(do_bf16, accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
+    wg_product<8, 1, 4, kDoLoZero>(accU, oh, ol, dlo, off + kWgDsAqkT, kC, kC);
     wg_product<8, 1>(accU, dh, dl, dlo, off + kWgDsKdr, kC, kD);
     // dS'^T <- dS'^T diag(exp(G_L)) + dO^T Qg - dU^T W  (K: 64 tokens)
     uint32_t uh[4][4], ul[4][4];
     wg_between(accU, accD, gl, uh, ul);
-    wg_product_a<16, 1>(do_bf16, accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
+    wg_product<16, 1, 4, kDoLoZero>(accD, oh, ol, dlo, off + kWgDsQgT, kD, kC);
     wg_product<16, -1>(accD, uh, ul, dlo, off + kWgDsWT, kD, kC);
     wgmma_commit();
     wgmma_wait<0>();

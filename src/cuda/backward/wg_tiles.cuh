@@ -109,18 +109,6 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
   }
 }
-// wg_product with kALoZero chosen at run time.
-template <int NJ, int kScale, int NQ>
-__device__ __forceinline__ void wg_product_a(bool a_lo_zero, float (&d)[NJ][4],
-                                             const uint32_t (&ah)[NQ][4],
-                                             const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
-                                             int rows, int K) {
-  if (a_lo_zero)
-    wg_product<NJ, kScale, NQ, true>(d, ah, al, dlo, off, rows, K);
-  else
-    wg_product<NJ, kScale, NQ, false>(d, ah, al, dlo, off, rows, K);
-}
-
 // The dynamic shared memory's first 1024-byte aligned byte (the tiles' swizzle period; the
 // kernels' sizes include 1 KB of slack).
 __device__ __forceinline__ uint8_t* align1024(uint8_t* p) {
