@@ -211,13 +211,16 @@ static void emu_backward(const detail::PrefillBackwardProblem& bp, void* wsp) {
         launch(bw::bwd_states_wg_kernel, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kDStatesWg:
-        if (bw::dstates_lo_zero(P))
+        if (bw::do_lo_zero(P))
           launch(bw::bwd_dstates_wg_kernel<true>, l.blocks, l.threads, l.smem, P);
         else
           launch(bw::bwd_dstates_wg_kernel<false>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kSProd:
-        launch(bw::bwd_sprod_kernel, l.blocks, l.threads, l.smem, P);
+        if (bw::do_lo_zero(P))
+          launch(bw::bwd_sprod_kernel<true>, l.blocks, l.threads, l.smem, P);
+        else
+          launch(bw::bwd_sprod_kernel<false>, l.blocks, l.threads, l.smem, P);
         break;
       case bw::BwdKernel::kChunk:
         if (P.wg)

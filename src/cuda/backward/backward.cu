@@ -51,14 +51,13 @@ Status launch(const bw::BwdParams& P, DeviceAttributes& d, cudaStream_t stream) 
         KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 0, kernel, l.smem));
         break;
       case bw::BwdKernel::kDStatesWg:
-        kernel = bw::dstates_lo_zero(P) ? bw::bwd_dstates_wg_kernel<true>
-                                        : bw::bwd_dstates_wg_kernel<false>;
-        KDA_RETURN_IF_ERROR(
-            allow_smem(d, S::kBwdWg, bw::dstates_lo_zero(P) ? 1 : 5, kernel, l.smem));
+        kernel =
+            bw::do_lo_zero(P) ? bw::bwd_dstates_wg_kernel<true> : bw::bwd_dstates_wg_kernel<false>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, bw::do_lo_zero(P) ? 1 : 5, kernel, l.smem));
         break;
       case bw::BwdKernel::kSProd:
-        kernel = bw::bwd_sprod_kernel;
-        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, 2, kernel, l.smem));
+        kernel = bw::do_lo_zero(P) ? bw::bwd_sprod_kernel<true> : bw::bwd_sprod_kernel<false>;
+        KDA_RETURN_IF_ERROR(allow_smem(d, S::kBwdWg, bw::do_lo_zero(P) ? 2 : 6, kernel, l.smem));
         break;
       case bw::BwdKernel::kChunk:
         kernel = P.wg ? bw::bwd_chunk_kernel<kSplit, true> : bw::bwd_chunk_kernel<kSplit, false>;

@@ -125,6 +125,11 @@ __device__ __forceinline__ void split_token_a(const T (&b)[NQ][4][2], const Stri
       for (int e = 0; e < 2; ++e) x[q][r][e] = token_value(a_bits(b[q][r][e]), v, live(q, r, e));
   split_a(x, hi, lo);
 }
+// dO is absent or bf16: its bf16 hi + lo split has zero lo terms (the wgmma kernels' kDoLoZero).
+__host__ __device__ inline bool do_lo_zero(const BwdParams& P) {
+  return P.d_out.data == nullptr || P.d_out.dtype == kBF16;
+}
+
 // Both passes run two warpgroups: warpgroup 1 stages the record parts of a step (fp32 from device
 // memory, where the L2 prefetch kPassPrefetch steps earlier put them, into bf16 hi + lo tiles) into
 // one of two buffers while warpgroup 0 runs the products of the step before on the other. Buffer
@@ -246,12 +251,9 @@ __global__ void __launch_bounds__(kWgThreads, 1)
 }
 
 // dS' of every chunk (stored before the chunk is reversed) and d_initial_state. Steps run over
-// the chunks in reverse: step i is chunk chunks - 1 - i. kDoLoZero (dstates_lo_zero): dO is
+// the chunks in reverse: step i is chunk chunks - 1 - i. kDoLoZero (do_lo_zero): dO is
 // absent or bf16, so the lo terms of dO^T's A operands are zero and their products are skipped;
 // a template argument, not a run-time choice, which made ptxas inject warpgroup.arrive waits.
-__host__ __device__ inline bool dstates_lo_zero(const BwdParams& P) {
-  return P.d_out.data == nullptr || P.d_out.dtype == kBF16;
-}
 template <bool kDoLoZero>
 __global__ void __launch_bounds__(kWgThreads, 1)
     bwd_dstates_wg_kernel(const __grid_constant__ BwdParams P) {
@@ -402,6 +404,8 @@ __device__ __forceinline__ void store_rows(const float (&acc)[8][4], float* out,
     for (int e = 0; e < 4; ++e) out[acc_row(e) * ld + col0 + acc_col(j, e)] = acc[j][e];
 }
 
+// kDoLoZero (do_lo_zero): the products with dO as an operand skip its zero lo terms.
+template <bool kDoLoZero>
 __global__ void __launch_bounds__(kSpThreads, 1)
     bwd_sprod_kernel(const __grid_constant__ BwdParams P) {
   pdl_prologue();
@@ -498,9 +502,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_fence_acc(ah);
     wgmma_fence_acc(al);
     wgmma_fence();
-    // (A bf16 dO's zero lo term is not skipped here as in the reverse pass: the run-time choice
-    // doubles these products' code and costs ~44 more bytes of spills at 255 registers.)
-    wg_product<8, 1>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
+    wg_product<8, 1, 4, kDoLoZero>(accV, oh, ol, dlo, kSpAqkT, kC, kC);
     wg_product<8, 1>(accV, ah, al, dlo, kSpKd, kC, kD);
     wgmma_commit();
     wgmma_wait<0>();
@@ -529,7 +531,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_fence_acc(ah);
     wgmma_fence_acc(al);
     wgmma_fence();
-    wg_product<8, 1>(accU, ah, al, dlo, kSpDO, kC, kD);
+    wg_product<8, 1, 8, false, kDoLoZero>(accU, ah, al, dlo, kSpDO, kC, kD);
     wg_product<8, -1>(accV, ah, al, dlo, kSpDU, kC, kD);
     wgmma_commit();
     a_values([&](int m, int k) { return D[(j0 + m) * kD + k]; }, xd);
@@ -599,7 +601,7 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     wgmma_fence_acc(oh);
     wgmma_fence_acc(ol);
     wgmma_fence();
-    wg_product<8, 1>(accU, oh, ol, dlo, kSpU, kC, kD);
+    wg_product<8, 1, 8, kDoLoZero>(accU, oh, ol, dlo, kSpU, kC, kD);
     wgmma_commit();
     wgmma_wait<0>();
     wgmma_fence_acc(accU);

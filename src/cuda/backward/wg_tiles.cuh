@@ -96,8 +96,8 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t dlo, int off, int rows, int
 // D (+)= A B with A = hi + lo (registers), B = hi + lo (tiles at off, off + tile bytes): the
 // three terms hi hi, lo hi, hi lo, over k16 steps q0 .. q0 + NQ - 1 of B and of the A fragments.
 // kALoZero: A's values are bf16 numbers (a bf16 dO), so its lo term is zero and lo hi, which
-// would add exactly zero, is skipped.
-template <int NJ, int kScale, int NQ, bool kALoZero = false>
+// would add exactly zero, is skipped; kBLoZero: likewise B's (hi lo skipped).
+template <int NJ, int kScale, int NQ, bool kALoZero = false, bool kBLoZero = false>
 __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&ah)[NQ][4],
                                            const uint32_t (&al)[NQ][4], uint32_t dlo, int off,
                                            int rows, int K) {
@@ -106,7 +106,7 @@ __device__ __forceinline__ void wg_product(float (&d)[NJ][4], const uint32_t (&a
   for (int q = 0; q < NQ; ++q) {
     wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, off, rows, q), 1);
     if constexpr (!kALoZero) wgmma_bf16<NJ, kScale>(d, al[q], wg_desc(dlo, off, rows, q), 1);
-    wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
+    if constexpr (!kBLoZero) wgmma_bf16<NJ, kScale>(d, ah[q], wg_desc(dlo, lo, rows, q), 1);
   }
 }
 // The dynamic shared memory's first 1024-byte aligned byte (the tiles' swizzle period; the

@@ -76,10 +76,10 @@ enum class KernelSlot : int {
   kBwdStates,
   kBwdDStates,
   kBwdChunk,
-  // on wgmma: + 0 states pass, + 1 / + 5 reverse pass (dO's lo terms zero / not), + 2 state
-  // products, + 3 / + 4 the chunk kernel that reads them (split / single tf32)
+  // on wgmma: + 0 states pass, + 1 / + 5 reverse pass and + 2 / + 6 state products (dO's lo
+  // terms zero / not), + 3 / + 4 the chunk kernel that reads them (split / single tf32)
   kBwdWg = kBwdPrepare + 8,
-  kCount = kBwdWg + 6,
+  kCount = kBwdWg + 7,
 };
 static_assert(static_cast<int>(KernelSlot::kCount) <= 64, "one 64-bit mask per device");
 
