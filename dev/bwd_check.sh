@@ -11,7 +11,7 @@
 #   racecheck on WgmmaPasses, memcheck on WgmmaPasses and SoftplusTwoChunks;
 #   a second round of both benchmarks (interleaved, the other order), NEW on T2;
 #   per-SASS-line stall samples (ncu source page, gzipped CSV) of PROFILE_KERNELS (default
-#   bwd_sprod bwd_prepare), for dev/sass_stalls.py.
+#   bwd_chunk bwd_prepare), for dev/sass_stalls.py.
 # Logs under $OUT (tarred into logs.tgz at the end).
 set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
@@ -48,7 +48,7 @@ if [ $SECONDS -lt $((budget * 7 / 10)) ]; then
   bench "$base" base 2 "$case_"
 fi
 [ $SECONDS -lt $((budget * 8 / 10)) ] && bench "$new" new 1 T2
-for k in ${PROFILE_KERNELS:-bwd_sprod bwd_prepare}; do
+for k in ${PROFILE_KERNELS:-bwd_chunk bwd_prepare}; do
   [ $SECONDS -lt "$budget" ] || break
   timeout 40 ncu --clock-control none --section SourceCounters --section WarpStateStats -k "regex:$k" \
     --launch-count 1 -f -o "$OUT/src_$k" "$new/build-gpu/bench/bench_gpu_backward" --case "$case_" \
