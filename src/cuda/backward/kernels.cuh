@@ -21,7 +21,7 @@
 // products with a state operand before kernel 4 (Tuning::backward_wgmma, the default), and wgmma
 // forms of kernels 2 and 3 (Tuning::backward_wg_passes, the default).
 // The products with an operand in shared memory as a B tile run on wgmma, three bf16 terms
-// (wg_tiles.cuh: hi hi, lo hi, hi lo, ~fp32 products): W, Ut (kernel 1) and dX (kernel 4). The
+// (wg_tiles.cuh: hi hi, lo hi, hi lo, ~fp32 products): W, Ut (kernel 1), dX, T1, dM (kernel 4). The
 // others run on tf32 mma.sync (m16n8k8, fp32 accumulation; 3xTF32, ~fp32 accurate), most through
 // gemm_tf32, with operands in shared or global memory. Exponentials never see a positive
 // argument. Off the diagonal 16 x 16 blocks, Akk / Aqk and their gradients factor the decay
@@ -1068,6 +1068,54 @@ __device__ __forceinline__ void gate_derivatives(const Params& p, float graw, fl
   }
 }
 
+// T1 = dX X^T, then dM = -X^T T1 (64 x 64 x 64 each) on wgmma, three bf16 terms (wg_product), on
+// warpgroup 0: X (device memory, row-major) as T1's B tile at bt, T1 stored transposed as dM's
+// B tile after it; A = dX (swizzled, sw) and X^T from its swizzled copy Xs. dM (swizzled) may be
+// dX's storage. Called by all threads; ends with a barrier.
+__device__ __noinline__ void t1_dm_wgmma(const float* Xg, const float* dX, const float* Xs,
+                                         uint8_t* bt, float* dM) {
+  const int tid = threadIdx.x;
+  constexpr int kT1T = 2 * wg_tile_bytes(kC, kC);
+  stage_tile<kC, kC, true>(bt, Xg, kC, 1);
+  fence_proxy_async();
+  __syncthreads();
+  const uint32_t dlo = wgmma_desc_lo(smem_addr(bt));
+  if (tid < 128) {
+    uint32_t ah[4][4], al[4][4];
+    load_a([&](int m, int k) { return dX[sw(m, k, kC)]; }, ah, al);
+    float acc[8][4] = {};
+    wgmma_fence_acc(acc);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, 1>(acc, ah, al, dlo, 0, kC, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(acc);
+    store_tile<kC, kC, true>(acc, bt + kT1T, 0);  // T1^T: rows u, K s
+    fence_proxy_async();
+  }
+  __syncthreads();
+  if (tid < 128) {
+    uint32_t ah[4][4], al[4][4];
+    load_a([&](int m, int k) { return Xs[sw(k, m, kC)]; }, ah, al);  // X^T
+    float acc[8][4] = {};
+    wgmma_fence_acc(acc);
+    wgmma_fence_acc(ah);
+    wgmma_fence_acc(al);
+    wgmma_fence();
+    wg_product<8, -1>(acc, ah, al, dlo, kT1T, kC, kC);
+    wgmma_commit();
+    wgmma_wait<0>();
+    wgmma_fence_acc(acc);
+#pragma unroll
+    for (int j = 0; j < 8; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dM[sw(acc_row(e), acc_col(j, e), kC)] = acc[j][e];
+  }
+  __syncthreads();
+}
+
 // dq (is_q) or dk of one token from the gradient d of its q^ / k^ row (a warp: lane's elements
 // lane + 32 e) and the input row x: the scale and the l2norm chained, stored at `off` of `out`.
 __device__ __forceinline__ void qk_chain_store(const Params& p, bool is_q, const float (&x)[4],
@@ -1138,7 +1186,7 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   float* kh = qh + kC * kChunkLd;
   float* G = kh + kC * kChunkLd;
   float* dqt = G + kC * kChunkLd;
-  // Swizzled tiles (gemm_tf32): Xs, T1, dAqk, dAkk; Xs and T1 together are the intra-chunk
+  // Swizzled 64 x 64 tiles (sw): Xs, T1, dAqk, dAkk; Xs and T1 together are the intra-chunk
   // phases' dk^ tile (ti). Until dX is complete, dqt .. T1 hold dX's B tiles (bt: Kb, Vb as bf16
   // hi + lo, rows 64 tokens, K 128 keys / values), then its four partial products (dx_wgmma).
   float* Xs = dqt + kC * kChunkLd;  // [64][64]: X
@@ -1147,6 +1195,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
   uint8_t* bt = align1024(reinterpret_cast<uint8_t*>(dqt));
   static_assert(kC * kChunkLd * 4 + 2 * kC * kC * 4 >= 4 * wg_tile_bytes(kC, kD) + 1008,
                 "dX's B tiles between dqt and the end of T1");
+  static_assert(4 * wg_tile_bytes(kC, kC) + 1008 <= kC * kChunkLd * 4,
+                "t1_dm_wgmma's tiles between dqt and Xs");
   float* dAqk = T1 + kC * kC;    // [64][64]
   float* dAkk = dAqk + kC * kC;  // [64][64]: dX first, then dM, then dAkk
   float* dX = dAkk;
@@ -1308,14 +1358,8 @@ __global__ void __launch_bounds__(kChunkThreads, 1)
     }
     cp_async_wait_all();
     __syncthreads();
-    // T1 = dX X^T.
-    gemm_tf32<kSplit, true, true, 2>(kC, kC, kC, dX, kC, 1, Xs, 1, kC,
-                                     [&](int m, int n, float v) { T1[sw(m, n, kC)] = v; });
-    __syncthreads();
-    // dM = -X^T T1 (strictly lower part used), over dX (read above).
-    gemm_tf32<kSplit, true, true, 2>(kC, kC, kC, Xs, 1, kC, T1, kC, 1,
-                                     [&](int m, int n, float v) { dAkk[sw(m, n, kC)] = -v; });
-    __syncthreads();
+    // T1 = dX X^T, dM = -X^T T1 (strictly lower part used) over dX, on wgmma.
+    t1_dm_wgmma(rec + kRecX, dX, Xs, bt, dAkk);
     // Per row t (a warp each): db_t = sum_s dM Akk + sum_j dVb v + sum_i dKb exp(G) k^; then
     // dAkk = b_t dM (s < t); dv = b_t dVb. Two rows at a time, their device-memory loads (Akk,
     // dVb, v, dKb) issued before either row's stores (which the compiler may not move them above).

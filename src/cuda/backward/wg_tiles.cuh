@@ -167,4 +167,24 @@ __device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&
   split_a(x, hi, lo);
 }
 
+// An accumulator of this warpgroup (rows m = row0 + acc_row, columns n = acc_col) as the bf16 hi +
+// lo tile at `hi` (lo after it) of kRows rows and K columns: kTransposed, element (n, m) (rows: the
+// accumulator's columns), else (m, n).
+template <int kRows, int kK, bool kTransposed>
+__device__ __forceinline__ void store_tile(const float (&acc)[8][4], uint8_t* hi, int row0) {
+  uint8_t* lo = hi + wg_tile_bytes(kRows, kK);
+#pragma unroll
+  for (int j = 0; j < 8; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      const float x = acc[j][e];
+      const uint16_t h = pf::out_bits<false>(x);
+      const uint16_t l = pf::out_bits<false>(x - __uint_as_float(static_cast<uint32_t>(h) << 16));
+      const int m = row0 + acc_row(e), n = acc_col(j, e);
+      const int off =
+          kTransposed ? pf::sw128_offset(kRows, n, 2 * m) : pf::sw128_offset(kRows, m, 2 * n);
+      *reinterpret_cast<uint16_t*>(hi + off) = h;
+      *reinterpret_cast<uint16_t*>(lo + off) = l;
+    }
+}
 }  // namespace kda::cuda::bw
