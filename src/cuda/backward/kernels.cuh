@@ -742,18 +742,10 @@ __global__ void __launch_bounds__(kPrepThreads, 1)
   // K: 64 tokens), A = X from shared memory; warpgroups 2 and 3 write Akk and X meanwhile.
   if (tid < 2 * 128) {
     const int wgi = tid >> 7;
-    uint32_t ah[4][4], al[4][4];
-    load_a([&](int m, int k) { return X[sw(m, k, kC)]; }, ah, al);
-    float acc[16][4] = {};
-    wgmma_fence_acc(acc);
-    wgmma_fence_acc(ah);
-    wgmma_fence_acc(al);
-    wgmma_fence();
-    wg_product<16, 1>(acc, ah, al, wgmma_desc_lo(smem_addr(tiles)), wgi == 0 ? kPrepKbT : kPrepVbT,
-                      kD, kC);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_acc(acc);
+    float acc[16][4];
+    wg_product_of<16, 1, 4>([&](int m, int k) { return X[sw(m, k, kC)]; }, acc,
+                            wgmma_desc_lo(smem_addr(tiles)), wgi == 0 ? kPrepKbT : kPrepVbT, kD,
+                            kC);
     float* out = rec + (wgi == 0 ? kRecW : kRecUt);
 #pragma unroll
     for (int j = 0; j < 16; ++j)
@@ -1022,18 +1014,10 @@ __device__ __forceinline__ void da_fragments(const float* dAqk, const float* dAk
 __device__ __noinline__ void dx_wgmma(const float* dW, const float* dU, uint8_t* bt, float* dX) {
   const int tid = threadIdx.x, w = tid >> 7, half = w & 1;
   const float* A = (w < 2 ? dW : dU) + 64 * half;
-  uint32_t ah[4][4], al[4][4];
-  load_a([&](int m, int k) { return A[m * kD + k]; }, ah, al);
-  float acc[8][4] = {};
-  wgmma_fence_acc(acc);
-  wgmma_fence_acc(ah);
-  wgmma_fence_acc(al);
-  wgmma_fence();
   const int off = (w < 2 ? 0 : 2 * wg_tile_bytes(kC, kD)) + half * kC * 128;
-  wg_product<8, 1>(acc, ah, al, wgmma_desc_lo(smem_addr(bt)), off, kC, kD);
-  wgmma_commit();
-  wgmma_wait<0>();
-  wgmma_fence_acc(acc);
+  float acc[8][4];
+  wg_product_of<8, 1, 4>([&](int m, int k) { return A[m * kD + k]; }, acc,
+                         wgmma_desc_lo(smem_addr(bt)), off, kC, kD);
   __syncthreads();  // every warpgroup's wgmma done reading the tiles
   float* part = reinterpret_cast<float*>(bt) + w * kC * kC;
 #pragma unroll
@@ -1081,33 +1065,15 @@ __device__ __noinline__ void t1_dm_wgmma(const float* Xg, const float* dX, const
   __syncthreads();
   const uint32_t dlo = wgmma_desc_lo(smem_addr(bt));
   if (tid < 128) {
-    uint32_t ah[4][4], al[4][4];
-    load_a([&](int m, int k) { return dX[sw(m, k, kC)]; }, ah, al);
-    float acc[8][4] = {};
-    wgmma_fence_acc(acc);
-    wgmma_fence_acc(ah);
-    wgmma_fence_acc(al);
-    wgmma_fence();
-    wg_product<8, 1>(acc, ah, al, dlo, 0, kC, kC);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_acc(acc);
+    float acc[8][4];
+    wg_product_of<8, 1, 4>([&](int m, int k) { return dX[sw(m, k, kC)]; }, acc, dlo, 0, kC, kC);
     store_tile<kC, kC, true>(acc, bt + kT1T, 0);  // T1^T: rows u, K s
     fence_proxy_async();
   }
   __syncthreads();
   if (tid < 128) {
-    uint32_t ah[4][4], al[4][4];
-    load_a([&](int m, int k) { return Xs[sw(k, m, kC)]; }, ah, al);  // X^T
-    float acc[8][4] = {};
-    wgmma_fence_acc(acc);
-    wgmma_fence_acc(ah);
-    wgmma_fence_acc(al);
-    wgmma_fence();
-    wg_product<8, -1>(acc, ah, al, dlo, kT1T, kC, kC);
-    wgmma_commit();
-    wgmma_wait<0>();
-    wgmma_fence_acc(acc);
+    float acc[8][4];  // A = X^T
+    wg_product_of<8, -1, 4>([&](int m, int k) { return Xs[sw(k, m, kC)]; }, acc, dlo, kT1T, kC, kC);
 #pragma unroll
     for (int j = 0; j < 8; ++j)
 #pragma unroll

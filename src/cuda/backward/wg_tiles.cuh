@@ -167,6 +167,28 @@ __device__ __forceinline__ void load_a(F&& f, uint32_t (&hi)[NQ][4], uint32_t (&
   split_a(x, hi, lo);
 }
 
+// One product of this warpgroup, waited for: acc = kScale A B, A (NQ k16 steps) gathered by
+// a(m, k) and split into bf16 hi + lo (load_a), B the tile at `off` (rows, K) of the 1024-byte
+// aligned base whose wgmma_desc_lo is dlo (wg_product).
+template <int NJ, int kScale, int NQ, typename F>
+__device__ __forceinline__ void wg_product_of(F&& a, float (&acc)[NJ][4], uint32_t dlo, int off,
+                                              int rows, int K) {
+  uint32_t ah[NQ][4], al[NQ][4];
+  load_a(a, ah, al);
+#pragma unroll
+  for (int j = 0; j < NJ; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  wgmma_fence_acc(acc);
+  wgmma_fence_acc(ah);
+  wgmma_fence_acc(al);
+  wgmma_fence();
+  wg_product<NJ, kScale, NQ>(acc, ah, al, dlo, off, rows, K);
+  wgmma_commit();
+  wgmma_wait<0>();
+  wgmma_fence_acc(acc);
+}
+
 // An accumulator of this warpgroup (rows m = row0 + acc_row, columns n = acc_col) as the bf16 hi +
 // lo tile at `hi` (lo after it) of kRows rows and K columns: kTransposed, element (n, m) (rows: the
 // accumulator's columns), else (m, n).
