@@ -427,18 +427,14 @@ __global__ void __launch_bounds__(kSpThreads, 1)
     tile_store<kC, kD, true, 4>(xw, sb + kSpW, tid, kSpThreads);
     tile_store<kC, kD, true, 4>(xk, sb + kSpKd, tid, kSpThreads);
     tile_store<kC, kC, false, 2>(xa, sb + kSpAqkT, tid, kSpThreads);
+    float xo[4][8];
 #pragma unroll
     for (int v = 0; v < 4; ++v) {
-      const int u = tid + v * kSpThreads, tok = u / (kD / 8), kb = u % (kD / 8);
-      float x[8];
+      const int tok = (tid + v * kSpThreads) / (kD / 8);
 #pragma unroll
-      for (int i = 0; i < 8; ++i) x[i] = token_value(ob[v][i], dsrc, has_do && tok < c.L);
-      uint4 h, l;
-      split8(x, &h, &l);
-      const int off = pf::sw128_offset(kC, tok, 16 * kb);
-      *reinterpret_cast<uint4*>(sb + kSpDO + off) = h;
-      *reinterpret_cast<uint4*>(sb + kSpDO + wg_tile_bytes(kC, kD) + off) = l;
+      for (int i = 0; i < 8; ++i) xo[v][i] = token_value(ob[v][i], dsrc, has_do && tok < c.L);
     }
+    tile_store<kC, kD, true, 4>(xo, sb + kSpDO, tid, kSpThreads);
   }
   fence_proxy_async();
   __syncthreads();
